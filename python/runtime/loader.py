@@ -96,13 +96,13 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto", seed: int = 0) -> None:
     """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy)."""
     if load_format == "dummy":
-        gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+                    gen = torch.Generator(p.device).manual_seed(seed + len(name))
+                    p.normal_(0.0, 0.02, generator=gen)
         return
     model.load_weights(iter_safetensors(folder))
 

@@ -289,7 +289,7 @@ class RadixCache:
         The lower part keeps its identity so a caller holding it (locked) still covers its whole prefix.
         """
         upper = self._new_node(node.key[:n], node.value[:n], node.parent)
-        upper.lock_ref = node.lock_ref
+        upper.lock_ref = 0
         upper.last_access = node.last_access
         node.parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]

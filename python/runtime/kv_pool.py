@@ -1,0 +1,75 @@
+"""The paged KV pool: per-layer K/V buffers indexed by slot, a free-slot allocator, the request->slot table.
+
+A request's tokens may live in any slots: attention reads and writes KV only through slot indices,
+which is what lets the radix tree share a prefix's slots between requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers of shape (num_slots, num_kv_heads, head_dim) for each layer. Slot 0 is padding."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        self.num_slots = num_slots
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Free KV slots. Slot 0 is never handed out (it pads gathers), so capacity is num_slots - 1."""
+
+    def __init__(self, num_slots: int, device: str | torch.device = "cpu") -> None:
+        self.capacity = num_slots - 1
+        self.device = device
+        self._free = torch.arange(1, num_slots, dtype=torch.int64, device=device)
+
+    def available(self) -> int:
+        return int(self._free.numel())
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self._free.numel()
+
+    def allocate(self, n: int) -> torch.Tensor:
+        if n > self._free.numel():
+            raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {self._free.numel()} free")
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat([self._free, slots.to(self._free.device, torch.int64)])
+
+    def reset(self) -> None:
+        self._free = torch.arange(1, self.capacity + 1, dtype=torch.int64, device=self.device)
+
+
+class ReqToSlotTable:
+    """Row r, column j: the slot holding token position j of the request that owns row r."""
+
+    def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu") -> None:
+        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def allocate(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free request rows in the request->slot table")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        # [start, start + len(slots)) of the request's positions
+        self.table[row, start:start + slots.numel()] = slots

@@ -1,0 +1,117 @@
+"""Attention over the paged KV pool: store this step's K/V by slot, then attend through the slot table.
+
+Two backends behind one interface: `TorchAttentionBackend` (the CPU path, scaled_dot_product_attention
+on gathered slots) and `TritonAttentionBackend` (radixgen.kernels, picked on CUDA devices). Each has a
+`prepare(ctx)` that derives per-step metadata once, not once per layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixgen.runtime.forward_context import ForwardContext, get_forward_context
+
+
+class DecodeMeta(NamedTuple):
+    slot_matrix: torch.Tensor  # (B, Lmax) slots of each request's positions; padding past seq_len
+    mask: torch.Tensor  # (B, 1, 1, Lmax) True where a position is attended
+
+
+class ExtendSpan(NamedTuple):
+    q_start: int
+    q_end: int
+    prefix_slots: torch.Tensor | None  # (P,) slots of positions [0, prefix_len), None when P == 0
+    mask: torch.Tensor | None  # (E, P + E) True where attended; None: plain causal
+
+
+class TorchAttentionBackend:
+    def prepare(self, ctx: ForwardContext) -> None:
+        if ctx.is_decode:
+            lmax = max(ctx.seq_lens)
+            seq_lens = torch.tensor(ctx.seq_lens, dtype=torch.int64)
+            slot_matrix = ctx.req_to_slot[ctx.req_indices, :lmax]
+            mask = (torch.arange(lmax).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+            ctx.attn_meta = DecodeMeta(slot_matrix, mask)
+            return
+        spans, start = [], 0
+        for row, p, e in zip(ctx.req_indices.tolist(), ctx.prefix_lens, ctx.extend_lens, strict=True):
+            if p == 0:
+                spans.append(ExtendSpan(start, start + e, None, None))
+            else:
+                # new token i sits at position p + i and sees positions [0, p + i]
+                cols = torch.arange(p + e).unsqueeze(0)
+                rows = torch.arange(e).unsqueeze(1) + p
+                spans.append(ExtendSpan(start, start + e, ctx.req_to_slot[row, :p], cols <= rows))
+            start += e
+        ctx.attn_meta = spans
+
+    def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) of the new tokens -> (T, H, D)."""
+        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
+        k_buf.index_copy_(0, ctx.out_slots, k)
+        v_buf.index_copy_(0, ctx.out_slots, v)
+        if ctx.is_decode:
+            meta: DecodeMeta = ctx.attn_meta
+            # (B, Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
+            kk = k_buf[meta.slot_matrix].transpose(1, 2)
+            vv = v_buf[meta.slot_matrix].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=meta.mask, scale=scale,
+                                                 enable_gqa=True)
+            return out.squeeze(2)
+        out = torch.empty_like(q)
+        for span in ctx.attn_meta:
+            qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, E, D)
+            ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
+            if span.prefix_slots is not None:
+                ks = torch.cat([k_buf[span.prefix_slots], ks])
+                vs = torch.cat([v_buf[span.prefix_slots], vs])
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None,
+                                               scale=scale, enable_gqa=True)
+            out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+class TritonAttentionBackend:
+    """The GPU path: radixgen.kernels' store_kv, decode and extend attention through the slot table."""
+
+    def prepare(self, ctx: ForwardContext) -> None:
+        dev = ctx.out_slots.device
+        ctx.attn_meta = (
+            torch.tensor(ctx.prefix_lens, dtype=torch.int64, device=dev),
+            torch.tensor(ctx.extend_lens, dtype=torch.int64, device=dev),
+            torch.tensor(ctx.seq_lens, dtype=torch.int64, device=dev),
+        )
+
+    def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
+        from radixgen import kernels
+
+        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
+        kernels.store_kv(k_buf, v_buf, ctx.out_slots, k, v)
+        prefix_lens, extend_lens, seq_lens = ctx.attn_meta
+        if ctx.is_decode:
+            return kernels.decode_attention(q, k_buf, v_buf, ctx.req_to_slot, ctx.req_indices, seq_lens, scale)
+        return kernels.extend_attention(q, k_buf, v_buf, ctx.req_to_slot, ctx.req_indices, prefix_lens,
+                                        extend_lens, scale)
+
+
+def backend_for(device: torch.device | str):
+    return TritonAttentionBackend() if torch.device(device).type == "cuda" else TorchAttentionBackend()
+
+
+class Attention(nn.Module):
+    """GQA attention of one layer over the pool; the model calls it with this step's q, k, v."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_id = layer_id
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        return ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx)

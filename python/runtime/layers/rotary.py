@@ -1,0 +1,46 @@
+"""Rotary position embedding (rotate-half layout), with Llama 3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling is not None:
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # (P, D/2)
+        # (P, D): cos in the first half, sin in the second
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q (T, Hq, D), k (T, Hk, D) -> rotated copies."""
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # (T, D/2) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

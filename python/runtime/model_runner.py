@@ -1,0 +1,88 @@
+"""Batch -> ForwardContext -> model -> logits."""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from radixgen.runtime.config import ModelConfig, RuntimeConfig
+from radixgen.runtime.forward_context import ForwardContext, forward_context
+from radixgen.runtime.kv_pool import KVPool, ReqToSlotTable, SlotAllocator
+from radixgen.runtime.layers.attention import backend_for
+from radixgen.runtime.loader import load_weights, read_hf_config, resolve_model_path
+from radixgen.runtime.models import model_class
+
+logger = logging.getLogger(__name__)
+
+
+class ForwardInput(NamedTuple):
+    """One step's tensors. Requests' new tokens are concatenated in request order."""
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    out_slots: torch.Tensor  # (T,) where each new token's K/V is written
+    req_indices: torch.Tensor  # (B,) rows of the request->slot table
+    prefix_lens: list[int]  # (B,) tokens already in the pool
+    extend_lens: list[int]  # (B,) new tokens this step
+    logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+
+class ModelRunner:
+    def __init__(self, cfg: RuntimeConfig, model_path=None) -> None:
+        self.runtime_config = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.torch_dtype
+        self.model_path = model_path or resolve_model_path(cfg.model)
+        self.hf_config = read_hf_config(self.model_path)
+        self.model_config = ModelConfig.from_hf(self.hf_config)
+        mc = self.model_config
+        self.context_length = cfg.context_length or min(mc.max_position_embeddings, 8192)
+        if cfg.context_length > mc.max_position_embeddings:
+            raise ValueError(f"context_length={cfg.context_length} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+
+        # parameters are allocated uninitialized, directly on the device and in the target dtype
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(mc.architecture)(mc)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed)
+        self.model = model.eval()
+
+        num_slots = cfg.max_total_tokens or self._slots_from_memory()
+        self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.allocator = SlotAllocator(num_slots + 1, self.device)
+        self.req_table = ReqToSlotTable(cfg.max_running_requests, self.context_length, self.device)
+        self.attn_backend = backend_for(self.device)
+        logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
+
+    def _slots_from_memory(self) -> int:
+        mc = self.model_config
+        per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        return max(1024, min(int(self.runtime_config.max_kv_memory_gb * 2**30) // per_slot, 262144))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, fi: ForwardInput) -> torch.Tensor:
+        """Run the model on one step; return float32 logits (N, V) of `fi.logit_rows`."""
+        ctx = ForwardContext(
+            is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
+            req_to_slot=self.req_table.table, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
+            extend_lens=fi.extend_lens, backend=self.attn_backend,
+        )
+        self.attn_backend.prepare(ctx)
+        with forward_context(ctx):
+            hidden = self.model(fi.input_ids, fi.positions)
+        return self.model.compute_logits(hidden[fi.logit_rows])

@@ -1,0 +1,176 @@
+"""Engine requests on behalf of HTTP handlers: rids, latency metrics, and abort on disconnect or shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from starlette.requests import Request
+
+from radixgen.runtime.server.metrics import ServerMetrics
+
+
+def new_rid(prefix: str = "") -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its (non-streamed) response was ready."""
+
+
+class Dispatcher:
+    """Every engine call of the server goes through here, so that each running request has a known rid:
+    /abort_request, a client disconnect and a shutdown can all abort it, and its latencies are recorded."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.active: set[str] = set()  # rids submitted and not finished
+        self.groups: dict[str, list[str]] = {}  # an API request id -> its engine rids (n > 1, batches)
+
+    # ------------------------------------------------------------ abort
+
+    def abort(self, rid: str) -> bool:
+        """Abort a rid or a group of them; False when nothing by that id is running."""
+        rids = [r for r in self.groups.get(rid, [rid]) if r in self.active]
+        for r in rids:
+            self.engine.abort(r)
+        return bool(rids)
+
+    def abort_all(self) -> int:
+        rids = list(self.active)
+        for r in rids:
+            self.engine.abort(r)
+        return len(rids)
+
+    def open_group(self, group: str, rids: list[str]) -> None:
+        if len(rids) > 1 or rids[0] != group:
+            self.groups[group] = rids
+
+    def close_group(self, group: str) -> None:
+        self.groups.pop(group, None)
+
+    # ------------------------------------------------------------ streams
+
+    async def stream(self, rid: str, arrived: float, **kwargs: Any) -> AsyncIterator[dict]:
+        """The engine's chunks for one request (one prompt, one choice). A consumer that stops early (a
+        disconnect, a cancelled task, a closed generator) aborts the request, which frees its KV slots."""
+        self.active.add(rid)
+        finished = False
+        last = None
+        seen_tokens = 0
+        try:
+            it = await self.engine.async_generate(stream=True, rid=rid, **kwargs)
+            async for chunk in it:
+                meta = chunk["meta_info"]
+                now = time.perf_counter()
+                tokens = meta.get("completion_tokens", 0)
+                if tokens > seen_tokens:
+                    if last is None:
+                        self.metrics.ttft.observe(now - arrived)
+                    else:  # a chunk may carry several tokens; each gets its share of the gap
+                        gap = (now - last) / (tokens - seen_tokens)
+                        for _ in range(tokens - seen_tokens):
+                            self.metrics.itl.observe(gap)
+                    last, seen_tokens = now, tokens
+                if meta.get("finish_reason") is not None:
+                    finished = True
+                    self.metrics.observe_finished(meta)
+                    self.metrics.e2e.observe(now - arrived)
+                yield chunk
+        finally:
+            self.active.discard(rid)
+            if not finished:
+                self.engine.abort(rid)
+                self.metrics.finished.inc(reason="client_abort")
+
+    async def final(self, rid: str, arrived: float, **kwargs: Any) -> dict:
+        """The last chunk of `stream` (which carries the whole text and meta_info)."""
+        out = None
+        async for chunk in self.stream(rid, arrived, **kwargs):
+            out = chunk
+        if out is None:
+            raise RuntimeError(f"request {rid}: the engine ended the stream without a result")
+        return out
+
+    async def call(self, rids: list[str], arrived: float, coro: Awaitable[Any]) -> Any:
+        """Await a non-streamed engine call for `rids`, aborting them if it is cancelled or fails."""
+        self.active.update(rids)
+        done = False
+        try:
+            result = await coro
+            done = True
+        finally:
+            self.active.difference_update(rids)
+            if not done:
+                for r in rids:
+                    self.engine.abort(r)
+        for out in result if isinstance(result, list) else [result]:
+            self.metrics.observe_finished(out["meta_info"])
+        self.metrics.e2e.observe(time.perf_counter() - arrived)
+        return result
+
+
+async def merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """Chunks of several streams as they come, tagged with the stream's index. Closing this generator
+    cancels the readers, which runs each stream's cleanup (its abort)."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()  # unbounded: a reader never waits on put, only in its stream
+    done = object()
+
+    async def read(i: int, s: AsyncIterator[dict]) -> None:
+        try:
+            async for chunk in s:
+                queue.put_nowait((i, chunk))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(read(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
+    """Run `coro`; cancel it (so its cleanup aborts the engine requests) when the client disconnects."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (e.g. at shutdown): take the work down with it
+        work.cancel()
+        watcher.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+        raise
+    watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientGone()

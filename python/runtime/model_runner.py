@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -38,7 +39,7 @@ class ModelRunner:
         self.runtime_config = cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
-        self.model_path = model_path or resolve_model_path(cfg.model)
+        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model)
         self.hf_config = read_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         mc = self.model_config

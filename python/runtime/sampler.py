@@ -12,7 +12,7 @@ other rows of the batch nor on its row position.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,8 +20,8 @@ import torch
 from radixgen.runtime.sampling_params import SamplingParams
 from torch import Tensor
 
-# top-k / top-p / min-p cutoffs are first looked for among the most probable tokens only: a full sort of
-# (64, 49152) costs ~400 ms on two CPU cores, a top-512 ~30 ms; rows whose cutoff lies deeper are sorted.
+# top-k / top-p / min-p cutoffs are first looked for among the heaviest tokens only: on one CPU core a full
+# sort of (64, 49152) costs ~220 ms, a top-512 ~17 ms; only rows whose cutoff lies deeper search further.
 DEFAULT_CANDIDATES = 512
 # prompt_logprobs works on this many logits at a time, so a long prompt never holds a (T, V) float copy.
 _PROMPT_CHUNK_ELEMENTS = 1 << 24
@@ -39,15 +39,19 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
-class Penalties(NamedTuple):
-    """Penalty inputs for the rows that have any penalty; the other rows are left untouched."""
+class TokenAdjust(NamedTuple):
+    """One entry per distinct (batch row, token id) pair."""
 
-    rows: Tensor | None  # (P,) int64 rows of the batch; None: every row
-    frequency: Tensor  # (P, 1) float32
-    presence: Tensor  # (P, 1)
-    repetition: Tensor  # (P, 1)
-    counts: Tensor | None  # (P, vocab) float32 output-token counts; None when no frequency/presence penalty
-    seen: Tensor | None  # (P, vocab) bool, token in prompt or output; None when no repetition penalty
+    rows: Tensor  # (N,) int64
+    ids: Tensor  # (N,) int64
+    values: Tensor  # (N,) float32
+
+
+class Penalties(NamedTuple):
+    """Sparse: only the (row, token) pairs a penalty touches, so a step pays O(tokens), not O(B * V)."""
+
+    repetition: TokenAdjust | None  # values: the row's repetition penalty, over prompt + output tokens
+    additive: TokenAdjust | None  # values: frequency_penalty * count + presence_penalty, over output tokens
 
 
 class TopLogprobs(NamedTuple):
@@ -71,63 +75,53 @@ class PromptLogprobs(NamedTuple):
     top: TopK | None
 
 
-def _ids_tensor(rows: Sequence[Sequence[int]], vocab_size: int, what: str) -> tuple[Tensor, Tensor]:
-    """(row index, token id) pairs of a ragged list of token lists, as two (N,) int64 tensors."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    row_idx = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    tok = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
+def _distinct_pairs(rows: list[int], tokens: list[Iterable[int]], vocab_size: int,
+                    what: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Distinct (row, token) pairs of `tokens[j]` under batch row `rows[j]`, with their counts: (N,) each."""
+    flat = [list(t) for t in tokens]
+    lengths = torch.tensor([len(t) for t in flat], dtype=torch.int64)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
+    tok = torch.tensor(list(itertools.chain.from_iterable(flat)), dtype=torch.int64)
     if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= vocab_size):
         raise ValueError(f"{what}: token ids must be in [0, {vocab_size}), "
                          f"got [{int(tok.min())}, {int(tok.max())}]")
-    return row_idx, tok
+    keys, counts = torch.unique(row * vocab_size + tok, return_counts=True)
+    return keys // vocab_size, keys % vocab_size, counts
 
 
 def _build_penalties(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
                      prompt_ids: Sequence[Sequence[int]], vocab_size: int,
                      device: torch.device) -> Penalties | None:
-    rows = [i for i, p in enumerate(params)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0]
-    if not rows:
+    additive = repetition = None
+    add_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if add_rows:
+        outputs = [output_ids[i] for i in add_rows]
+        row, tok, count = _distinct_pairs(add_rows, outputs, vocab_size, "output_ids")
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[row]
+        additive = TokenAdjust(row.to(device), tok.to(device), (freq * count.float() + pres).to(device))
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = [itertools.chain(prompt_ids[i], output_ids[i]) for i in rep_rows]
+        row, tok, _ = _distinct_pairs(rep_rows, seen, vocab_size, "prompt_ids + output_ids")
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)[row]
+        repetition = TokenAdjust(row.to(device), tok.to(device), rep.to(device))
+    if additive is None and repetition is None:
         return None
-    sel = [params[i] for i in rows]
-
-    def column(name: str) -> Tensor:
-        return torch.tensor([getattr(p, name) for p in sel], dtype=torch.float32, device=device).unsqueeze(1)
-
-    counts = seen = None
-    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in sel):
-        r, t = _ids_tensor([output_ids[i] for i in rows], vocab_size, "output_ids")
-        counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-        counts.index_put_((r.to(device), t.to(device)), torch.ones(t.numel(), device=device), accumulate=True)
-    if any(p.repetition_penalty != 1.0 for p in sel):
-        r, t = _ids_tensor([list(prompt_ids[i]) + list(output_ids[i]) for i in rows], vocab_size,
-                           "prompt_ids/output_ids")
-        seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-        seen[r.to(device), t.to(device)] = True
-    row_t = None if len(rows) == len(params) else torch.tensor(rows, dtype=torch.int64, device=device)
-    return Penalties(row_t, column("frequency_penalty"), column("presence_penalty"),
-                     column("repetition_penalty"), counts, seen)
+    return Penalties(repetition, additive)
 
 
 def apply_penalties(logits: Tensor, penalties: Penalties) -> None:
-    """In place on (B, V) logits, over the first `vocab` columns of the penalized rows.
-
-    Repetition first (HF: a seen token's positive logit is divided by the penalty, a negative one
-    multiplied), then OpenAI's: logit -= frequency * count + presence * (count > 0), over output tokens.
-    """
-    width = (penalties.counts if penalties.counts is not None else penalties.seen).shape[1]
-    view = logits[:, :width]
-    sub = view if penalties.rows is None else view[penalties.rows]  # (P, vocab)
-    if penalties.seen is not None:
-        rep = penalties.repetition
-        sub = torch.where(penalties.seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if penalties.counts is not None:
-        counts = penalties.counts
-        sub = sub - (penalties.frequency * counts + penalties.presence * (counts > 0))
-    if penalties.rows is None:
-        view.copy_(sub)
-    else:
-        view[penalties.rows] = sub
+    """In place on (B, V) logits. Repetition first (HF: a seen token's positive logit is divided by the
+    penalty, a negative one multiplied), then OpenAI's: logit -= frequency * count + presence * (count > 0)
+    with counts over the output tokens."""
+    if penalties.repetition is not None:
+        row, tok, rep = penalties.repetition
+        v = logits[row, tok]  # (N,)
+        logits[row, tok] = torch.where(v > 0, v / rep, v * rep)
+    if penalties.additive is not None:
+        row, tok, amount = penalties.additive
+        logits[row, tok] = logits[row, tok] - amount  # pairs are distinct: no accumulation needed
 
 
 def apply_vocab_mask(logits: Tensor, mask: Tensor) -> None:
@@ -147,11 +141,11 @@ def apply_vocab_mask(logits: Tensor, mask: Tensor) -> None:
     logits[:, width:] = float("-inf")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SamplingBatch:
     """Per-step sampling inputs. Rows split into greedy rows (argmax) and sampled rows; the per-row
     tensors below cover the sampled rows only, and a truncation tensor is None when no sampled row
-    uses it."""
+    uses it, so that step is skipped."""
 
     batch_size: int
     vocab_size: int
@@ -161,6 +155,7 @@ class SamplingBatch:
     top_ks: Tensor | None  # (S,) int64, vocab_size where disabled
     top_ps: Tensor | None  # (S,) float32, 1.0 where disabled
     min_ps: Tensor | None  # (S,) float32, 0.0 where disabled
+    max_top_k: int  # the largest top_k < vocab_size among the sampled rows, 0 when none
     seeded: tuple[tuple[int, torch.Generator], ...]  # (index among the sampled rows, its generator)
     penalties: Penalties | None
 
@@ -196,9 +191,9 @@ class SamplingBatch:
     def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
               prompt_ids: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
               vocab_size: int, device: str | torch.device = "cpu") -> SamplingBatch:
-        """One row per request. `output_ids` feed frequency/presence penalties, `prompt_ids` + `output_ids`
-        the repetition penalty (read only for rows that have one). `generators[i]` is the request's
-        `make_generator(seed)` generator, required when its params have a seed."""
+        """One row per request. `output_ids` feed the frequency/presence penalties, `prompt_ids` +
+        `output_ids` the repetition penalty (each read only for rows that have that penalty).
+        `generators[i]` is the request's `make_generator(seed)`, required when its params have a seed."""
         n = len(params)
         for name, seq in (("output_ids", output_ids), ("prompt_ids", prompt_ids), ("generators", generators)):
             if len(seq) != n:
@@ -216,17 +211,17 @@ class SamplingBatch:
         def col(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        top_ks = top_ps = min_ps = temps = None
+        temps = top_ks = top_ps = min_ps = None
+        ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in sp]
+        max_top_k = max((k for k in ks if k < vocab_size), default=0)
         if sp:
             temps = col([p.temperature for p in sp], torch.float32).unsqueeze(1)
-            ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in sp]
-            if any(k < vocab_size for k in ks):
+            if max_top_k:
                 top_ks = col(ks, torch.int64)
             if any(p.top_p < 1.0 for p in sp):
                 top_ps = col([p.top_p for p in sp], torch.float32)
             if any(p.min_p > 0.0 for p in sp):
                 min_ps = col([p.min_p for p in sp], torch.float32)
-        seeded = tuple((j, generators[i]) for j, i in enumerate(sampled) if generators[i] is not None)
         return cls(
             batch_size=n,
             vocab_size=vocab_size,
@@ -236,60 +231,73 @@ class SamplingBatch:
             top_ks=top_ks,
             top_ps=top_ps,
             min_ps=min_ps,
-            seeded=seeded,
+            max_top_k=max_top_k,
+            seeded=tuple((j, generators[i]) for j, i in enumerate(sampled) if generators[i] is not None),
             penalties=_build_penalties(params, output_ids, prompt_ids, vocab_size, device),
         )
 
 
-def _cutoffs(sorted_p: Tensor, top_ks: Tensor | None, top_ps: Tensor | None, min_ps: Tensor | None,
-             vocab: int, covers_all: bool) -> tuple[Tensor, Tensor]:
-    """Per-row probability cutoff from the descending prefix `sorted_p` (S, K): tokens with p >= cutoff
-    are kept. `complete` is False where the prefix is too short to decide (only when not `covers_all`).
+class _Truncation(NamedTuple):
+    """The truncation inputs of some sampled rows (see SamplingBatch); `mass` is each row's total weight."""
 
-    Top-k keeps the k most probable; top-p then keeps the smallest prefix whose probability,
-    renormalized over the top-k survivors, reaches top_p; min-p drops p < min_p * max p. Ties with the
-    cutoff value are kept."""
-    s, k_len = sorted_p.shape
-    cutoff = torch.zeros(s, dtype=sorted_p.dtype, device=sorted_p.device)
-    complete = torch.ones(s, dtype=torch.bool, device=sorted_p.device)
+    top_ks: Tensor | None
+    top_ps: Tensor | None
+    min_ps: Tensor | None
+    mass: Tensor | None  # (S,), only with top_ps
+
+    def select(self, rows: Tensor) -> _Truncation:
+        return _Truncation(*(None if t is None else t[rows] for t in self))
+
+
+def _cutoffs(sorted_w: Tensor, trunc: _Truncation, vocab: int, covers_all: bool) -> tuple[Tensor, Tensor]:
+    """Per-row weight cutoff from `sorted_w` (S, K), the K largest weights of each row in descending order:
+    tokens with weight >= cutoff are kept. `complete` is False where K is too short to decide (only when
+    not `covers_all`).
+
+    Top-k keeps the k heaviest tokens; top-p then keeps the smallest prefix whose weight, renormalized
+    over the top-k survivors, reaches top_p; min-p drops weight < min_p * max weight. Ties with the cutoff
+    value are kept."""
+    s, k_len = sorted_w.shape
+    cutoff = torch.zeros(s, dtype=sorted_w.dtype, device=sorted_w.device)
+    complete = torch.ones(s, dtype=torch.bool, device=sorted_w.device)
     limited = None
-    if top_ks is not None:
-        k = top_ks
-        limited = k < vocab
-        in_prefix = k <= k_len
-        kth = sorted_p.gather(1, (k.clamp(max=k_len) - 1).unsqueeze(1)).squeeze(1)
-        cutoff = torch.where(limited & in_prefix, kth, cutoff)
+    if trunc.top_ks is not None:
+        limited = trunc.top_ks < vocab
+        in_prefix = trunc.top_ks <= k_len
+        kth = (trunc.top_ks.clamp(max=k_len) - 1).unsqueeze(1)  # (S, 1)
+        cutoff = torch.where(limited & in_prefix, sorted_w.gather(1, kth).squeeze(1), cutoff)
         complete &= ~limited | in_prefix
-    if top_ps is not None:
-        csum = sorted_p.cumsum(-1)  # (S, K)
-        total = torch.ones_like(cutoff)
+    if trunc.top_ps is not None:
+        csum = sorted_w.cumsum(-1)  # (S, K)
+        total = trunc.mass
         if limited is not None:
-            kept_mass = csum.gather(1, (top_ks.clamp(max=k_len) - 1).unsqueeze(1)).squeeze(1)
-            total = torch.where(limited, kept_mass, total)
-        active = top_ps < 1.0
-        reached = csum >= (top_ps * total).unsqueeze(1)
+            total = torch.where(limited, csum.gather(1, kth).squeeze(1), total)
+        active = trunc.top_ps < 1.0
+        reached = csum >= (trunc.top_ps * total).unsqueeze(1)
         found = reached.any(-1)
-        first = reached.to(torch.uint8).argmax(-1)  # argmax returns the first maximal index
-        at_first = sorted_p.gather(1, first.unsqueeze(1)).squeeze(1)
+        first = reached.to(torch.uint8).argmax(-1, keepdim=True)  # argmax returns the first maximal index
+        at_first = sorted_w.gather(1, first).squeeze(1)
         cutoff = torch.where(active & found, torch.maximum(cutoff, at_first), cutoff)
-        if not covers_all:  # a full sort that never reaches top_p (rounding) keeps everything
+        if not covers_all:  # a whole row that never reaches top_p (rounding) keeps everything
             complete &= ~active | found
-    if min_ps is not None:
-        cutoff = torch.maximum(cutoff, min_ps * sorted_p[:, 0])
+    if trunc.min_ps is not None:
+        cutoff = torch.maximum(cutoff, trunc.min_ps * sorted_w[:, 0])
     return cutoff, complete
 
 
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """Index i with cdf[i - 1] <= u * total < cdf[i] per row of (n, L) non-negative `probs`; never a zero."""
-    cdf = probs.cumsum(-1)  # (n, L)
+def _inverse_cdf_(weights: Tensor, u: Tensor) -> Tensor:
+    """Index i with cdf[i - 1] <= u * total < cdf[i] in each row of `weights` (n, L) >= 0, which is
+    overwritten by its running sum. A zero-weight token is never chosen."""
+    cdf = weights.cumsum_(-1)  # (n, L)
     total = cdf[:, -1:]
     v = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, v, right=True).squeeze(1)
 
 
 class Sampler:
-    """`candidates`: how many of the most probable tokens are searched for a truncation cutoff before
-    falling back to a full sort of that row (the result does not depend on it, only the speed)."""
+    """`candidates`: how many of the heaviest tokens of a row are searched first for its truncation
+    cutoff; rows it cannot decide search 8x more, then the whole sorted row. Only the speed depends on
+    it, never the tokens."""
 
     def __init__(self, candidates: int = DEFAULT_CANDIDATES) -> None:
         if candidates < 1:
@@ -306,10 +314,11 @@ class Sampler:
         min-p, sample. Logprobs are those of the raw logits (before penalties, masks and temperature)."""
         b, width = self._check(logits, batch)
         top_nums = self._top_nums(top_logprobs_num, b, batch.vocab_size)
+        max_top = max(top_nums, default=0)
         if width > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")
         raw = None
-        if return_logprob or max(top_nums, default=0) > 0:
+        if return_logprob or max_top > 0:
             raw = torch.log_softmax(logits, dim=-1)  # (B, V), before anything below modifies logits
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
@@ -336,8 +345,8 @@ class Sampler:
         if raw is not None:
             if return_logprob:
                 logprobs = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)
-            if max(top_nums, default=0) > 0:
-                values, ids = raw.topk(max(top_nums), dim=-1)  # (B, kmax), descending
+            if max_top > 0:
+                values, ids = raw.topk(max_top, dim=-1)  # (B, kmax), descending
                 values, ids = values.tolist(), ids.tolist()
                 top = [TopLogprobs(values[i][:k], ids[i][:k]) for i, k in enumerate(top_nums)]
         return SampleOutput(next_ids, logprobs, top)
@@ -369,7 +378,8 @@ class Sampler:
                                  f"got {k!r}")
         return nums
 
-    def _uniforms(self, batch: SamplingBatch, s: int, device: torch.device) -> Tensor:
+    @staticmethod
+    def _uniforms(batch: SamplingBatch, s: int, device: torch.device) -> Tensor:
         """One U[0, 1) number per sampled row: seeded rows from their own generator, the rest in one draw."""
         u = torch.rand(s) if len(batch.seeded) < s else torch.empty(s)
         for j, g in batch.seeded:
@@ -378,42 +388,66 @@ class Sampler:
 
     def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """(S, V) logits of the sampled rows (scratch) -> (S,) token ids."""
-        s, width = logits.shape
-        probs = torch.softmax(logits.div_(batch.temperatures), dim=-1)  # (S, V)
-        u = self._uniforms(batch, s, logits.device)
+        # unnormalized probabilities exp((x - max) / T), in place: the inverse CDF and the cutoffs only need
+        # ratios, which saves the softmax's (S, V) allocation; the heaviest token weighs exactly 1.
+        w = logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(batch.temperatures).exp_()  # (S, V)
+        u = self._uniforms(batch, w.shape[0], w.device)
         if not batch.need_truncation:
-            return _inverse_cdf(probs, u)
+            return _inverse_cdf_(w, u)
+        mass = w.sum(dim=-1) if batch.need_top_p else None
+        return self._sample_truncated(w, u, _Truncation(batch.top_ks, batch.top_ps, batch.min_ps, mass),
+                                      batch.vocab_size, batch.max_top_k)
 
-        k_len = min(self.candidates, width)
-        cand_p, cand_id = probs.topk(k_len, dim=-1)  # (S, K) descending
-        truncation = (batch.top_ks, batch.top_ps, batch.min_ps)
-        cutoff, complete = _cutoffs(cand_p, *truncation, batch.vocab_size, covers_all=k_len == width)
-        # every kept token (p >= cutoff) lies among the candidates
-        fits = complete & (cand_p[:, -1] < cutoff) if k_len < width else complete
-        out = torch.empty(s, dtype=torch.int64, device=logits.device)
-
-        fast = fits.nonzero().squeeze(1)
-        if fast.numel():
-            # the kept candidates in vocabulary order, dropped ones moved to the end with p = 0, so that
-            # the CDF matches the full-vocabulary one below exactly
-            p, ids = cand_p[fast], cand_id[fast]
-            keep = p >= cutoff[fast].unsqueeze(1)
-            ids = torch.where(keep, ids, width)
-            ids, order = ids.sort(dim=-1)
-            p = torch.where(keep, p, 0.0).gather(1, order)
-            out[fast] = ids.gather(1, _inverse_cdf(p, u[fast]).unsqueeze(1)).squeeze(1)
-
-        slow = (~fits).nonzero().squeeze(1)
-        if slow.numel():
-            unsure = (~complete).nonzero().squeeze(1)
-            if unsure.numel():
-                sorted_p = probs[unsure].sort(dim=-1, descending=True).values  # (U, V)
-                sub = (t[unsure] if t is not None else None for t in truncation)
-                cutoff[unsure] = _cutoffs(sorted_p, *sub, batch.vocab_size, covers_all=True)[0]
-            p = probs[slow]
-            p = torch.where(p >= cutoff[slow].unsqueeze(1), p, 0.0)
-            out[slow] = _inverse_cdf(p, u[slow])
+    def _sample_truncated(self, w: Tensor, u: Tensor, trunc: _Truncation, vocab: int,
+                          max_top_k: int) -> Tensor:
+        """Find each row's cutoff among its heaviest tokens (widening the search for rows it cannot decide),
+        then draw from the kept tokens in vocabulary order: among the candidates when they hold every kept
+        token, else over the whole row. Both give the same token for the same u."""
+        s, width = w.shape
+        out = torch.empty(s, dtype=torch.int64, device=w.device)
+        cutoff = torch.zeros(s, dtype=w.dtype, device=w.device)
+        whole_rows = []  # rows drawn over the whole vocabulary
+        pending = torch.arange(s, device=w.device)
+        only_top_k = trunc.top_ps is None and trunc.min_ps is None
+        # top-k alone is decided by its k + 1 heaviest tokens (the extra one shows there is no tie beyond)
+        k_len = min(self.candidates, max_top_k + 1) if only_top_k else self.candidates
+        while pending.numel():
+            k_len = min(k_len, width)
+            rows_w = w if pending.numel() == s else w[pending]
+            part = trunc if pending.numel() == s else trunc.select(pending)
+            if k_len < width:
+                cand_w, cand_id = rows_w.topk(k_len, dim=-1)  # (P, K) descending
+            else:
+                cand_w, cand_id = rows_w.sort(dim=-1, descending=True).values, None
+            c, complete = _cutoffs(cand_w, part, vocab, covers_all=cand_id is None)
+            cutoff[pending] = c
+            if cand_id is None:
+                fits = torch.zeros_like(complete)
+            else:
+                fits = complete & (cand_w[:, -1] < c)
+            if bool(fits.any()):
+                rows = pending[fits]
+                out[rows] = self._draw_among(cand_w[fits], cand_id[fits], c[fits], u[rows], width)
+            whole_rows.append(pending[complete & ~fits])
+            pending = pending[~complete]
+            k_len = k_len * 8 if k_len * 8 < width // 2 else width
+        rows = torch.cat(whole_rows).sort().values
+        if rows.numel():
+            rows_w = w if rows.numel() == s else w[rows]
+            c = cutoff[rows].unsqueeze(1)
+            if bool((c > 0).any()):
+                rows_w.masked_fill_(rows_w < c, 0.0)
+            out[rows] = _inverse_cdf_(rows_w, u[rows])
         return out
+
+    @staticmethod
+    def _draw_among(cand_w: Tensor, cand_id: Tensor, cutoff: Tensor, u: Tensor, width: int) -> Tensor:
+        """Draw among the candidates with weight >= cutoff, taken in vocabulary order (dropped ones sort last
+        with weight 0), so the running sums equal those over the whole masked row."""
+        keep = cand_w >= cutoff.unsqueeze(1)  # (n, K)
+        ids, order = torch.where(keep, cand_id, width).sort(dim=-1)
+        weights = torch.where(keep, cand_w, 0.0).gather(1, order)
+        return ids.gather(1, _inverse_cdf_(weights, u).unsqueeze(1)).squeeze(1)
 
 
 def prompt_logprobs(logits: Tensor, target_ids: Tensor, top_k: int = 0,

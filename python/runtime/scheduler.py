@@ -396,10 +396,8 @@ class Scheduler:
         reqs = [batch.reqs[i] for i in idx]
         rows = logits[[batch.sample_rows[i] for i in idx]]  # (S, V)
         for k, req in enumerate(reqs):  # min_new_tokens: no stop token before then
-            if len(req.output_ids) < req.params.min_new_tokens and not req.params.ignore_eos:
+            if len(req.output_ids) < req.params.min_new_tokens:
                 rows[k, list(self.stop_token_ids(req))] = float("-inf")
-            elif req.params.ignore_eos and self.eos_ids:
-                rows[k, list(self.eos_ids - set(req.params.stop_token_ids))] = float("-inf")
         sb = SamplingBatch.build([r.params for r in reqs], [r.output_ids for r in reqs],
                                  [r.input_ids for r in reqs], [r.generator for r in reqs], self.vocab_size)
         want_lp = any(r.return_logprob for r in reqs)

@@ -1,1 +1,39 @@
-"""Triton kernels, each beside a plain-torch reference with the same signature."""
+"""Triton kernels, each beside a plain-torch reference with the same signature: `<name>_ref`, and for the
+in-place kernels (trailing underscore) `<name>_ref_`, e.g. rotary_embedding_ / rotary_embedding_ref_.
+
+Importing this package needs only torch: triton is imported on the first kernel launch, so the references
+work without it. Kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before that launch.
+"""
+
+from .attention import decode_attention, decode_attention_ref, extend_attention, extend_attention_ref
+from .bitmask import apply_token_bitmask_, apply_token_bitmask_ref_
+from .norm import AddNormResult, fused_add_rmsnorm, fused_add_rmsnorm_ref
+from .rotary import rotary_embedding_, rotary_embedding_ref_
+from .store_kv import store_kv, store_kv_ref
+
+
+def triton_available() -> bool:
+    """Whether triton imports (this imports it); it says nothing about a GPU being present."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = [
+    "AddNormResult",
+    "apply_token_bitmask_",
+    "apply_token_bitmask_ref_",
+    "decode_attention",
+    "decode_attention_ref",
+    "extend_attention",
+    "extend_attention_ref",
+    "fused_add_rmsnorm",
+    "fused_add_rmsnorm_ref",
+    "rotary_embedding_",
+    "rotary_embedding_ref_",
+    "store_kv",
+    "store_kv_ref",
+    "triton_available",
+]

@@ -1,0 +1,154 @@
+"""Model-executor speed: prefill of 1024 tokens and decode steps at batch 1/8/32/64 over 256-token
+contexts, bf16 and fp32, for radixgen's model runner beside transformers' forward on the same weights
+and beside the roofline from this machine's matmul peak and memory bandwidth, all measured in this run.
+
+    python benchmarks/bench_forward.py [--dtypes bfloat16,float32] [--batches 1,8,32,64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.loader import resolve_model_path
+from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+
+DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def best_of(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure_peaks(dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s): a large square matmul and a large copy."""
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    flops = 2 * n**3 / best_of(lambda: torch.matmul(a, b), 5)
+    src = torch.randn(64 * 2**20 // 4, dtype=torch.float32)  # 256 MiB, far beyond the caches
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), 5)
+    return flops, bw
+
+
+class OurModel:
+    def __init__(self, path, dtype: str, max_batch: int, ctx: int) -> None:
+        self.runner = ModelRunner(RuntimeConfig(model=str(path), dtype=dtype, max_total_tokens=max_batch * (ctx + 16) + 2048,
+                                                max_running_requests=max_batch, context_length=2048))
+
+    def prefill(self, ids: list[int]) -> None:
+        r = self.runner
+        r.allocator.reset()
+        row = 0
+        slots = r.allocator.allocate(len(ids))
+        r.req_table.write(row, 0, slots)
+        fi = ForwardInput(torch.tensor(ids), torch.arange(len(ids)), slots, torch.tensor([row]), [0], [len(ids)],
+                          torch.tensor([len(ids) - 1]))
+        r.forward(fi)
+
+    def setup_decode(self, batch: int, ctx: int) -> ForwardInput:
+        """`batch` requests whose first `ctx` positions are in the pool; one decode step's input."""
+        r = self.runner
+        r.allocator.reset()
+        for row in range(batch):
+            r.req_table.write(row, 0, r.allocator.allocate(ctx + 1))
+        g = torch.Generator().manual_seed(0)
+        for k, v in zip(r.kv_pool.k_buffers, r.kv_pool.v_buffers, strict=True):
+            k.normal_(generator=g)
+            v.normal_(generator=g)
+        rows = torch.arange(batch)
+        return ForwardInput(torch.randint(0, 1000, (batch,)), torch.full((batch,), ctx),
+                            r.req_table.table[rows, ctx], rows, [ctx] * batch, [1] * batch, torch.arange(batch))
+
+
+class HFModel:
+    def __init__(self, path, dtype: str) -> None:
+        import transformers as tf
+
+        self.model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DT[dtype]).eval()
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> None:
+        self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def setup_decode(self, batch: int, ctx: int):
+        ids = torch.randint(0, 1000, (batch, ctx))
+        out = self.model(ids, use_cache=True, logits_to_keep=1)
+        return out.past_key_values
+
+    @torch.inference_mode()
+    def decode(self, cache, batch: int, ctx: int) -> None:
+        # one step, then drop the appended position so every timed step sees the same context
+        self.model(torch.randint(0, 1000, (batch, 1)), past_key_values=cache, use_cache=True,
+                   cache_position=torch.tensor([ctx]))
+        cache.crop(-1)
+
+
+def model_costs(runner: ModelRunner, dtype: torch.dtype):
+    mc = runner.model_config
+    esize = torch.empty((), dtype=dtype).element_size()
+    matmul_params = sum(p.numel() for n, p in runner.model.named_parameters()
+                        if p.dim() == 2 and "embed_tokens" not in n)
+    if mc.tie_word_embeddings:
+        matmul_params += mc.vocab_size * mc.hidden_size  # the LM head reads the embedding
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * esize
+    attn_flops_per_pair = 4 * mc.num_layers * mc.num_heads * mc.head_dim  # QK^T and PV, per (query, key)
+    return matmul_params, matmul_params * esize, kv_per_token, attn_flops_per_pair
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = ap.parse_args()
+    reps = 2 if args.quick else args.reps
+    path = resolve_model_path(None)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"model: {path.name}, torch threads: {torch.get_num_threads()}")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        peak, bw = measure_peaks(DT[dtype])
+        print(f"\n[{dtype}] measured matmul peak {peak / 1e12:.3f} TFLOP/s, memory bandwidth {bw / 1e9:.1f} GB/s")
+        ours, hf = OurModel(path, dtype, max(batches), args.ctx), HFModel(path, dtype)
+        params, wbytes, kv_tok, attn_pair = model_costs(ours.runner, DT[dtype])
+        ids = torch.randint(0, 1000, (args.prefill,)).tolist()
+        t_ours = best_of(lambda: ours.prefill(ids), reps)
+        t_hf = best_of(lambda: hf.prefill(ids), reps)
+        n = args.prefill
+        roof = (2 * params * n + attn_pair * n * n / 2) / peak
+        rows.append((dtype, f"prefill {n}", n / t_ours, n / t_hf, n / roof))
+        for b in batches:
+            fi = ours.setup_decode(b, args.ctx)
+            t_ours = best_of(lambda fi=fi: ours.runner.forward(fi), reps * 2)
+            cache = hf.setup_decode(b, args.ctx)
+            t_hf = best_of(lambda cache=cache, b=b: hf.decode(cache, b, args.ctx), reps * 2)
+            flops = 2 * params * b + attn_pair * b * args.ctx
+            nbytes = wbytes + kv_tok * b * args.ctx
+            roof_t = max(flops / peak, nbytes / bw)
+            rows.append((dtype, f"decode b={b}", b / t_ours, b / t_hf, b / roof_t,
+                         "bandwidth" if nbytes / bw > flops / peak else "compute"))
+        del ours, hf
+    print(f"\n{'dtype':9} {'case':14} {'radixgen tok/s':>15} {'transformers':>13} {'vs hf':>7} "
+          f"{'roofline tok/s':>15} {'of roofline':>12}")
+    for r in rows:
+        dtype, case, ours_tps, hf_tps, roof_tps = r[:5]
+        bound = f" ({r[5]}-bound)" if len(r) > 5 else " (compute-bound)"
+        print(f"{dtype:9} {case:14} {ours_tps:15.1f} {hf_tps:13.1f} {ours_tps / hf_tps:6.2f}x "
+              f"{roof_tps:15.1f} {ours_tps / roof_tps:11.1%}{bound}")
+
+
+if __name__ == "__main__":
+    main()

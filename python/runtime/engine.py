@@ -360,8 +360,12 @@ class Engine:
                                  f"exceeds the context length ({ctx_len})")
             if logprob_start_len > len(ids):
                 raise ValueError(f"logprob_start_len={logprob_start_len} is past the prompt ({len(ids)} tokens)")
-            if params.constraint is not None and not self.model_info["supports_constraints"]:
-                raise ValueError("constrained decoding (regex / json_schema / ebnf / choices) is not available")
+            if params.constraint is not None:
+                if not self.model_info["supports_constraints"]:
+                    raise ValueError("constrained decoding (regex / json_schema / ebnf / choices) is not available")
+                from radixgen.runtime.grammar import check_constraint
+
+                check_constraint(*params.constraint, strict_json=self.config.grammar_strict_json)
             for k in range(params.n):
                 p = params
                 if params.n > 1:

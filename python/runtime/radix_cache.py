@@ -181,6 +181,8 @@ class RadixCache:
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (a reference count; pair with `unlock`)."""
+        if node.parent is None and node is not self.root:
+            raise ValueError(f"lock of {node!r}, which is no longer in the tree (evicted or reset)")
         while node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node)
@@ -289,7 +291,7 @@ class RadixCache:
         The lower part keeps its identity so a caller holding it (locked) still covers its whole prefix.
         """
         upper = self._new_node(node.key[:n], node.value[:n], node.parent)
-        upper.lock_ref = 0
+        upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]

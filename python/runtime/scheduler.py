@@ -386,6 +386,10 @@ class Scheduler:
                 if req in self.running:
                     self.running.remove(req)
                 self.finish(req, req.finish_reason)
+            elif req.remaining_prefill > 1:  # jump-forward appended tokens: they go through extend
+                if req in self.running:
+                    self.running.remove(req)
+                self.prefilling.append(req)
             elif not batch.is_decode:
                 self.running.append(req)
         self.emit(batch.reqs)

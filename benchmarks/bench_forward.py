@@ -11,6 +11,7 @@ import argparse
 import time
 
 import torch
+
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.loader import resolve_model_path
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
@@ -41,8 +42,9 @@ def measure_peaks(dtype: torch.dtype) -> tuple[float, float]:
 
 class OurModel:
     def __init__(self, path, dtype: str, max_batch: int, ctx: int) -> None:
-        self.runner = ModelRunner(RuntimeConfig(model=str(path), dtype=dtype, max_total_tokens=max_batch * (ctx + 16) + 2048,
-                                                max_running_requests=max_batch, context_length=2048))
+        cfg = RuntimeConfig(model=str(path), dtype=dtype, max_total_tokens=max_batch * (ctx + 16) + 2048,
+                            max_running_requests=max_batch, context_length=2048)
+        self.runner = ModelRunner(cfg)
 
     def prefill(self, ids: list[int]) -> None:
         r = self.runner
@@ -125,22 +127,22 @@ def main() -> None:
         ours, hf = OurModel(path, dtype, max(batches), args.ctx), HFModel(path, dtype)
         params, wbytes, kv_tok, attn_pair = model_costs(ours.runner, DT[dtype])
         ids = torch.randint(0, 1000, (args.prefill,)).tolist()
-        t_ours = best_of(lambda: ours.prefill(ids), reps)
-        t_hf = best_of(lambda: hf.prefill(ids), reps)
+        t_ours = best_of(lambda ours=ours, ids=ids: ours.prefill(ids), reps)
+        t_hf = best_of(lambda hf=hf, ids=ids: hf.prefill(ids), reps)
         n = args.prefill
         roof = (2 * params * n + attn_pair * n * n / 2) / peak
         rows.append((dtype, f"prefill {n}", n / t_ours, n / t_hf, n / roof))
         for b in batches:
             fi = ours.setup_decode(b, args.ctx)
-            t_ours = best_of(lambda fi=fi: ours.runner.forward(fi), reps * 2)
+            t_ours = best_of(lambda fi=fi, ours=ours: ours.runner.forward(fi), reps * 2)
             cache = hf.setup_decode(b, args.ctx)
-            t_hf = best_of(lambda cache=cache, b=b: hf.decode(cache, b, args.ctx), reps * 2)
+            t_hf = best_of(lambda cache=cache, b=b, hf=hf: hf.decode(cache, b, args.ctx), reps * 2)
             flops = 2 * params * b + attn_pair * b * args.ctx
             nbytes = wbytes + kv_tok * b * args.ctx
             roof_t = max(flops / peak, nbytes / bw)
             rows.append((dtype, f"decode b={b}", b / t_ours, b / t_hf, b / roof_t,
                          "bandwidth" if nbytes / bw > flops / peak else "compute"))
-        del ours, hf
+        ours = hf = None  # free both models before the next dtype
     print(f"\n{'dtype':9} {'case':14} {'radixgen tok/s':>15} {'transformers':>13} {'vs hf':>7} "
           f"{'roofline tok/s':>15} {'of roofline':>12}")
     for r in rows:

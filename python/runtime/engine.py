@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
@@ -151,6 +152,7 @@ class Engine:
         self._reply_ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._closed = False
+        self._stopping = False
         self._fatal: str | None = None
 
         self._zmq = zmq.Context()
@@ -219,12 +221,14 @@ class Engine:
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        self._stopping = True
         try:
             if self._proc.is_alive() and self._fatal is None:
                 self._control("shutdown", timeout=10.0)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
+        self._closed = True
+        self._receiver.join(timeout=2.0)
         self._shutdown_process()
         self._fail_all("the engine was shut down")
 
@@ -256,7 +260,7 @@ class Engine:
             except zmq.ZMQError:
                 return
             if not ready:
-                if not self._proc.is_alive() and not self._closed:
+                if not self._proc.is_alive() and not (self._closed or self._stopping):
                     self._fatal = f"the scheduler process died (exit code {self._proc.exitcode})"
                     logger.error(self._fatal)
                     self._fail_all(self._fatal)
@@ -302,7 +306,15 @@ class Engine:
             raise RuntimeError(self._fatal)
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:  # zmq sockets are not thread-safe
-            self._out.send(data)
+            while True:
+                try:  # never block: a dead scheduler would hang the caller (and a server's event loop)
+                    self._out.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    if not self._proc.is_alive():
+                        self._fatal = self._fatal or "the scheduler process died"
+                        raise RuntimeError(self._fatal) from None
+                    time.sleep(0.001)
 
     def _control(self, kind: str, timeout: float = 60.0):
         reply_id = next(self._reply_ids)
@@ -420,7 +432,13 @@ class Engine:
         self._groups[base] = [r.rid for r in reqs]
         for st, r in zip(states, reqs, strict=True):
             self._states[r.rid] = st
-            self._send(r)
+            try:
+                self._send(r)
+            except Exception:
+                for other in reqs:
+                    self._states.pop(other.rid, None)
+                self._groups.pop(base, None)
+                raise
 
     @staticmethod
     def _final(st: _ReqState) -> dict:
@@ -482,7 +500,7 @@ class Engine:
                 if st.finished and not fut.done():
                     fut.set_result(None)
 
-            st.notify = lambda done=done: loop.call_soon_threadsafe(done)
+            st.notify = lambda done=done: _call_soon(loop, done)
             futures.append(fut)
         self._send_all(base, reqs, states)
         try:
@@ -498,7 +516,7 @@ class Engine:
     async def _astream(self, base, reqs, text_in_logprobs, loop) -> AsyncIterator[dict]:
         (st,) = self._make_states(reqs, text_in_logprobs)
         q: asyncio.Queue = asyncio.Queue()
-        st.notify = lambda: loop.call_soon_threadsafe(q.put_nowait, None)
+        st.notify = lambda: _call_soon(loop, q.put_nowait, None)
         self._send_all(base, reqs, [st])
         try:
             while True:
@@ -557,6 +575,14 @@ class _SchedulerProcess:
 
     def kill(self) -> None:
         self.popen.kill()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Wake an asyncio waiter from the receiver thread; a loop that is already closed has no waiter."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
 
 
 def _kill(proc: _SchedulerProcess) -> None:

@@ -10,7 +10,6 @@ import torch
 from radixgen.runtime.sampler import make_generator
 from radixgen.runtime.sampling_params import SamplingParams
 
-
 # ---------------------------------------------------------------- messages (pickled over zmq)
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from radixgen.runtime.sampling_params import SamplingParams
 from torch import Tensor
+
+from radixgen.runtime.sampling_params import SamplingParams
 
 # top-k / top-p / min-p cutoffs are first looked for among the heaviest tokens only: on one CPU core a full
 # sort of (64, 49152) costs ~220 ms, a top-512 ~17 ms; only rows whose cutoff lies deeper search further.

@@ -33,7 +33,7 @@ from radixgen.runtime.request import (
     Req,
     ReqOutput,
 )
-from radixgen.runtime.sampler import SamplingBatch, Sampler, prompt_logprobs
+from radixgen.runtime.sampler import Sampler, SamplingBatch, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from radixgen.runtime.radix_cache import MatchResult, NamespaceKey, RadixCache, TreeNode
 
 

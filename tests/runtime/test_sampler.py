@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from radixgen.runtime import sampler as sampler_mod
 from radixgen.runtime.sampler import (
     Sampler,

@@ -118,12 +118,11 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            for ckpt, (ours, shard) in self.stacked.items():
+            shard = None
+            for ckpt, (ours, shard_id) in self.stacked.items():
                 if f".{ckpt}." in name:
-                    name = name.replace(f".{ckpt}.", f".{ours}.")
+                    name, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
                     break
-            else:
-                shard = None
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]

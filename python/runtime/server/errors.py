@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -61,6 +62,8 @@ def value_error_param(message: str) -> str | None:
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip(), None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if param is None and loc:
             param = loc[0]
@@ -69,26 +72,42 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def error_of(exc: BaseException) -> APIError:
+    """The API error an exception stands for: ValueError (bad input, also from the Engine) -> 400,
+    RuntimeError (the scheduler died or the engine is shut down) -> 503, anything else -> 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), value_error_param(str(exc)))
+    if isinstance(exc, RuntimeError):
+        return APIError(503, str(exc), None, "engine_unavailable")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda status: None) -> None:
+    """Route every failure to an OpenAI-shaped body; `on_error(status)` counts them."""
+
+    def respond(status: int, message: str, param: str | None = None, code: str | None = None):
+        on_error(status)
+        return error_response(status, message, param, code)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return respond(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return respond(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
-        return error_response(exc.status_code, str(exc.detail), None, code)
+        return respond(exc.status_code, str(exc.detail), None, code)
 
     @app.exception_handler(ValueError)
-    async def _value(_: Request, exc: ValueError):
-        message = str(exc)
-        return error_response(400, message, value_error_param(message))
-
+    @app.exception_handler(RuntimeError)
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _other(_: Request, exc: Exception):
+        err = error_of(exc)
+        return respond(err.status, err.message, err.param, err.code)

@@ -121,7 +121,9 @@ class ServerMetrics:
         self.kv_evictable = Gauge(f"{p}_kv_slots_evictable", "Cached KV slots that may be evicted")
         self.kv_protected = Gauge(f"{p}_kv_slots_protected", "Cached KV slots locked by running requests")
         self.ttft = Histogram(
-            f"{p}_time_to_first_token_seconds", "Time from request arrival to the first token", LATENCY_BUCKETS
+            f"{p}_time_to_first_token_seconds",
+            "Time from request arrival to the first token",
+            LATENCY_BUCKETS,
         )
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS)
         self.e2e = Histogram(

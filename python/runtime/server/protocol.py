@@ -22,7 +22,8 @@ class GenerateRequest(_Strict):
     logprob_start_len: int = -1
     top_logprobs_num: int = Field(0, ge=0, le=100)
     return_text_in_logprobs: bool = False
-    rid: str | list[str] | None = None
+    rid: str | None = None  # a batch or n > 1 gets one rid per output, derived from this one
+    cache_salt: str | None = None  # requests share cached prefixes only with the same salt
     stream: bool = False
 
     @model_validator(mode="after")
@@ -67,7 +68,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + the usual extra-body fields)."""
 
     model: str | None = None
@@ -105,7 +106,7 @@ class _SamplingFields(_Strict):
         return self
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -184,7 +185,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
@@ -204,7 +205,9 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, not in tools")
+                raise ValueError(
+                    f"tool_choice names function {self.tool_choice.function.name!r}, not in tools"
+                )
         return self
 
     @property

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
 
+from radixgen.runtime.server.errors import APIError
 from radixgen.runtime.server.metrics import ServerMetrics
 
 
@@ -31,6 +33,11 @@ class Dispatcher:
         self.active: set[str] = set()  # rids submitted and not finished
         self.groups: dict[str, list[str]] = {}  # an API request id -> its engine rids (n > 1, batches)
 
+    def check_alive(self) -> None:
+        """503 at once when the scheduler is gone (a message to a dead scheduler may never be taken)."""
+        if not self.engine.is_alive:
+            raise APIError(503, "the scheduler process is not running", None, "scheduler_gone")
+
     # ------------------------------------------------------------ abort
 
     def abort(self, rid: str) -> bool:
@@ -50,20 +57,45 @@ class Dispatcher:
         if len(rids) > 1 or rids[0] != group:
             self.groups[group] = rids
 
-    def close_group(self, group: str) -> None:
+    def end_group(self, group: str) -> None:
+        """The API request is over (answered, failed or abandoned): abort what of it still runs."""
+        self.abort(group)
         self.groups.pop(group, None)
 
     # ------------------------------------------------------------ streams
 
-    async def stream(self, rid: str, arrived: float, **kwargs: Any) -> AsyncIterator[dict]:
-        """The engine's chunks for one request (one prompt, one choice). A consumer that stops early (a
-        disconnect, a cancelled task, a closed generator) aborts the request, which frees its KV slots."""
-        self.active.add(rid)
+    async def open(
+        self, jobs: list[tuple[str, dict[str, Any]]], arrived: float, prime: bool = False
+    ) -> list[AsyncIterator[dict]]:
+        """(rid, engine kwargs) requests as streams. Bad parameters raise here (ValueError). With `prime`,
+        the first chunk of each is awaited too, so that what the scheduler rejects (a grammar that does
+        not compile) also raises here, before a streamed response has sent its status line."""
+        self.check_alive()
+        opened: list[str] = []
+        streams = []
+        try:
+            for rid, kwargs in jobs:
+                it = await self.engine.async_generate(stream=True, rid=rid, **kwargs)
+                opened.append(rid)
+                self.active.add(rid)
+                streams.append(self._follow(rid, it, arrived))
+            if prime:
+                streams = await _primed(streams)
+        except BaseException:
+            for rid in opened:
+                if rid in self.active:
+                    self.active.discard(rid)
+                    self.engine.abort(rid)
+            raise
+        return streams
+
+    async def _follow(self, rid: str, it: AsyncIterator[dict], arrived: float) -> AsyncIterator[dict]:
+        """The engine's chunks for one request. A consumer that stops early (a disconnect, a cancelled
+        task, a closed generator) aborts the request, which frees its KV slots."""
         finished = False
         last = None
         seen_tokens = 0
         try:
-            it = await self.engine.async_generate(stream=True, rid=rid, **kwargs)
             async for chunk in it:
                 meta = chunk["meta_info"]
                 now = time.perf_counter()
@@ -87,17 +119,13 @@ class Dispatcher:
                 self.engine.abort(rid)
                 self.metrics.finished.inc(reason="client_abort")
 
-    async def final(self, rid: str, arrived: float, **kwargs: Any) -> dict:
-        """The last chunk of `stream` (which carries the whole text and meta_info)."""
-        out = None
-        async for chunk in self.stream(rid, arrived, **kwargs):
-            out = chunk
-        if out is None:
-            raise RuntimeError(f"request {rid}: the engine ended the stream without a result")
-        return out
-
-    async def call(self, rids: list[str], arrived: float, coro: Awaitable[Any]) -> Any:
+    async def call(self, rids: list[str], arrived: float, coro: Coroutine[Any, Any, Any]) -> Any:
         """Await a non-streamed engine call for `rids`, aborting them if it is cancelled or fails."""
+        try:
+            self.check_alive()
+        except APIError:
+            coro.close()  # type: ignore[attr-defined] - never started: nothing to abort
+            raise
         self.active.update(rids)
         done = False
         try:
@@ -108,18 +136,41 @@ class Dispatcher:
             if not done:
                 for r in rids:
                     self.engine.abort(r)
+                self.metrics.finished.inc(len(rids), reason="client_abort")
         for out in result if isinstance(result, list) else [result]:
             self.metrics.observe_finished(out["meta_info"])
         self.metrics.e2e.observe(time.perf_counter() - arrived)
         return result
 
 
+async def _primed(streams: list[AsyncIterator[dict]]) -> list[AsyncIterator[dict]]:
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = [e for e in firsts if isinstance(e, BaseException)]
+    if failed:
+        for s in streams:
+            await s.aclose()
+        if isinstance(failed[0], StopAsyncIteration):
+            raise RuntimeError("the engine ended a stream without a result")
+        raise failed[0]
+    return [_prepend(first, rest) for first, rest in zip(firsts, streams, strict=True)]
+
+
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
 async def merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
     """Chunks of several streams as they come, tagged with the stream's index. Closing this generator
-    cancels the readers, which runs each stream's cleanup (its abort)."""
+    closes the streams (cancels their readers), which runs each stream's cleanup (its abort)."""
     if len(streams) == 1:
-        async for chunk in streams[0]:
-            yield 0, chunk
+        async with aclosing(streams[0]) as stream:  # type: ignore[type-var]
+            async for chunk in stream:
+                yield 0, chunk
         return
     queue: asyncio.Queue = asyncio.Queue()  # unbounded: a reader never waits on put, only in its stream
     done = object()

@@ -19,7 +19,9 @@ from radixgen.runtime.server.protocol import NamedToolChoice, Tool
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+_TOOL_CALL_RE = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S
+)
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -40,6 +42,15 @@ def tools_system_prompt(tools: list[Tool]) -> str:
         "You can call the following functions. To call one, reply with "
         f'{TOOL_CALL_OPEN}{{"name": <function name>, "arguments": <arguments object>}}{TOOL_CALL_CLOSE}'
         " and nothing else.\n\nFunctions:\n" + specs
+    )
+
+
+def format_call(name: str, arguments: Any) -> str:
+    """A call written the way the model is told to write one (for assistant turns in the history)."""
+    return (
+        TOOL_CALL_OPEN
+        + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        + TOOL_CALL_CLOSE
     )
 
 
@@ -69,7 +80,11 @@ def tool_choice_schema(
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 def parse_constrained(text: str, tools: list[Tool], choice: str | NamedToolChoice, parallel: bool = True):
@@ -120,7 +135,6 @@ class AutoToolStream:
 
     def __init__(self, tools: list[Tool]):
         self.tools = tools
-        self.sent = ""  # content already streamed
         self.pending = ""  # held back: a possible prefix of TOOL_CALL_OPEN, or a call in progress
         self.in_call = False
 
@@ -133,9 +147,8 @@ class AutoToolStream:
             self.in_call = True
             out, self.pending = self.pending[:idx], self.pending[idx:]
         else:
-            keep = _partial_suffix(self.pending, TOOL_CALL_OPEN)
-            out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
-        self.sent += out
+            cut = len(self.pending) - _partial_suffix(self.pending, TOOL_CALL_OPEN)
+            out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
 
     def finish(self) -> ParsedCalls:

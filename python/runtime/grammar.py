@@ -59,6 +59,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin before Python 3.11
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -539,7 +540,7 @@ class CompileHandle:
         """Blocking: wait until the compile ends or its time limit passes, then result()."""
         try:
             self._future.result(timeout=max(0.0, self._deadline - time.monotonic()))
-        except TimeoutError:
+        except FutureTimeoutError:
             pass
         return self.result()
 
@@ -551,12 +552,19 @@ class CompileHandle:
 # ---------------------------------------------------------------- the backend
 
 
+def _memory_bytes(future: Future) -> int:
+    if not future.done():
+        return 0
+    constraint = future.result().constraint
+    return 0 if constraint is None else constraint.grammar.memory_size_bytes
+
+
 class GrammarBackend:
     """Owns the tokenizer info, the compiler, the compile pool and the (kind, text) -> compile cache."""
 
     def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
                  num_threads: int = 2, compile_timeout_s: float = 30.0, strict_json: bool = False,
-                 json_whitespace: str = "compact", max_whitespace: int = 8, cache_size: int = 512) -> None:
+                 json_whitespace: str = "compact", max_whitespace: int = 8, cache_limit_mb: float = 256) -> None:
         if json_whitespace not in JSON_WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {JSON_WHITESPACE}, got {json_whitespace!r}")
         if num_threads < 1:
@@ -565,8 +573,8 @@ class GrammarBackend:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
         if max_whitespace < 1:
             raise ValueError(f"max_whitespace must be >= 1, got {max_whitespace}")
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if cache_limit_mb <= 0:
+            raise ValueError(f"cache_limit_mb must be > 0, got {cache_limit_mb}")
         if stop_token_ids is None:
             stop_token_ids = default_stop_token_ids(tokenizer)
         self.tokenizer = tokenizer
@@ -576,7 +584,7 @@ class GrammarBackend:
         self.strict_json = strict_json
         self.json_whitespace = json_whitespace
         self.max_whitespace = max_whitespace
-        self.cache_size = cache_size
+        self.cache_limit_bytes = int(cache_limit_mb * 2**20)
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
         # Our own cache (of futures) so in-flight compiles are shared and hits are countable.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=num_threads,
@@ -620,11 +628,16 @@ class GrammarBackend:
             return e
 
     def _evict(self) -> None:
-        while len(self._cache) > self.cache_size:
-            key = next((k for k, f in self._cache.items() if f.done()), None)
-            if key is None:
+        """Least recently used finished compiles go until the compiled grammars fit the byte limit (a JSON
+        schema takes ~0.5 MB for a 49k vocabulary, a long bounded regex several MB)."""
+        sizes = {k: _memory_bytes(f) for k, f in self._cache.items()}
+        total = sum(sizes.values())
+        for key in list(self._cache):
+            if total <= self.cache_limit_bytes:
                 return
-            del self._cache[key]
+            if self._cache[key].done():
+                total -= sizes[key]
+                del self._cache[key]
 
     @property
     def cache_info(self) -> CacheInfo:

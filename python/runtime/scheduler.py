@@ -13,6 +13,7 @@ KV ownership: a request's positions [0, cached_len) belong to the tree (locked w
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 import traceback
@@ -610,8 +611,11 @@ def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, mo
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_checked = True
+    parent = os.getppid()
     try:
         while True:
+            if sched.is_idle() and os.getppid() != parent:
+                return  # the Engine's process is gone: nobody will read our outputs
             timeout = 0 if not sched.is_idle() else (5 if sched.grammar_wait else 100)
             events = dict(poller.poll(timeout))
             while inbox in events:

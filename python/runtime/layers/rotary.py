@@ -34,10 +34,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
                              persistent=False)
 
+    _last: tuple = (None, None, None)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q (T, Hq, D), k (T, Hk, D) -> rotated copies."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # (T, D/2) each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # every layer of a step passes the same positions tensor: look the table up once per step
+        last_pos, last_dtype, cos_sin = self._last
+        if positions is not last_pos or q.dtype != last_dtype:
+            cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # (T, D/2) each
+            cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
+            self._last = (positions, q.dtype, cos_sin)
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,1 +1,117 @@
-"""radixgen: structured generation programs over a radix-tree KV cache runtime."""
+"""radixgen: structured generation programs over a radix-tree KV cache runtime.
+
+    import radixgen as sgl
+
+    @sgl.function
+    def qa(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=64))
+
+    sgl.set_default_backend(sgl.Engine())
+    print(qa.run(question="What is a radix tree?")["answer"])
+
+The language is imported eagerly (it is light); the runtime (torch, the model) and the HTTP /
+OpenAI clients only when first used.
+"""
+
+from typing import Any
+
+from radixgen.lang import (
+    BaseBackend,
+    ChoicesDecision,
+    ChoicesSamplingMethod,
+    Function,
+    ProgramError,
+    ProgramState,
+    ProgramStateGroup,
+    Runtime,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    flush_cache,
+    function,
+    gen,
+    gen_int,
+    gen_string,
+    get_default_backend,
+    get_server_info,
+    greedy_token_selection,
+    image,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    user,
+    user_begin,
+    user_end,
+    video,
+)
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute), imported on first access
+_LAZY = {
+    "Engine": ("radixgen.runtime.engine", "Engine"),
+    "SamplingParams": ("radixgen.runtime.sampling_params", "SamplingParams"),
+    "EngineBackend": ("radixgen.lang.backend_engine", "EngineBackend"),
+    "RuntimeEndpoint": ("radixgen.lang.backend_http", "RuntimeEndpoint"),
+    "OpenAI": ("radixgen.lang.backend_openai", "OpenAI"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'radixgen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = [
+    "BaseBackend",
+    "ChoicesDecision",
+    "ChoicesSamplingMethod",
+    "Engine",
+    "EngineBackend",
+    "Function",
+    "OpenAI",
+    "ProgramError",
+    "ProgramState",
+    "ProgramStateGroup",
+    "Runtime",
+    "RuntimeEndpoint",
+    "SamplingParams",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "flush_cache",
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "get_server_info",
+    "greedy_token_selection",
+    "image",
+    "select",
+    "set_default_backend",
+    "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
+    "user",
+    "user_begin",
+    "user_end",
+    "video",
+]

@@ -1,0 +1,206 @@
+"""The public language: `function`, `gen`, `select`, roles. Names and signatures follow SGLang's
+frontend, so its programs run unchanged with `import radixgen as sgl`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from radixgen.lang.choices import ChoicesSamplingMethod, resolve_method, token_length_normalized
+from radixgen.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Seq
+from radixgen.lang.program import Function, get_default_backend, resolve_backend, set_default_backend
+
+__all__ = [
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "select",
+    "system",
+    "user",
+    "assistant",
+    "system_begin",
+    "system_end",
+    "user_begin",
+    "user_end",
+    "assistant_begin",
+    "assistant_end",
+    "set_default_backend",
+    "get_default_backend",
+    "flush_cache",
+    "get_server_info",
+    "image",
+    "video",
+    "Runtime",
+]
+
+
+def function(func=None, num_api_spec_tokens: int | None = None):
+    """Decorator: `@function` or `@function(...)` turns `def prog(s, ...)` into a program."""
+    if func is not None:
+        return Function(func, num_api_spec_tokens=num_api_spec_tokens)
+    return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
+
+
+_DTYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool"}
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop_regex: str | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    dtype: type | str | None = None,
+    choices: list[str] | None = None,
+    choices_method: ChoicesSamplingMethod | str | None = None,
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    n: int | None = None,
+) -> Node:
+    """Generate text after the current state (stored in variable `name`). Arguments left None take
+    the run's defaults. `dtype` (int/float/str/bool), `regex` and `json_schema` constrain the
+    output; with `choices` this is a `select` (scored from logprobs, never sampled)."""
+    if choices is not None:
+        return select(
+            name,
+            choices,
+            0.0 if temperature is None else temperature,
+            token_length_normalized if choices_method is None else choices_method,
+        )
+    if choices_method is not None:
+        raise ValueError("gen.choices_method: only meaningful together with choices")
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise ValueError(f"gen.regex: not a valid regular expression: {e}") from e
+    if dtype is not None and not isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"gen.dtype: must be int, float, str or bool (got {dtype!r})")
+        dtype = _DTYPE_NAMES[dtype]
+    return Gen(
+        name=name,
+        max_new_tokens=max_tokens,
+        min_new_tokens=min_tokens,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        stop_regex=stop_regex,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        ignore_eos=ignore_eos,
+        n=1 if n is None else n,
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs,
+        dtype=dtype,
+        regex=regex,
+        json_schema=json_schema,
+    )
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Node:
+    """`gen(dtype=int)`: the variable holds an int."""
+    return gen(name, max_tokens, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Node:
+    """`gen(dtype=str)`: a double-quoted string; the variable holds its content."""
+    return gen(name, max_tokens, dtype=str, **kwargs)
+
+
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesSamplingMethod | str = token_length_normalized,
+) -> Node:
+    """Append the choice the model finds likeliest after the current state, scored from the prompt
+    logprobs of each choice (never by sampling text). Scores are in `s.get_meta_info(name)`."""
+    if choices is None:
+        raise ValueError("select.choices: required")
+    return Select(name, tuple(choices), temperature, resolve_method(choices_method))
+
+
+def _role(role: str, expr: Any = None) -> Node:
+    if expr is None:
+        return Seq((RoleBegin(role), RoleEnd(role)))
+    return Seq.of(RoleBegin(role), expr, RoleEnd(role))
+
+
+def system(expr: Any = None) -> Node:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> Node:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> Node:
+    return _role("assistant", expr)
+
+
+def system_begin() -> Node:
+    return RoleBegin("system")
+
+
+def system_end() -> Node:
+    return RoleEnd("system")
+
+
+def user_begin() -> Node:
+    return RoleBegin("user")
+
+
+def user_end() -> Node:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> Node:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> Node:
+    return RoleEnd("assistant")
+
+
+def image(expr: Any) -> Node:
+    raise NotImplementedError("image(): radixgen serves text-only models")
+
+
+def video(path: str, num_frames: int) -> Node:
+    raise NotImplementedError("video(): radixgen serves text-only models")
+
+
+def flush_cache(backend: Any = None) -> bool:
+    return resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    return resolve_backend(backend).get_server_info()
+
+
+def Runtime(model_path: str | None = None, **config: Any):  # noqa: N802 - SGLang's public name
+    """An in-process runtime as a backend: `EngineBackend(Engine(model_path, **config))`, shut down
+    with `.shutdown()` (SGLang's Runtime starts a server; here nothing leaves the process)."""
+    from radixgen.lang.backend_engine import EngineBackend
+    from radixgen.runtime.engine import Engine
+
+    return EngineBackend(Engine(model_path, **config), owns_engine=True)

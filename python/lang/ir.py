@@ -1,0 +1,186 @@
+"""The program IR: the expressions a program appends with `s += ...`, executed in order.
+
+Expressions are small immutable dataclasses; `+` concatenates them (strings become `Text`) into a
+`Seq`, so `"Q: " + q + gen("a")` is one expression. The interpreter `match`es over these classes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class Node:
+    """Base of every IR expression; `a + b` builds a flat `Seq`."""
+
+    __slots__ = ()
+
+    def __add__(self, other: Any) -> Seq:
+        return Seq.of(self, other)
+
+    def __radd__(self, other: Any) -> Seq:
+        return Seq.of(other, self)
+
+
+def as_node(x: Any) -> Node:
+    match x:
+        case Node():
+            return x
+        case str():
+            return Text(x)
+        case _:
+            raise TypeError(
+                f"cannot append a {type(x).__name__} to a program: expected a str or an expression "
+                "(gen, select, a role, ...); convert values with str() first"
+            )
+
+
+@dataclass(frozen=True)
+class Seq(Node):
+    items: tuple[Node, ...]
+
+    @staticmethod
+    def of(*parts: Any) -> Seq:
+        items: list[Node] = []
+        for part in parts:
+            node = as_node(part)
+            items.extend(node.items if isinstance(node, Seq) else (node,))
+        return Seq(tuple(items))
+
+
+@dataclass(frozen=True)
+class Text(Node):
+    value: str
+
+
+# The sampling fields a `gen` may set; None means "the run's default".
+SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "ignore_eos",
+)
+# Logprob options: not sampling parameters, they shape what comes back.
+LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+DTYPES = ("int", "float", "str", "bool")
+
+
+@dataclass(frozen=True)
+class Gen(Node):
+    name: str | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    stop_regex: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    n: int = 1
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
+    dtype: str | None = None  # one of DTYPES: the variable holds a converted value
+    regex: str | None = None
+    json_schema: str | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "gen")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"gen.dtype: must be one of int, float, str, bool (got {self.dtype!r})")
+        constraints = [k for k in ("dtype", "regex", "json_schema") if getattr(self, k) is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"gen: at most one of dtype, regex, json_schema may be set, got {constraints}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"gen.n: must be a positive integer (got {self.n!r})")
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """The sampling fields this gen sets explicitly."""
+        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class Select(Node):
+    name: str | None
+    choices: tuple[str, ...]
+    temperature: float
+    method: Any  # a choices method (radixgen.lang.choices); Any keeps ir free of that import
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "select")
+        if isinstance(self.choices, str) or not self.choices:
+            raise ValueError("select.choices: must be a non-empty list of strings")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if not all(isinstance(c, str) and c for c in self.choices):
+            raise ValueError(f"select.choices: every choice must be a non-empty string (got {self.choices!r})")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"select.temperature: must be a number >= 0 (got {t!r})")
+
+
+@dataclass(frozen=True)
+class RoleBegin(Node):
+    role: str
+
+
+@dataclass(frozen=True)
+class RoleEnd(Node):
+    role: str
+
+
+@dataclass(frozen=True)
+class VarScopeBegin(Node):
+    name: str
+
+
+@dataclass(frozen=True)
+class VarScopeEnd(Node):
+    name: str
+
+
+@dataclass(frozen=True)
+class SetVar(Node):
+    name: str
+    value: Any
+
+
+@dataclass(frozen=True, eq=False)
+class Fork(Node):
+    """Internal: copy the state into `children` once everything before it has run."""
+
+    children: tuple[Any, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Join(Node):
+    """Internal: wait for `children` and merge them back (mode: gather_variable | concate_and_append)."""
+
+    children: tuple[Any, ...]
+    mode: str
+
+
+def check_name(name: Any, what: str) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"{what}.name: must be a non-empty string or None (got {name!r})")

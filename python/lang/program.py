@@ -1,0 +1,299 @@
+"""`@function` programs: binding arguments and running them (run, run_batch, arun)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from radixgen.lang.backend_base import PREFILL_ONLY, BaseBackend, GenRequest
+from radixgen.lang.interpreter import SamplingDefaults, StateCore, TraceStop, start_driver
+from radixgen.lang.state import ProgramState
+
+_default_backend: BaseBackend | None = None
+_engine_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Engine -> its backend
+
+
+def as_backend(obj: Any) -> BaseBackend:
+    """A backend, or an in-process `Engine` (wrapped in an EngineBackend, one per Engine)."""
+    if isinstance(obj, BaseBackend):
+        return obj
+    if hasattr(obj, "generate") and hasattr(obj, "tokenizer") and hasattr(obj, "model_info"):
+        from radixgen.lang.backend_engine import EngineBackend
+
+        if obj not in _engine_backends:
+            _engine_backends[obj] = EngineBackend(obj)
+        return _engine_backends[obj]
+    raise TypeError(f"expected a backend (EngineBackend, RuntimeEndpoint, OpenAI) or an Engine, got {obj!r}")
+
+
+def set_default_backend(backend: Any) -> None:
+    global _default_backend
+    _default_backend = None if backend is None else as_backend(backend)
+
+
+def get_default_backend() -> BaseBackend | None:
+    return _default_backend
+
+
+def resolve_backend(backend: Any) -> BaseBackend:
+    if backend is not None:
+        return as_backend(backend)
+    if _default_backend is None:
+        raise ValueError("no backend: pass backend=... or call radixgen.set_default_backend(...) first")
+    return _default_backend
+
+
+# The run-level sampling arguments (SGLang's names and defaults).
+_SAMPLING_KEYS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "ignore_eos",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+)
+
+
+class Function:
+    """A program: a Python function whose first parameter is the state `s`."""
+
+    def __init__(self, func, num_api_spec_tokens: int | None = None, bind_arguments: dict | None = None):
+        if num_api_spec_tokens is not None:
+            raise ValueError("function.num_api_spec_tokens: API speculative execution is not supported")
+        self.func = func
+        self.bind_arguments = dict(bind_arguments or {})
+        params = list(inspect.signature(func).parameters.values())
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+            raise TypeError(f"@function {func.__name__}: the first parameter must be the state (s)")
+        self.arg_names = [p.name for p in params[1:]]
+        self.signature = inspect.Signature(params[1:])
+        self.is_async = inspect.iscoroutinefunction(func)
+        self.__name__ = func.__name__
+        self.__doc__ = func.__doc__
+
+    def bind(self, **kwargs: Any) -> Function:
+        unknown = sorted(set(kwargs) - set(self.arg_names))
+        if unknown:
+            raise TypeError(f"{self.__name__}.bind: unknown argument(s) {unknown}")
+        return Function(self.func, bind_arguments={**self.bind_arguments, **kwargs})
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **{**self.bind_arguments, **kwargs})
+        return dict(bound.arguments)
+
+    def run(
+        self,
+        *args: Any,
+        max_new_tokens: int = 128,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop_regex: str | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        ignore_eos: bool = False,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        stream: bool = False,
+        backend: Any = None,
+        **kwargs: Any,
+    ) -> ProgramState:
+        """Run the program. With stream=False it returns when the program has finished (raising
+        a ProgramError, with the failing program line, if it failed); with stream=True it returns
+        as soon as the body has queued its expressions: iterate `state.text_iter()`."""
+        self._check_sync("run")
+        local = locals()
+        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
+        arguments = self._arguments(args, kwargs)
+        state = self._start(resolve_backend(backend), defaults, stream, "thread")
+        try:
+            state.ret_value = self.func(state, **arguments)
+        except BaseException as e:
+            state._core.fail(e, None)  # drop what the body queued before it failed
+            raise
+        finally:
+            state._core.close()
+        if not stream:
+            state.sync()
+            if state._core.error is not None:
+                raise state._core.error
+        return state
+
+    __call__ = run
+
+    async def arun(
+        self,
+        *args: Any,
+        max_new_tokens: int = 128,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop_regex: str | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        ignore_eos: bool = False,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        stream: bool = False,
+        backend: Any = None,
+        **kwargs: Any,
+    ) -> ProgramState:
+        """Run the program on the running event loop: generation awaits the backend's async API.
+        An `async def` body runs on the loop too (read values with `await s.aget_var(name)`);
+        a plain `def` body runs in a worker thread so that `s["x"]` may block."""
+        local = locals()
+        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
+        arguments = self._arguments(args, kwargs)
+        state = self._start(resolve_backend(backend), defaults, stream, "async")
+        core = state._core
+        try:
+            if self.is_async:
+                state.ret_value = await self.func(state, **arguments)
+            else:
+                state.ret_value = await asyncio.to_thread(self.func, state, **arguments)
+        except BaseException as e:
+            core.fail(e, None)
+            raise
+        finally:
+            core.close()
+        if not stream:
+            await core.changed.wait_async(lambda: core.finished)
+            if core.error is not None:
+                raise core.error
+        return state
+
+    def run_batch(
+        self,
+        batch_kwargs: list[dict[str, Any]] | list[tuple],
+        *,
+        max_new_tokens: int = 128,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop_regex: str | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        ignore_eos: bool = False,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        backend: Any = None,
+        num_threads: int | str = "auto",
+        progress_bar: bool = True,
+    ) -> list[ProgramState]:
+        """Run the program once per argument set, concurrently; states come back in input order.
+        A program that fails does not stop the others: its state's `error()` tells why.
+        The prefix shared by the first programs' prompts is cached once before they start."""
+        self._check_sync("run_batch")
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError("run_batch: batch_kwargs must be a list of dicts (or of argument tuples)")
+        if not batch_kwargs:
+            return []
+        arguments = [
+            self._arguments((), a) if isinstance(a, dict) else self._arguments(tuple(a), {}) for a in batch_kwargs
+        ]
+        if num_threads == "auto":
+            # Program threads mostly wait on the runtime; more of them means bigger batches there.
+            num_threads = min(len(arguments), 64)
+        if not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError(f"run_batch.num_threads: must be 'auto' or a positive integer (got {num_threads!r})")
+        local = locals()
+        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
+        resolved = resolve_backend(backend)
+        if len(arguments) > 1 and resolved.can_prefill:
+            prefix = self.shared_prefix(arguments[:4], resolved, defaults)
+            if prefix:
+                resolved.generate([GenRequest(prefix, None, dict(PREFILL_ONLY))])
+
+        def one(args: dict[str, Any]) -> ProgramState:
+            state = self._start(resolved, defaults, False, "thread")
+            try:
+                state.ret_value = self.func(state, **args)
+            except Exception as e:  # noqa: BLE001 - reported through the state, like expression errors
+                state._core.fail(e, None)
+            finally:
+                state._core.close()
+            state.sync()
+            return state
+
+        bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(arguments), desc=self.__name__)
+        with ThreadPoolExecutor(max_workers=num_threads) as pool:
+            futures = [pool.submit(one, a) for a in arguments]
+            if bar is not None:
+                for f in futures:
+                    f.add_done_callback(lambda _: bar.update(1))
+            states = [f.result() for f in futures]
+        if bar is not None:
+            bar.close()
+        return states
+
+    def trace_prompt(self, arguments: dict[str, Any], backend: Any = None, defaults=None) -> str:
+        """The text this program has built when it first needs the model (without calling it)."""
+        state = self._start(resolve_backend(backend), defaults or SamplingDefaults(), False, "trace")
+        try:
+            self.func(state, **arguments)
+        except TraceStop:
+            pass
+        return state._core.text
+
+    def shared_prefix(self, arguments: list[dict[str, Any]], backend: BaseBackend, defaults) -> str:
+        """The longest common prefix of the given argument sets' first prompts ('' if trivial)."""
+        if self.is_async:
+            return ""
+        prompts = []
+        for args in arguments:
+            try:
+                prompts.append(self.trace_prompt(args, backend, defaults))
+            except Exception:  # noqa: BLE001 - a body that cannot be traced just skips the warm-up
+                return ""
+        prefix = prompts[0]
+        for p in prompts[1:]:
+            n = 0
+            while n < min(len(prefix), len(p)) and prefix[n] == p[n]:
+                n += 1
+            prefix = prefix[:n]
+        return prefix if len(prefix) >= 16 else ""
+
+    def _check_sync(self, method: str) -> None:
+        if self.is_async:
+            raise TypeError(
+                f"{self.__name__}.{method}: an `async def` program runs with `await {self.__name__}.arun(...)`"
+            )
+
+    def _start(self, backend: BaseBackend, defaults: SamplingDefaults, stream: bool, mode: str) -> ProgramState:
+        core = StateCore(backend, defaults, stream=stream, mode=mode)
+        start_driver(core)
+        return ProgramState(core)
+
+    def __repr__(self) -> str:
+        return f"<radixgen function {self.__name__}>"

@@ -142,6 +142,7 @@ def bench_decode(s: Shapes, pool: Paged, g, timeit) -> None:
     """One new token per request attending to all `context` positions."""
     import torch
     import torch.nn.functional as F
+
     from radixgen.kernels import decode_attention
 
     scale = s.head_dim**-0.5
@@ -170,6 +171,7 @@ def bench_extend(s: Shapes, pool: Paged, g, timeit) -> None:
     """`new_tokens` per request after a prefix of context - new_tokens; all their K/V already pooled."""
     import torch
     import torch.nn.functional as F
+
     from radixgen.kernels import extend_attention
 
     scale, group = s.head_dim**-0.5, s.q_heads // s.kv_heads
@@ -198,6 +200,7 @@ def bench_prefill(s: Shapes, pool: Paged, g, timeit) -> None:
     """Plain prefill (no prefix) of prefill_batch requests: causal SDPA can use its flash backend."""
     import torch
     import torch.nn.functional as F
+
     from radixgen.kernels import extend_attention
 
     scale = s.head_dim**-0.5

@@ -8,9 +8,13 @@ Prints one line per compiled variant and exits non-zero on the first failure.
 
 from __future__ import annotations
 
-import radixgen.kernels as K
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+import radixgen.kernels as K
 from radixgen.kernels import (
     _attention_triton,
     _bitmask_triton,
@@ -19,9 +23,6 @@ from radixgen.kernels import (
     _store_kv_triton,
     _triton_env,
 )
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # the per-block maximum on sm_90

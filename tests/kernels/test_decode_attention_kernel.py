@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
+
 from radixgen.kernels import decode_attention, decode_attention_ref
 
 NUM_KV_HEADS = 2

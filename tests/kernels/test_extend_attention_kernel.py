@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
+
 from radixgen.kernels import extend_attention, extend_attention_ref
 
 NUM_KV_HEADS = 2

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testutil import DEVICE, TOL, rel_err
+
 from radixgen.kernels import fused_add_rmsnorm, fused_add_rmsnorm_ref
 
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testutil import DEVICE, TOL, rel_err
+
 from radixgen.kernels import rotary_embedding_, rotary_embedding_ref_
 
 T, HQ, HK, MAX_POS = 7, 6, 2, 64

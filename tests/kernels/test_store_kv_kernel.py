@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testutil import DEVICE
+
 from radixgen.kernels import store_kv, store_kv_ref
 
 T, HKV = 9, 2

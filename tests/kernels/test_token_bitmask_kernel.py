@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testutil import DEVICE
+
 from radixgen.kernels import apply_token_bitmask_, apply_token_bitmask_ref_
 
 

@@ -17,7 +17,8 @@ from radixgen.runtime.forward_context import ForwardContext, get_forward_context
 
 
 class DecodeMeta(NamedTuple):
-    slot_matrix: torch.Tensor  # (B, Lmax) slots of each request's positions; padding past seq_len
+    flat_slots: torch.Tensor  # (B * Lmax,) slots of each request's positions; padding past seq_len
+    lmax: int
     mask: torch.Tensor  # (B, 1, 1, Lmax) True where a position is attended
 
 
@@ -35,7 +36,7 @@ class TorchAttentionBackend:
             seq_lens = torch.tensor(ctx.seq_lens, dtype=torch.int64)
             slot_matrix = ctx.req_to_slot[ctx.req_indices, :lmax]
             mask = (torch.arange(lmax).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-            ctx.attn_meta = DecodeMeta(slot_matrix, mask)
+            ctx.attn_meta = DecodeMeta(slot_matrix.reshape(-1), lmax, mask)
             return
         spans, start = [], 0
         for row, p, e in zip(ctx.req_indices.tolist(), ctx.prefix_lens, ctx.extend_lens, strict=True):
@@ -56,12 +57,17 @@ class TorchAttentionBackend:
         v_buf.index_copy_(0, ctx.out_slots, v)
         if ctx.is_decode:
             meta: DecodeMeta = ctx.attn_meta
-            # (B, Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
-            kk = k_buf[meta.slot_matrix].transpose(1, 2)
-            vv = v_buf[meta.slot_matrix].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=meta.mask, scale=scale,
-                                                 enable_gqa=True)
-            return out.squeeze(2)
+            b, h, d = q.shape
+            hkv = k_buf.shape[1]
+            # index_select on dim 0 copies whole rows: several times faster than advanced indexing
+            # (B * Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
+            kk = k_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+            vv = v_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+            # the query heads sharing a KV head act as that head's query rows: one (G x Lmax) attention
+            # per (request, KV head) instead of H single-row ones (the CPU kernel is slow at one row)
+            out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kk, vv, attn_mask=meta.mask,
+                                                 scale=scale)
+            return out.reshape(b, h, d)
         out = torch.empty_like(q)
         for span in ctx.attn_meta:
             qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, E, D)

@@ -125,6 +125,21 @@ def test_compile_cache_hit(backend):
     assert backend.cache_info.misses == after.misses + 1
 
 
+def test_cache_evicts_least_recently_used(tokenizer, backend):
+    schemas = [json.dumps({"type": "object", "properties": {f"evict_{i}": {"type": "string"}}}) for i in range(3)]
+    sizes = [backend.compile("json_schema", sch).grammar.memory_size_bytes for sch in schemas]
+    small = GrammarBackend(tokenizer, VOCAB, stop_token_ids=EOS_IDS,
+                           cache_limit_mb=0.9 * (sizes[0] + sizes[1]) / 2**20)
+    try:
+        for sch in schemas:
+            small.compile("json_schema", sch)  # the third submit finds the first two over the limit
+        assert small.cache_info == (0, 3, 2)
+        small.compile("json_schema", schemas[0])  # evicted: compiled again
+        assert small.cache_info.misses == 4
+    finally:
+        small.shutdown()
+
+
 def test_handle_polls_without_blocking(tokenizer):
     be = GrammarBackend(tokenizer, VOCAB, stop_token_ids=EOS_IDS, num_threads=1)
     gate = threading.Event()

@@ -47,7 +47,8 @@ def main() -> None:
             eng.generate(input_ids=prompts, sampling_params=sp)
             dt = time.perf_counter() - t
             stats = eng.get_server_info()["stats"]
-            hit = (stats["cached_tokens"] - before["cached_tokens"]) / (stats["prompt_tokens"] - before["prompt_tokens"])
+            cached = stats["cached_tokens"] - before["cached_tokens"]
+            hit = cached / (stats["prompt_tokens"] - before["prompt_tokens"])
             print(f"{policy:11} {len(prompts) / dt:8.2f} {hit:9.1%}", flush=True)
 
 

@@ -16,7 +16,8 @@ OpenAI clients only when first used.
 
 from typing import Any
 
-from radixgen.lang import (
+from radixgen import lang as _lang
+from radixgen.lang import (  # noqa: F401 - re-exported, listed in __all__ via _lang.__all__
     BaseBackend,
     ChoicesDecision,
     ChoicesSamplingMethod,
@@ -77,41 +78,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = [
-    "BaseBackend",
-    "ChoicesDecision",
-    "ChoicesSamplingMethod",
-    "Engine",
-    "EngineBackend",
-    "Function",
-    "OpenAI",
-    "ProgramError",
-    "ProgramState",
-    "ProgramStateGroup",
-    "Runtime",
-    "RuntimeEndpoint",
-    "SamplingParams",
-    "assistant",
-    "assistant_begin",
-    "assistant_end",
-    "flush_cache",
-    "function",
-    "gen",
-    "gen_int",
-    "gen_string",
-    "get_default_backend",
-    "get_server_info",
-    "greedy_token_selection",
-    "image",
-    "select",
-    "set_default_backend",
-    "system",
-    "system_begin",
-    "system_end",
-    "token_length_normalized",
-    "unconditional_likelihood_normalized",
-    "user",
-    "user_begin",
-    "user_end",
-    "video",
-]
+__all__ = sorted({*_lang.__all__, *_LAZY})

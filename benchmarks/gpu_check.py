@@ -3,8 +3,10 @@
 1. decode_attention / extend_attention against torch's scaled_dot_product_attention on the same data
    (Llama-3-8B head shapes, bf16, 32 requests x 4096-token contexts), with their relative difference.
 2. The ceilings of this GPU, measured here: device-to-device copy bandwidth and bf16 matmul throughput.
-3. The Engine on a dummy-weight Llama-3-8B-shaped model: decode tokens/s at batch 1, 32 and 128, and the
-   fraction of the copy bandwidth (batch 1) and of the matmul ceiling (batch 128) that decoding achieves.
+3. The Engine on a dummy-weight Llama-3-8B-shaped model: decode tokens/s at batch 1, 32 and 128 with decode
+   steps replayed from CUDA graphs (the default), the fraction of the copy bandwidth (batch 1) and of the
+   matmul ceiling (batch 128) that decoding achieves, and how many decode steps replayed a graph. Then batch 1
+   again on an Engine with disable_cuda_graph=True (eager decode) and the graphs' speed-up over it.
    A decode step's time = (time of a run with N new tokens - time of a prefill-only run) / (N - 1).
 
 --cpu-smoke runs the same code paths on tiny shapes on the CPU (Triton interpreted) to check the script.
@@ -291,8 +293,10 @@ def step_costs(cfg: dict, batch: int, context: float) -> tuple[float, float]:
 
 
 def engine_decode_steps(cfg_dir: Path, cfg: dict, device: str, dtype: str, batches: list[int],
-                        prompt_len: int, new_tokens: int, on_step: Callable[[int, float], None]) -> None:
-    """Calls on_step(batch, seconds per decode step) as soon as each batch size is measured."""
+                        prompt_len: int, new_tokens: int, on_step: Callable[[int, float], None],
+                        options: dict | None = None, label: str = "") -> dict:
+    """Calls on_step(batch, seconds per decode step) as soon as each batch size is measured; `options` are
+    further Engine options. Returns the Engine's CUDA-graph info (server info) after the runs."""
     rng = random.Random(0)
 
     def prompts(batch: int) -> list[list[int]]:  # fresh random ids each call: no prefix-cache hits
@@ -302,10 +306,13 @@ def engine_decode_steps(cfg_dir: Path, cfg: dict, device: str, dtype: str, batch
     from radixgen.runtime.engine import Engine
 
     biggest = max(batches)
+    start = time.perf_counter()
     eng = Engine(model=str(cfg_dir), load_format="dummy", dtype=dtype, device=device,
                  max_total_tokens=2 * biggest * (prompt_len + new_tokens) + 64,
                  max_running_requests=biggest, max_prefill_tokens=biggest * prompt_len,
-                 chunked_prefill_size=biggest * prompt_len)
+                 chunked_prefill_size=biggest * prompt_len, **(options or {}))
+    what = "model load" if (options or {}).get("disable_cuda_graph") else "model load, CUDA graph capture"
+    report("engine", f"{label}engine start ({what})", f"{time.perf_counter() - start:6.1f} s")
 
     def generate(batch: int, max_new: int) -> float:
         start = time.perf_counter()
@@ -322,30 +329,49 @@ def engine_decode_steps(cfg_dir: Path, cfg: dict, device: str, dtype: str, batch
             generate(batch, 4)  # warm-up: kernel compilation, allocator growth
             prefill_only = generate(batch, 1)
             full = generate(batch, new_tokens)
-            report("engine", f"batch {batch}: prefill-only run / full run",
+            report("engine", f"{label}batch {batch}: prefill-only run / full run",
                    f"{prefill_only:6.2f} s / {full:6.2f} s")
             on_step(batch, max(full - prefill_only, 1e-9) / (new_tokens - 1))
+        return eng.get_server_info().get("cuda_graph", {})
     finally:
         eng.shutdown()
 
 
 def bench_engine(cfg: dict, device: str, dtype: str, batches: list[int], prompt_len: int, new_tokens: int,
-                 ceilings: Ceilings) -> None:
+                 ceilings: Ceilings, steps: dict[str, dict[int, float]], eager: bool = False) -> None:
+    """eager: the same on an Engine with disable_cuda_graph=True. Seconds per decode step go into
+    steps["graph" or "eager"][batch]."""
     context = prompt_len + new_tokens / 2  # the average context during the decode steps
+    kind = "eager" if eager else "graph"
+    label = "eager (disable_cuda_graph) " if eager else ""
+    measured = steps.setdefault(kind, {})
 
     def on_step(batch: int, step: float) -> None:
-        report("engine", f"decode batch {batch}", f"{batch / step:8.1f} tok/s  ({1e3 * step:.2f} ms/step)")
+        measured[batch] = step
+        report("engine", f"{label}decode batch {batch}", f"{batch / step:8.1f} tok/s  ({1e3 * step:.2f} ms/step)")
         nbytes, flops = step_costs(cfg, batch, context)
         if batch == min(batches):  # small batches are bound by reading the weights
-            report("engine", f"batch {batch}: fraction of copy bandwidth",
+            report("engine", f"{label}batch {batch}: fraction of copy bandwidth",
                    f"{nbytes / step / ceilings.bandwidth:8.1%}")
-        if batch == max(batches):  # large batches by the matmuls
+        if batch == max(batches) and not eager:  # large batches by the matmuls
             report("engine", f"batch {batch}: fraction of bf16 matmul peak",
                    f"{flops / step / ceilings.matmul:8.1%}")
+        other = steps.get("eager" if not eager else "graph", {}).get(batch)
+        if other is not None:
+            graph_step, eager_step = (other, step) if eager else (step, other)
+            report("engine", f"batch {batch}: cuda graph speed-up over eager", f"{eager_step / graph_step:8.2f} x")
 
+    options = {"disable_cuda_graph": True} if eager else {}
     with tempfile.TemporaryDirectory(prefix="radixgen-gpucheck-") as tmp:
         cfg_dir = write_model_dir(Path(tmp) / "model", cfg)
-        engine_decode_steps(cfg_dir, cfg, device, dtype, batches, prompt_len, new_tokens, on_step)
+        info = engine_decode_steps(cfg_dir, cfg, device, dtype, batches, prompt_len, new_tokens, on_step,
+                                   options, label)
+    if info.get("enabled"):
+        buckets = info.get("buckets") or [0]
+        report("engine", f"{label}cuda graph decode replays (buckets 1..{buckets[-1]})",
+               f"{info.get('replays', 0):8d}  ({len(buckets)} graphs)")
+    else:
+        report("engine", f"{label}cuda graphs", "    off")
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -414,8 +440,13 @@ def main() -> int:
         batches = [1, 4] if args.cpu_smoke else [1, 32, 128]
         new_tokens = 4 if args.cpu_smoke else args.new_tokens
         prompt_len = 8 if args.cpu_smoke else 128
-        engine = lambda: bench_engine(cfg, device.type, dtype, batches, prompt_len, new_tokens, ceilings[0])
+        steps: dict[str, dict[int, float]] = {}
+        engine = lambda: bench_engine(cfg, device.type, dtype, batches, prompt_len, new_tokens, ceilings[0], steps)
         ok &= run_part("engine", engine)
+        # batch 1 once more with eager decode steps, for the graphs' speed-up
+        eager = lambda: bench_engine(cfg, device.type, dtype, batches[:1], prompt_len, new_tokens, ceilings[0],
+                                     steps, eager=True)
+        ok &= run_part("engine-eager", eager)
 
     width = max(len(r.name) for r in ROWS) if ROWS else 10
     print(f"\n=== radixgen GPU check: {name} ===")

@@ -113,6 +113,8 @@ class RuntimeConfig:
     grammar_json_whitespace: str = "compact"
     enable_jump_forward: bool = False
     num_threads: int = 0  # torch intra-op threads in the scheduler; 0: torch default
+    disable_cuda_graph: bool = False  # CUDA devices: decode steps run eagerly instead of replaying graphs
+    cuda_graph_max_bs: int = 160  # largest decode batch captured (also capped by max_running_requests)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,6 +132,8 @@ class RuntimeConfig:
             raise ValueError(f"max_total_tokens must be >= 0, got {self.max_total_tokens}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.grammar_json_whitespace not in ("compact", "flexible"):
             raise ValueError("grammar_json_whitespace must be 'compact' or 'flexible'")
 

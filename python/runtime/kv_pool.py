@@ -53,10 +53,15 @@ class SlotAllocator:
 
 
 class ReqToSlotTable:
-    """Row r, column j: the slot holding token position j of the request that owns row r."""
+    """Row r, column j: the slot holding token position j of the request that owns row r.
+
+    Rows [0, max_reqs) are handed out; one more row, `padding_row`, never is: all its entries stay 0 (the
+    padding slot), so a padded batch row (CUDA graph buckets) can point at it and read only slot 0.
+    """
 
     def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu") -> None:
-        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        self.table = torch.zeros((max_reqs + 1, max_context), dtype=torch.int64, device=device)
+        self.padding_row = max_reqs
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def available(self) -> int:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
+from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, ReqToSlotTable, SlotAllocator
 from radixgen.runtime.layers.attention import backend_for
@@ -65,6 +66,10 @@ class ModelRunner:
         self.req_table = ReqToSlotTable(cfg.max_running_requests, self.context_length, self.device)
         self.attn_backend = backend_for(self.device)
         logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
+        # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
+        self.cuda_graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+            self.cuda_graph_runner = CudaGraphRunner(self)
 
     def _slots_from_memory(self) -> int:
         mc = self.model_config
@@ -75,9 +80,29 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    def cuda_graph_info(self) -> dict:
+        g = self.cuda_graph_runner
+        return {"enabled": False} if g is None else g.info()
+
     @torch.inference_mode()
     def forward(self, fi: ForwardInput) -> torch.Tensor:
-        """Run the model on one step; return float32 logits (N, V) of `fi.logit_rows`."""
+        """Run the model on one step; return float32 logits (N, V) of `fi.logit_rows`.
+
+        Decode steps the CUDA graph runner covers replay its graphs; everything else runs eagerly."""
+        g = self.cuda_graph_runner
+        if g is not None and g.can_run(fi):
+            return g.replay(fi)
+        return self.forward_eager(fi)
+
+    @torch.inference_mode()
+    def forward_eager(self, fi: ForwardInput) -> torch.Tensor:
+        if self.device.type != "cpu":  # the scheduler builds ids, positions and rows on the host
+            dev = self.device
+            fi = fi._replace(input_ids=fi.input_ids.to(dev, non_blocking=True),
+                             positions=fi.positions.to(dev, non_blocking=True),
+                             out_slots=fi.out_slots.to(dev, non_blocking=True),
+                             req_indices=fi.req_indices.to(dev, non_blocking=True),
+                             logit_rows=fi.logit_rows.to(dev, non_blocking=True))
         ctx = ForwardContext(
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_table.table, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,

@@ -166,6 +166,7 @@ class Scheduler:
             "stats": dict(self.stats),
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
+            "cuda_graph": self.runner.cuda_graph_info(),
         }
 
     # ------------------------------------------------------------------ admission (extend)

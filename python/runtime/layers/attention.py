@@ -2,7 +2,9 @@
 
 Two backends behind one interface: `TorchAttentionBackend` (the CPU path, scaled_dot_product_attention
 on gathered slots) and `TritonAttentionBackend` (radixgen.kernels, picked on CUDA devices). Each has a
-`prepare(ctx)` that derives per-step metadata once, not once per layer.
+`prepare(ctx)` that derives per-step metadata once, not once per layer; the Triton backend also has
+`prepare_static(ctx, seq_lens)`, the decode metadata of a CUDA graph (cuda_graph_runner.py), taken from a
+device tensor instead of host lists.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixgen.kernels import cpu as cpu_kernels
 from radixgen.runtime.forward_context import ForwardContext, get_forward_context
 
 
 class DecodeMeta(NamedTuple):
-    flat_slots: torch.Tensor  # (B * Lmax,) slots of each request's positions; padding past seq_len
+    flat_slots: torch.Tensor | None  # (B * Lmax,) slots of each request's positions; padding past seq_len
     lmax: int
-    mask: torch.Tensor  # (B, 1, 1, Lmax) True where a position is attended
+    mask: torch.Tensor | None  # (B, 1, 1, Lmax) True where a position is attended
+    seq_lens: torch.Tensor  # (B,) int64
+    req_indices: torch.Tensor  # (B,) int64, contiguous
 
 
 class ExtendSpan(NamedTuple):
@@ -30,13 +35,25 @@ class ExtendSpan(NamedTuple):
 
 
 class TorchAttentionBackend:
+    """The CPU path. With radixgen.kernels.cpu built (the usual case) KV stores and decode attention are
+    single C calls that read the pool through the slot table in place; otherwise decode gathers each
+    request's slots and runs scaled_dot_product_attention. Extend always uses scaled_dot_product_attention."""
+
     def prepare(self, ctx: ForwardContext) -> None:
+        ck = cpu_kernels.for_tensor(ctx.kv_pool.k_buffers[0])
+        self.ck = ck if ck is not None and ctx.kv_pool.k_buffers[0].shape[2] <= ck.d_max else None
+        if self.ck is not None:
+            ctx.out_slots = ctx.out_slots.to(torch.int64).contiguous()
         if ctx.is_decode:
             lmax = max(ctx.seq_lens)
             seq_lens = torch.tensor(ctx.seq_lens, dtype=torch.int64)
+            req_indices = ctx.req_indices.to(torch.int64).contiguous()
+            if self.ck is not None:
+                ctx.attn_meta = DecodeMeta(None, lmax, None, seq_lens, req_indices)
+                return
             slot_matrix = ctx.req_to_slot[ctx.req_indices, :lmax]
             mask = (torch.arange(lmax).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-            ctx.attn_meta = DecodeMeta(slot_matrix.reshape(-1), lmax, mask)
+            ctx.attn_meta = DecodeMeta(slot_matrix.reshape(-1), lmax, mask, seq_lens, req_indices)
             return
         spans, start = [], 0
         for row, p, e in zip(ctx.req_indices.tolist(), ctx.prefix_lens, ctx.extend_lens, strict=True):
@@ -53,10 +70,17 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) of the new tokens -> (T, H, D)."""
         k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        k_buf.index_copy_(0, ctx.out_slots, k)
-        v_buf.index_copy_(0, ctx.out_slots, v)
+        ck = self.ck
+        if ck is not None and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
+            cpu_kernels._store_kv(ck, k_buf, v_buf, ctx.out_slots, k, v)
+        else:
+            k_buf.index_copy_(0, ctx.out_slots, k)
+            v_buf.index_copy_(0, ctx.out_slots, v)
         if ctx.is_decode:
             meta: DecodeMeta = ctx.attn_meta
+            if ck is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]:
+                return cpu_kernels._decode_attention(ck, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
+                                                     meta.seq_lens, scale, meta.lmax)
             b, h, d = q.shape
             hkv = k_buf.shape[1]
             # index_select on dim 0 copies whole rows: several times faster than advanced indexing
@@ -92,6 +116,14 @@ class TritonAttentionBackend:
             torch.tensor(ctx.extend_lens, dtype=torch.int64, device=dev),
             torch.tensor(ctx.seq_lens, dtype=torch.int64, device=dev),
         )
+
+    def prepare_static(self, ctx: ForwardContext, seq_lens: torch.Tensor) -> None:
+        """Decode metadata for a CUDA graph: `seq_lens` (B,) is a device tensor that stays where it is between
+        replays (the graph runner's static buffer), so no host list is read and nothing is allocated here.
+        ctx's prefix_lens / extend_lens lists are not used (inside a graph they describe the capture batch)."""
+        if not ctx.is_decode:
+            raise ValueError("prepare_static is for decode steps only")
+        ctx.attn_meta = (None, None, seq_lens)
 
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         from radixgen import kernels

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from radixgen.kernels import cpu as cpu_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -37,7 +39,12 @@ class RotaryEmbedding(nn.Module):
     _last: tuple = (None, None, None)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q (T, Hq, D), k (T, Hk, D) -> rotated copies."""
+        """q (T, Hq, D), k (T, Hk, D) -> rotated q, k: in place by the CPU kernel, else rotated copies."""
+        ck = cpu_kernels.for_tensor(q)
+        if (ck is not None and positions.dtype == torch.int64 and positions.is_contiguous()
+                and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == self.head_dim):
+            cpu_kernels._rotary(ck, positions, q, k, self.cos_sin_cache)
+            return q, k
         # every layer of a step passes the same positions tensor: look the table up once per step
         last_pos, last_dtype, cos_sin = self._last
         if positions is not last_pos or q.dtype != last_dtype:

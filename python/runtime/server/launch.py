@@ -40,6 +40,11 @@ _ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--chunked-prefill-size": ("chunked_prefill_size", {"type": int}),
     "--schedule-policy": ("schedule_policy", {"choices": ["lpm", "dfs-weight", "fcfs"]}),
     "--disable-radix-cache": ("disable_radix_cache", {"action": "store_true", "default": None}),
+    "--disable-cuda-graph": ("disable_cuda_graph", {"action": "store_true", "default": None}),
+    "--cuda-graph-max-bs": (
+        "cuda_graph_max_bs",
+        {"type": int, "help": "largest decode batch replayed from a CUDA graph (default 160)"},
+    ),
     "--num-threads": (
         "num_threads",
         {"type": int, "help": "torch threads of the scheduler (0: torch's default)"},

@@ -1,0 +1,364 @@
+"""CPU kernels in C (csrc/cpu_kernels.c), built on first use with the system C compiler and called through
+ctypes: decode attention through the slot table, KV store, fused residual-add RMSNorm, SiLU-and-multiply
+and in-place rotary embedding, for float32 and bfloat16 CPU tensors.
+
+They exist because on a small CPU a decode step is dominated by per-op overhead and by copies (gathering a
+batch's KV into contiguous tensors before scaled_dot_product_attention); each kernel here is one call that
+reads the pool in place. The build is cached under ~/.cache/radixgen/kernels (RADIXGEN_KERNEL_CACHE
+overrides), keyed by the source, the flags and the CPU. When no compiler is found or the build fails,
+`available()` is False and callers use their torch path; RADIXGEN_DISABLE_CPU_KERNELS=1 forces that.
+
+Each public function checks its arguments and has a torch reference with the same signature (`<name>_ref`);
+the runtime calls the unchecked `lib()` entry points directly on its hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_contiguous, check_dim, check_tensor, expect
+
+logger = logging.getLogger(__name__)
+
+_SRC_DIR = Path(__file__).parent / "csrc"
+_SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = tuple(_SUFFIX)
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P],
+    "add_rmsnorm": [_P, _I, _P, _P, _P, _I, _I, _F],
+    "silu_and_mul": [_P, _P, _I, _I],
+    "rotary": [_P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
+}
+
+_lock = threading.Lock()
+_lib: CKernels | None = None
+_failed: str | None = None
+_enabled = True
+
+
+class CKernels:
+    """The loaded library: `fn(name, dtype)` is the ctypes function of that kernel for that dtype."""
+
+    def __init__(self, path: Path) -> None:
+        self.cdll = ctypes.CDLL(str(path))
+        self.d_max = self.cdll.rg_d_max()
+        self._fns = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                f = getattr(self.cdll, f"rg_{name}_{suffix}")
+                f.argtypes, f.restype = argtypes, None
+                self._fns[name, dtype] = f
+
+    def fn(self, name: str, dtype: torch.dtype):
+        return self._fns[name, dtype]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RADIXGEN_KERNEL_CACHE") or Path.home() / ".cache" / "radixgen" / "kernels"
+    return Path(root)
+
+
+def _build_key(cc: str) -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_SRC_DIR / name).read_bytes())
+    h.update(" ".join((cc, *_FLAGS)).encode())
+    h.update(platform.machine().encode())
+    try:  # -march=native: a different CPU needs a different build
+        h.update(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+                 .encode())
+    except (OSError, StopIteration):
+        pass
+    return h.hexdigest()[:16]
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc/gcc); set CC")
+    out = _cache_dir() / f"cpu_kernels-{_build_key(cc)}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build into a temporary name and rename: concurrent builders (test workers, server processes) never
+    # load a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *_FLAGS, "-o", tmp, str(_SRC_DIR / "cpu_kernels.c")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def lib() -> CKernels | None:
+    """The loaded kernels, building them on the first call; None when disabled or the build failed."""
+    global _lib, _failed
+    if not _enabled:
+        return None
+    if _lib is not None or _failed is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failed is None:
+            if os.environ.get("RADIXGEN_DISABLE_CPU_KERNELS", "") not in ("", "0"):
+                _failed = "disabled by RADIXGEN_DISABLE_CPU_KERNELS"
+            else:
+                try:
+                    _lib = CKernels(_build())
+                except (RuntimeError, OSError) as exc:
+                    _failed = str(exc)
+                    logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
+    return _lib
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within this block `lib()` is None, so callers take their torch path (tests compare the two)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def for_tensor(t: torch.Tensor) -> CKernels | None:
+    """The kernels when they apply to `t` (a float32 or bfloat16 CPU tensor), else None."""
+    if not t.is_cpu or t.dtype not in _SUFFIX:
+        return None
+    return lib()
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def unavailable_reason() -> str | None:
+    lib()
+    return _failed
+
+
+def _require() -> CKernels:
+    k = lib()
+    if k is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_failed}")
+    return k
+
+
+def _check_cpu(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        expect(t.device.type == "cpu", f"{name} must be a CPU tensor, got device {t.device}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------- store_kv
+
+
+def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write k/v (T, Hkv, D) (rows may be strided; heads and dims contiguous) into the buffers at `slots`."""
+    check_tensor("k_buffer", k_buffer, 3, DTYPES)
+    check_contiguous("k_buffer", k_buffer)
+    check_contiguous("v_buffer", v_buffer)
+    expect(v_buffer.shape == k_buffer.shape and v_buffer.dtype == k_buffer.dtype,
+           "v_buffer must match k_buffer's shape and dtype")
+    check_tensor("slots", slots, 1, (torch.int64,))
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, 3, (k_buffer.dtype,))
+        check_dim(name, t, 0, slots.shape[0], "one row per slot")
+        expect(t.shape[1:] == k_buffer.shape[1:], f"{name} rows must be {tuple(k_buffer.shape[1:])}")
+        expect(t.stride(2) == 1 and t.stride(1) == t.shape[2], f"{name} heads and dims must be contiguous")
+    _check_cpu(k_buffer=k_buffer, v_buffer=v_buffer, slots=slots, k=k, v=v)
+    slots = slots.contiguous()
+    expect(slots.numel() == 0 or (int(slots.min()) >= 0 and int(slots.max()) < k_buffer.shape[0]),
+           f"slots must lie in [0, {k_buffer.shape[0]})")
+    _store_kv(_require(), k_buffer, v_buffer, slots, k, v)
+
+
+def _store_kv(kl: CKernels, k_buffer, v_buffer, slots, k, v) -> None:
+    kl.fn("store_kv", k_buffer.dtype)(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_buffer.data_ptr(),
+                                      v_buffer.data_ptr(), slots.data_ptr(), slots.shape[0],
+                                      k_buffer.shape[1] * k_buffer.shape[2])
+
+
+def store_kv_ref(k_buffer, v_buffer, slots, k, v) -> None:
+    k_buffer.index_copy_(0, slots, k)
+    v_buffer.index_copy_(0, slots, v)
+
+
+# ------------------------------------------------------------------------------------- decode attention
+
+
+def num_splits(batch: int, num_kv_heads: int, max_len: int, threads: int) -> int:
+    """Pieces per (request, KV head) along the context: enough work items for every thread, none shorter
+    than 256 positions."""
+    items = batch * num_kv_heads
+    if items >= 4 * threads:
+        return 1
+    return max(1, min(-(-4 * threads // items), max_len // 256))
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_slot: torch.Tensor,
+                     req_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q (B, Hq, D) (rows may be strided) -> o (B, Hq, D): request b attends to the first seq_lens[b] slots
+    of row req_indices[b] of req_to_slot (R, C), int64 everywhere."""
+    check_tensor("q", q, 3, DTYPES)
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_tensor(name, t, 3, (q.dtype,))
+        check_contiguous(name, t)
+        check_dim(name, t, 2, q.shape[2], "head_dim")
+    expect(q.shape[1] % k_buffer.shape[1] == 0, f"query heads ({q.shape[1]}) must be a multiple of KV heads "
+           f"({k_buffer.shape[1]})")
+    expect(q.stride(2) == 1 and q.stride(1) == q.shape[2], "q heads and dims must be contiguous")
+    check_tensor("req_to_slot", req_to_slot, 2, (torch.int64,))
+    expect(req_to_slot.stride(1) == 1, "req_to_slot rows must be contiguous")
+    check_tensor("req_indices", req_indices, 1, (torch.int64,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int64,))
+    check_dim("req_indices", req_indices, 0, q.shape[0], "batch")
+    check_dim("seq_lens", seq_lens, 0, q.shape[0], "batch")
+    expect(isinstance(sm_scale, (int, float)) and sm_scale > 0, f"sm_scale must be positive, got {sm_scale!r}")
+    _check_cpu(q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_slot=req_to_slot, req_indices=req_indices,
+               seq_lens=seq_lens)
+    kl = _require()
+    expect(q.shape[2] <= kl.d_max, f"head_dim {q.shape[2]} exceeds {kl.d_max}")
+    if q.shape[0]:
+        expect(int(seq_lens.min()) >= 1 and int(seq_lens.max()) <= req_to_slot.shape[1],
+               f"seq_lens must lie in [1, {req_to_slot.shape[1]}]")
+        expect(int(req_indices.min()) >= 0 and int(req_indices.max()) < req_to_slot.shape[0],
+               f"req_indices must lie in [0, {req_to_slot.shape[0]})")
+    return _decode_attention(kl, q, k_buffer, v_buffer, req_to_slot, req_indices.contiguous(),
+                             seq_lens.contiguous(), float(sm_scale), int(seq_lens.max()) if q.shape[0] else 0)
+
+
+def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale: float,
+                      max_len: int) -> torch.Tensor:
+    b, h, d = q.shape
+    hkv = k_buffer.shape[1]
+    out = torch.empty((b, h, d), dtype=q.dtype)
+    if b == 0:
+        return out
+    splits = num_splits(b, hkv, max_len, torch.get_num_threads())
+    part = torch.empty(b * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
+    kl.fn("decode_attention", q.dtype)(
+        q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_slot.data_ptr(),
+        req_to_slot.stride(0), req_indices.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d,
+        sm_scale, splits, part.data_ptr())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ elementwise
+
+
+def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    check_tensor(name, t, 2, (dtype,) if dtype else DTYPES)
+    expect(t.stride(1) == 1, f"{name} must have unit stride along its last dim, got strides {t.stride()}")
+
+
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rmsnorm(x [+ residual]) * weight for x (T, N); with `residual` (T, N contiguous) the sum is stored
+    into `residual` in place. Returns a new (T, N) tensor."""
+    _check_rows("x", x)
+    check_tensor("weight", weight, 1, (x.dtype,))
+    check_contiguous("weight", weight)
+    check_dim("weight", weight, 0, x.shape[1], "hidden size")
+    if residual is not None:
+        _check_rows("residual", residual, x.dtype)
+        check_contiguous("residual", residual)
+        expect(residual.shape == x.shape, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    expect(eps > 0, f"eps must be positive, got {eps!r}")
+    _check_cpu(x=x, weight=weight, **({"residual": residual} if residual is not None else {}))
+    return _add_rmsnorm(_require(), x, weight, float(eps), residual)
+
+
+def _add_rmsnorm(kl: CKernels, x, weight, eps: float, residual) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kl.fn("add_rmsnorm", x.dtype)(x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                                  x.shape[0], x.shape[1], eps)
+    return out
+
+
+def add_rmsnorm_ref(x, weight, eps, residual=None) -> torch.Tensor:
+    if residual is not None:
+        residual.copy_(x + residual)
+        x = residual
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2N) gate|up, contiguous -> (T, N) silu(gate) * up."""
+    _check_rows("x", x)
+    check_contiguous("x", x)
+    expect(x.shape[1] % 2 == 0, f"x's last dim must be even (gate|up), got {x.shape[1]}")
+    _check_cpu(x=x)
+    return _silu_and_mul(_require(), x)
+
+
+def _silu_and_mul(kl: CKernels, x) -> torch.Tensor:
+    n = x.shape[1] // 2
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    kl.fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.shape[0], n)
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotate-half rotary embedding in place on q (T, Hq, D) and k (T, Hk, D) (rows may be strided, heads
+    and dims contiguous); cos_sin_cache (P, D) float32 holds cos in its first D/2 columns, sin in the rest."""
+    check_tensor("positions", positions, 1, (torch.int64,))
+    check_tensor("q", q, 3, DTYPES)
+    check_tensor("k", k, 3, (q.dtype,))
+    check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,))
+    check_contiguous("cos_sin_cache", cos_sin_cache)
+    d = q.shape[2]
+    expect(d % 2 == 0 and k.shape[2] == d and cos_sin_cache.shape[1] == d,
+           f"q, k and cos_sin_cache must share an even head_dim, got {d}, {k.shape[2]}, {cos_sin_cache.shape[1]}")
+    for name, t in (("q", q), ("k", k)):
+        check_dim(name, t, 0, positions.shape[0], "one row per position")
+        expect(t.stride(2) == 1 and t.stride(1) == d, f"{name} heads and dims must be contiguous")
+    _check_cpu(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+    positions = positions.contiguous()
+    expect(positions.numel() == 0 or (int(positions.min()) >= 0 and int(positions.max()) < cos_sin_cache.shape[0]),
+           f"positions must lie in [0, {cos_sin_cache.shape[0]})")
+    _rotary(_require(), positions, q, k, cos_sin_cache)
+
+
+def _rotary(kl: CKernels, positions, q, k, cos_sin_cache) -> None:
+    kl.fn("rotary", q.dtype)(positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(),
+                             k.stride(0), k.shape[1], cos_sin_cache.data_ptr(), q.shape[2], q.shape[0])
+
+
+def rotary_ref_(positions, q, k, cos_sin_cache) -> None:
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for t in (q, k):
+        x1, x2 = t.float().chunk(2, dim=-1)
+        t.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

@@ -1,0 +1,202 @@
+/* One dtype's instantiation of the CPU kernels; cpu_kernels.c includes this file once per element type
+ * with T (storage type), LD(x) (to float), ST(f) (from float) and FN(name) (name with a dtype suffix).
+ * Every kernel computes in float32. Tensors are passed as base pointers plus the strides that vary. */
+
+/* Write this step's K and V rows into the pool: row t goes to slot slots[t]. */
+void FN(store_kv)(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T *k_buf, T *v_buf,
+                         const int64_t *slots, int64_t n_tok, int64_t row_elems) {
+    for (int64_t t = 0; t < n_tok; ++t) {
+        memcpy(k_buf + slots[t] * row_elems, k + t * k_stride, (size_t)row_elems * sizeof(T));
+        memcpy(v_buf + slots[t] * row_elems, v + t * v_stride, (size_t)row_elems * sizeof(T));
+    }
+}
+
+/* One piece of decode attention: the G query rows qf (already scaled, float32) of one KV head h against
+ * positions j0 .. j0+n-1 of one request. Leaves per query row [max score, sum of exponentials, D unnormalised
+ * outputs] in pr. Inlined with D a constant for the common head sizes, so the row loops fully unroll. */
+static inline __attribute__((always_inline)) void FN(attend_piece)(
+    const float *qf, const T *k_buf, const T *v_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h,
+    int64_t G, const int64_t D, float *sc, float *pr) {
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + PREFETCH < n) prefetch_row(k_buf + (slots[j + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+        const T *kr = k_buf + (slots[j] * Hkv + h) * D;
+        float kf[D_MAX];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kf[d] = LD(kr[d]);
+        for (int64_t g = 0; g < G; ++g) {
+            const float *qg = qf + g * D;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; ++d) acc += qg[d] * kf[d];
+            sc[g * n + j] = acc;
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float *sg = sc + g * n;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) m = sg[j] > m ? sg[j] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+            sg[j] = exp_f32(sg[j] - m);
+            sum += sg[j];
+        }
+        pr[g * (D + 2)] = m;
+        pr[g * (D + 2) + 1] = sum;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float o[D_MAX];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        const float *pg = sc + g * n;
+        for (int64_t j = 0; j < n; ++j) {
+            if (g == 0 && j + PREFETCH < n)
+                prefetch_row(v_buf + (slots[j + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+            const T *vr = v_buf + (slots[j] * Hkv + h) * D;
+            const float p = pg[j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += p * LD(vr[d]);
+        }
+        float *po = pr + g * (D + 2) + 2;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) po[d] = o[d];
+    }
+}
+
+/* Decode attention through the request->slot table.
+ * q (B, H, D) with row stride q_stride, head stride D; out (B, H, D) contiguous.
+ * k_buf / v_buf (slots, Hkv, D). The query heads h*G .. h*G+G-1 share KV head h.
+ * Each (request, KV head) is cut into `splits` pieces along the context so that a few long requests still
+ * use every thread; a piece leaves its running max, its sum of exponentials and its unnormalised output
+ * in `part`, and the pieces are merged at the end. */
+void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
+                          const int64_t *table, int64_t table_stride, const int64_t *rows,
+                          const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                          float scale, int64_t splits, float *part) {
+    const int64_t G = H / Hkv;
+    const int64_t part_len = G * (D + 2); /* per (b, h, split): G x [max, sum, D outputs] */
+    const int64_t n_items = B * Hkv * splits;
+#pragma omp parallel
+    {
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(G * D));
+        float *sc = NULL;
+        int64_t sc_cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n_items; ++item) {
+            const int64_t s = item % splits, bh = item / splits;
+            const int64_t b = bh / Hkv, h = bh % Hkv;
+            const int64_t L = seq_lens[b];
+            const int64_t chunk = (L + splits - 1) / splits;
+            const int64_t j0 = s * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
+            float *pr = part + item * part_len;
+            if (j1 <= j0) { /* an empty piece: contributes nothing */
+                for (int64_t g = 0; g < G; ++g) { pr[g * (D + 2)] = -INFINITY; pr[g * (D + 2) + 1] = 0.f; }
+                continue;
+            }
+            const int64_t n = j1 - j0;
+            if (n * G > sc_cap) {
+                free(sc);
+                sc_cap = n * G;
+                sc = (float *)malloc(sizeof(float) * (size_t)sc_cap);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const T *qr = q + b * q_stride + (h * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LD(qr[d]) * scale;
+            }
+            const int64_t *slots = table + rows[b] * table_stride + j0;
+            switch (D) {
+            case 64: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
+            case 128: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
+            default: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
+            }
+        }
+        free(sc);
+        free(qf);
+    }
+    /* merge the pieces of each (request, query head) */
+#pragma omp parallel for if (B * H * splits > 64)
+    for (int64_t bq = 0; bq < B * H; ++bq) {
+        const int64_t b = bq / H, hq = bq % H, h = hq / G, g = hq % G;
+        const float *first = part + ((b * Hkv + h) * splits) * part_len + g * (D + 2);
+        float m = -INFINITY;
+        for (int64_t s = 0; s < splits; ++s) {
+            const float ms = first[s * part_len];
+            m = ms > m ? ms : m;
+        }
+        float acc[D_MAX];
+        float total = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int64_t s = 0; s < splits; ++s) {
+            const float *pr = first + s * part_len;
+            if (pr[1] == 0.f) continue;
+            const float w = exp_f32(pr[0] - m);
+            total += w * pr[1];
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * pr[2 + d];
+        }
+        T *o = out + (b * H + hq) * D;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = ST(acc[d] * inv);
+    }
+}
+
+/* out = rmsnorm(x [+ residual]) * weight, per row of N. With a residual, the sum (rounded to T, as the
+ * unfused torch code rounds it) is written back into `residual` first. x rows have stride x_stride. */
+void FN(add_rmsnorm)(const T *x, int64_t x_stride, T *residual, const T *weight, T *out, int64_t n_rows,
+                     int64_t N, float eps) {
+#pragma omp parallel for if (n_rows * N >= 65536)
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const T *xr = x + r * x_stride;
+        T *o = out + r * N;
+        float ss = 0.f;
+        if (residual) {
+            T *rr = residual + r * N;
+            for (int64_t i = 0; i < N; ++i) {
+                rr[i] = ST(LD(xr[i]) + LD(rr[i]));
+            }
+            xr = rr;
+        }
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < N; ++i) {
+            const float v = LD(xr[i]);
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)N + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) o[i] = ST(LD(weight[i]) * (LD(xr[i]) * inv));
+    }
+}
+
+/* (rows, 2N) gate|up -> (rows, N) silu(gate) * up; silu's result is rounded to T before the product. */
+void FN(silu_and_mul)(const T *x, T *out, int64_t n_rows, int64_t N) {
+#pragma omp parallel for if (n_rows * N >= 65536)
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const T *g = x + r * 2 * N, *u = g + N;
+        T *o = out + r * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) {
+            const float a = LD(g[i]);
+            const float s = LD(ST(a / (1.f + exp_f32(-a))));
+            o[i] = ST(s * LD(u[i]));
+        }
+    }
+}
+
+/* In-place rotate-half rotary embedding of q (T, Hq, D) and k (T, Hk, D); heads are D apart, rows
+ * q_stride / k_stride apart. cos_sin (P, D) float32: cos in the first D/2 columns, sin in the rest. */
+void FN(rotary)(const int64_t *positions, T *q, int64_t q_stride, int64_t Hq, T *k, int64_t k_stride,
+                int64_t Hk, const float *cos_sin, int64_t D, int64_t n_tok) {
+    const int64_t half = D / 2;
+#pragma omp parallel for if (n_tok * (Hq + Hk) * D >= 65536)
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const float *c = cos_sin + positions[t] * D, *s = c + half;
+        for (int64_t hh = 0; hh < Hq + Hk; ++hh) {
+            T *x = hh < Hq ? q + t * q_stride + hh * D : k + t * k_stride + (hh - Hq) * D;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = LD(x[i]), x2 = LD(x[i + half]);
+                x[i] = ST(x1 * c[i] - x2 * s[i]);
+                x[i + half] = ST(x2 * c[i] + x1 * s[i]);
+            }
+        }
+    }
+}

@@ -212,13 +212,12 @@ def store_kv_ref(k_buffer, v_buffer, slots, k, v) -> None:
 # ------------------------------------------------------------------------------------- decode attention
 
 
-def num_splits(batch: int, num_kv_heads: int, max_len: int, threads: int) -> int:
-    """Pieces per (request, KV head) along the context: enough work items for every thread, none shorter
-    than 256 positions."""
-    items = batch * num_kv_heads
-    if items >= 4 * threads:
+def num_splits(batch: int, max_len: int, threads: int) -> int:
+    """Pieces per request along the context: at least 4 work items per thread when the contexts allow it,
+    no piece shorter than 64 positions."""
+    if batch >= 4 * threads:
         return 1
-    return max(1, min(-(-4 * threads // items), max_len // 256))
+    return max(1, min(-(-4 * threads // batch), max_len // 64))
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_slot: torch.Tensor,
@@ -260,7 +259,7 @@ def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indi
     out = torch.empty((b, h, d), dtype=q.dtype)
     if b == 0:
         return out
-    splits = num_splits(b, hkv, max_len, torch.get_num_threads())
+    splits = num_splits(b, max_len, torch.get_num_threads())
     part = torch.empty(b * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
     kl.fn("decode_attention", q.dtype)(
         q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_slot.data_ptr(),

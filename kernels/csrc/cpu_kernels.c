@@ -54,24 +54,52 @@ static inline float exp_f32(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* v[0..15] hold 16 partial sums each, one vector per key; returns the vector of the 16 keys' totals.
+ * Each round adds even lanes to odd lanes across a pair of vectors, halving the partials per key and
+ * packing two keys' halves into one vector; after four rounds lane i is key i's total. */
+static inline __m512 hsum16(__m512 v[16]) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int w = 16; w > 1; w /= 2)
+        for (int i = 0; i < w / 2; ++i)
+            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], even, v[2 * i + 1]),
+                                 _mm512_permutex2var_ps(v[2 * i], odd, v[2 * i + 1]));
+    return v[0];
+}
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 int rg_d_max(void) { return D_MAX; }
 
 #define T float
 #define LD(x) (x)
 #define ST(f) (f)
 #define FN(name) rg_##name##_f32
+#define LOAD16(p) load16_f32(p)
 #include "cpu_kernels_impl.h"
 #undef T
 #undef LD
 #undef ST
 #undef FN
+#undef LOAD16
 
 #define T uint16_t
 #define LD(x) bf16_to_f32(x)
 #define ST(f) f32_to_bf16(f)
 #define FN(name) rg_##name##_bf16
+#define LOAD16(p) load16_bf16(p)
 #include "cpu_kernels_impl.h"
 #undef T
 #undef LD
 #undef ST
 #undef FN
+#undef LOAD16

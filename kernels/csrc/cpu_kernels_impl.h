@@ -11,13 +11,47 @@ void FN(store_kv)(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T 
     }
 }
 
+#if defined(__AVX512F__)
+/* Scores of the G query rows against keys j .. j+15 of a piece, 16 keys at a time: each (row, key) dot
+ * product leaves a vector of 16 partial sums and hsum16 turns 16 of them into 16 scores with no
+ * per-key horizontal reduction. D must be a multiple of 16. Returns how many keys it scored. */
+static inline __attribute__((always_inline)) int64_t FN(qk_blocks16)(
+    const float *qf, const T *k_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h, int64_t G,
+    const int64_t D, float *sc) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const T *kr[16];
+        for (int jj = 0; jj < 16; ++jj) {
+            kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
+            if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const float *qg = qf + g * D;
+            __m512 part[16];
+            for (int jj = 0; jj < 16; ++jj) {
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), LOAD16(kr[jj]));
+                for (int64_t d = 16; d < D; d += 16)
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), LOAD16(kr[jj] + d), acc);
+                part[jj] = acc;
+            }
+            _mm512_storeu_ps(sc + g * n + j, hsum16(part));
+        }
+    }
+    return j;
+}
+#endif
+
 /* One piece of decode attention: the G query rows qf (already scaled, float32) of one KV head h against
  * positions j0 .. j0+n-1 of one request. Leaves per query row [max score, sum of exponentials, D unnormalised
  * outputs] in pr. Inlined with D a constant for the common head sizes, so the row loops fully unroll. */
 static inline __attribute__((always_inline)) void FN(attend_piece)(
     const float *qf, const T *k_buf, const T *v_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h,
     int64_t G, const int64_t D, float *sc, float *pr) {
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j0 = 0;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) j0 = FN(qk_blocks16)(qf, k_buf, slots, n, Hkv, h, G, D, sc);
+#endif
+    for (int64_t j = j0; j < n; ++j) {
         if (j + PREFETCH < n) prefetch_row(k_buf + (slots[j + PREFETCH] * Hkv + h) * D, D * sizeof(T));
         const T *kr = k_buf + (slots[j] * Hkv + h) * D;
         float kf[D_MAX];
@@ -75,39 +109,42 @@ void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T 
                           float scale, int64_t splits, float *part) {
     const int64_t G = H / Hkv;
     const int64_t part_len = G * (D + 2); /* per (b, h, split): G x [max, sum, D outputs] */
-    const int64_t n_items = B * Hkv * splits;
+    const int64_t n_items = B * splits;
 #pragma omp parallel
     {
         float *qf = (float *)malloc(sizeof(float) * (size_t)(G * D));
         float *sc = NULL;
         int64_t sc_cap = 0;
+        /* one work item = one piece of one request, all its KV heads: the heads of a slot share its row,
+         * so the item streams whole rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n_items; ++item) {
-            const int64_t s = item % splits, bh = item / splits;
-            const int64_t b = bh / Hkv, h = bh % Hkv;
+            const int64_t b = item / splits, s = item % splits;
             const int64_t L = seq_lens[b];
             const int64_t chunk = (L + splits - 1) / splits;
             const int64_t j0 = s * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
-            float *pr = part + item * part_len;
-            if (j1 <= j0) { /* an empty piece: contributes nothing */
-                for (int64_t g = 0; g < G; ++g) { pr[g * (D + 2)] = -INFINITY; pr[g * (D + 2) + 1] = 0.f; }
-                continue;
-            }
-            const int64_t n = j1 - j0;
+            const int64_t n = j1 > j0 ? j1 - j0 : 0;
             if (n * G > sc_cap) {
                 free(sc);
                 sc_cap = n * G;
                 sc = (float *)malloc(sizeof(float) * (size_t)sc_cap);
             }
-            for (int64_t g = 0; g < G; ++g) {
-                const T *qr = q + b * q_stride + (h * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LD(qr[d]) * scale;
-            }
             const int64_t *slots = table + rows[b] * table_stride + j0;
-            switch (D) {
-            case 64: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
-            case 128: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
-            default: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
+            for (int64_t h = 0; h < Hkv; ++h) {
+                float *pr = part + ((b * Hkv + h) * splits + s) * part_len;
+                if (n == 0) { /* an empty piece: contributes nothing */
+                    for (int64_t g = 0; g < G; ++g) { pr[g * (D + 2)] = -INFINITY; pr[g * (D + 2) + 1] = 0.f; }
+                    continue;
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    const T *qr = q + b * q_stride + (h * G + g) * D;
+                    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LD(qr[d]) * scale;
+                }
+                switch (D) {
+                case 64: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
+                case 128: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
+                default: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
+                }
             }
         }
         free(sc);

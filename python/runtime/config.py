@@ -113,6 +113,7 @@ class RuntimeConfig:
     grammar_json_whitespace: str = "compact"
     enable_jump_forward: bool = False
     num_threads: int = 0  # torch intra-op threads in the scheduler; 0: torch default
+    disable_cpu_kernels: bool = False  # CPU: plain torch ops instead of the C kernels and oneDNN-packed weights
     disable_cuda_graph: bool = False  # CUDA devices: decode steps run eagerly instead of replaying graphs
     cuda_graph_max_bs: int = 160  # largest decode batch captured (also capped by max_running_requests)
     extra: dict = field(default_factory=dict)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from radixgen.kernels import cpu as cpu_kernels
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
@@ -59,6 +61,9 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed)
         self.model = model.eval()
+        if self.device.type == "cpu" and not cfg.disable_cpu_kernels:
+            packed = sum(bool(m.pack_for_cpu()) for m in model.modules() if hasattr(m, "pack_for_cpu"))
+            logger.info("%d matmul weights packed for oneDNN", packed)
 
         num_slots = cfg.max_total_tokens or self._slots_from_memory()
         self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
@@ -108,7 +113,10 @@ class ModelRunner:
             req_to_slot=self.req_table.table, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
             extend_lens=fi.extend_lens, backend=self.attn_backend,
         )
-        self.attn_backend.prepare(ctx)
-        with forward_context(ctx):
-            hidden = self.model(fi.input_ids, fi.positions)
-        return self.model.compute_logits(hidden[fi.logit_rows])
+        with contextlib.ExitStack() as stack:
+            if self.runtime_config.disable_cpu_kernels:
+                stack.enter_context(cpu_kernels.disabled())
+            self.attn_backend.prepare(ctx)
+            with forward_context(ctx):
+                hidden = self.model(fi.input_ids, fi.positions)
+            return self.model.compute_logits(hidden[fi.logit_rows])

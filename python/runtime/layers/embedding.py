@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixgen.runtime.layers.linear import TPInfo
+from radixgen.runtime.layers.linear import TPInfo, pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,8 +30,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> vocabulary logits; shares the embedding's weight when the model ties them."""
 
+    packed: torch.Tensor | None = None
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_for_cpu(self) -> bool:
+        """A oneDNN-packed copy of the (possibly tied) weight for the matmul; see linear.pack_weight."""
+        self.packed = pack_weight(self.weight)
+        return self.packed is not None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(hidden, self.packed, None)
         return F.linear(hidden, self.weight)

@@ -11,6 +11,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int = 1) -> torch.Tensor | None:
+    """On the CPU, `weight` (out, in) reordered into oneDNN's blocked layout, which its matmul streams
+    1.3-2x faster than a plain row-major weight at every batch size (measured by bench_forward); None
+    where that does not apply (another device or dtype, or a torch without oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class TPInfo:
     rank: int = 0
     size: int = 1
@@ -33,11 +51,20 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def pack_for_cpu(self) -> bool:
+        """After the weights are loaded: keep a oneDNN-packed copy for the matmul (the dense weight stays
+        the parameter, so checkpoints and tests read it unchanged). Returns whether it packed."""
+        self.packed = pack_weight(self.weight)
+        return self.packed is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -40,6 +40,7 @@ _ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--chunked-prefill-size": ("chunked_prefill_size", {"type": int}),
     "--schedule-policy": ("schedule_policy", {"choices": ["lpm", "dfs-weight", "fcfs"]}),
     "--disable-radix-cache": ("disable_radix_cache", {"action": "store_true", "default": None}),
+    "--disable-cpu-kernels": ("disable_cpu_kernels", {"action": "store_true", "default": None}),
     "--disable-cuda-graph": ("disable_cuda_graph", {"action": "store_true", "default": None}),
     "--cuda-graph-max-bs": (
         "cuda_graph_max_bs",

@@ -103,10 +103,14 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cc, *_FLAGS, "-o", tmp, str(_SRC_DIR / "cpu_kernels.c")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        error = proc.stderr[-2000:] if proc.returncode != 0 else None
+    except OSError as exc:
+        error = str(exc)
+    if error is not None:
         os.unlink(tmp)
-        raise RuntimeError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{error}")
     os.replace(tmp, out)
     return out
 

@@ -56,13 +56,18 @@ class Driver:
         return out
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# "c": the CPU path with radixgen.kernels.cpu and oneDNN-packed weights (the default); "torch": plain torch ops
+PATHS = ["c", "torch"]
+
+
+@pytest.fixture(scope="module", params=[(a, p) for a in ARCHS for p in PATHS], ids=lambda ap: f"{ap[0]}-{ap[1]}")
 def pair(request):
     import transformers as tf
 
-    folder = tiny_model_dir(request.param)
+    arch, path = request.param
+    folder = tiny_model_dir(arch)
     runner = ModelRunner(RuntimeConfig(model=str(folder), dtype="float32", max_total_tokens=4096,
-                                       max_running_requests=8))
+                                       max_running_requests=8, disable_cpu_kernels=path == "torch"))
     ref = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return runner, ref
 
@@ -115,3 +120,33 @@ def test_decode_steps_of_requests_started_at_different_times(pair):
         last = {k: v[-1] for k, v in out.items()}
         for k in last:
             assert rel_err(last[k], ref_logits(ref, seqs[k])[-1]) < TOL, (step, k)
+
+
+def test_each_path_runs_the_kernels_it_claims(pair, monkeypatch):
+    """The "c" runs really go through the C kernels and packed weights, the "torch" runs through neither."""
+    from radixgen.kernels import cpu
+
+    runner, _ = pair
+    c_path = not runner.runtime_config.disable_cpu_kernels
+    calls: dict[str, int] = {}
+    for name in ("_decode_attention", "_store_kv", "_add_rmsnorm", "_silu_and_mul", "_rotary"):
+        real = getattr(cpu, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu, name, counted)
+    d = Driver(runner, seed=7)
+    (a,) = prompts(1, [6], seed=8)
+    d.step({"a": a})
+    d.step({"a": [5]})  # one decode step
+    layers = runner.model_config.num_layers
+    if c_path:
+        assert calls["_decode_attention"] == layers and calls["_store_kv"] == 2 * layers
+        assert calls["_add_rmsnorm"] == 2 * (2 * layers + 1) and calls["_silu_and_mul"] == 2 * layers
+        assert calls["_rotary"] == 2 * layers
+        assert runner.model.layers[0].mlp.down_proj.packed is not None
+    else:
+        assert calls == {}
+        assert runner.model.layers[0].mlp.down_proj.packed is None

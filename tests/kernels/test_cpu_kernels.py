@@ -1,0 +1,164 @@
+"""radixgen.kernels.cpu (the C kernels of the CPU path) against their torch references on fresh random inputs:
+unequal request lengths, scattered slots, GQA ratios 1/3/4, head sizes on and off the vectorised fast path,
+strided inputs, float32 and bfloat16; plus argument errors and the fallback when the build fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_testutil import TOL, make_pool, rel_err
+
+from radixgen.kernels import cpu, decode_attention_ref, store_kv_ref
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+DTYPES = [torch.float32, torch.bfloat16]
+# fp32 kernels agree with the fp32 references to rounding; bf16 ones round their output once
+CTOL = {torch.float32: 1e-5, torch.bfloat16: TOL[torch.bfloat16]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (8, 2, 128),
+                                                                     (6, 2, 16), (3, 1, 40)])
+@pytest.mark.parametrize("lens", [[1], [5, 17, 33, 2], [300], [70, 1, 129]])
+def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, lens, gen, poison):
+    pool = make_pool(lens, num_kv_heads, head_dim, dtype, max_context_len=320, gen=gen)
+    # q as a strided view (rows of a wider buffer), as the model passes it (a split of the qkv output)
+    wide = torch.randn(len(lens), num_heads * head_dim + 24, generator=gen).to(dtype)
+    q = wide[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    seq_lens = torch.tensor(lens)
+    out = cpu.decode_attention(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.3)
+    ref = decode_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.3)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) < CTOL[dtype]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 16])
+def test_decode_attention_splits_agree(batch, gen):
+    """Long contexts of a small batch are cut into pieces merged by log-sum-exp; every split count the
+    heuristic can pick gives the single-piece answer."""
+    lens = torch.randint(1, 700, (batch,), generator=gen).tolist()
+    pool = make_pool(lens, 2, 64, torch.float32, max_reqs=batch + 1, max_context_len=700, gen=gen)
+    q = torch.randn(batch, 6, 64, generator=gen)
+    seq_lens = torch.tensor(lens)
+    kl = cpu.lib()
+    one = None
+    for threads in (1, 2, 8, 64):
+        splits = cpu.num_splits(batch, max(lens), threads)
+        assert splits >= 1
+        out = torch.empty_like(q)
+        part = torch.empty(batch * 2 * splits * 3 * 66)
+        kl.fn("decode_attention", torch.float32)(
+            q.data_ptr(), q.stride(0), pool.k_buffer.data_ptr(), pool.v_buffer.data_ptr(),
+            pool.req_to_slot.data_ptr(), pool.req_to_slot.stride(0), pool.req_indices.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), batch, 6, 2, 64, 0.125, splits, part.data_ptr())
+        one = out if one is None else one
+        assert rel_err(out, one) < 1e-6
+    ref = decode_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.125)
+    assert rel_err(one, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_reference(dtype, gen):
+    k_buf = torch.randn(40, 3, 16, generator=gen).to(dtype)
+    v_buf = torch.randn(40, 3, 16, generator=gen).to(dtype)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    slots = torch.randperm(39, generator=gen)[:7] + 1
+    wide = torch.randn(7, 2 * 48 + 8, generator=gen).to(dtype)
+    k, v = wide[:, :48].view(7, 3, 16), wide[:, 48:96].view(7, 3, 16)  # strided rows
+    cpu.store_kv(k_buf, v_buf, slots, k, v)
+    store_kv_ref(k_ref, v_ref, slots, k, v)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_add_rmsnorm_matches_reference(dtype, with_residual, rows, gen, poison):
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = torch.randn(576, generator=gen).to(dtype)
+    res = torch.randn(rows, 576, generator=gen).to(dtype) if with_residual else None
+    res_ref = res.clone() if with_residual else None
+    out = cpu.add_rmsnorm(x, w, 1e-5, res)
+    ref = cpu.add_rmsnorm_ref(x, w, 1e-5, res_ref)
+    assert rel_err(out, ref) < CTOL[dtype]
+    if with_residual:
+        assert torch.equal(res, res_ref)  # the residual sum is rounded to the dtype exactly like torch's add
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul_matches_reference(dtype, rows, gen, poison):
+    x = (3 * torch.randn(rows, 2 * 1536, generator=gen)).to(dtype)
+    assert rel_err(cpu.silu_and_mul(x), cpu.silu_and_mul_ref(x)) < CTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rotary_matches_reference(dtype, head_dim, gen):
+    from radixgen.runtime.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    t = 11
+    qkv = torch.randn(t, (5 + 2 * 1) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, :5 * head_dim].view(t, 5, head_dim)  # strided views of one buffer, as in the model
+    k = qkv[:, 5 * head_dim:6 * head_dim].view(t, 1, head_dim)
+    positions = torch.randint(0, 512, (t,), generator=gen)
+    q_ref, k_ref = q.clone(), k.clone()
+    cpu.rotary_(positions, q, k, rope.cos_sin_cache)
+    cpu.rotary_ref_(positions, q_ref, k_ref, rope.cos_sin_cache)
+    assert rel_err(q, q_ref) < CTOL[dtype] and rel_err(k, k_ref) < CTOL[dtype]
+    # the value part of the buffer is untouched
+    assert torch.equal(qkv[:, 6 * head_dim:], qkv.clone()[:, 6 * head_dim:])
+
+
+def test_bad_arguments_raise_clear_errors(gen):
+    pool = make_pool([4], 2, 16, torch.float32, gen=gen)
+    q = torch.randn(1, 4, 16, generator=gen)
+    args = (pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices)
+    with pytest.raises(ValueError, match="q dtype"):
+        cpu.decode_attention(q.half(), *args, torch.tensor([4]), 0.25)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        cpu.decode_attention(torch.randn(1, 3, 16), *args, torch.tensor([4]), 0.25)
+    with pytest.raises(ValueError, match="seq_lens must lie"):
+        cpu.decode_attention(q, *args, torch.tensor([0]), 0.25)
+    with pytest.raises(ValueError, match="sm_scale"):
+        cpu.decode_attention(q, *args, torch.tensor([4]), -1.0)
+    with pytest.raises(ValueError, match="slots must lie"):
+        cpu.store_kv(pool.k_buffer, pool.v_buffer, torch.tensor([10_000]), torch.randn(1, 2, 16),
+                     torch.randn(1, 2, 16))
+    with pytest.raises(ValueError, match="weight.shape"):
+        cpu.add_rmsnorm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        cpu.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="positions must lie"):
+        cpu.rotary_(torch.tensor([600]), torch.randn(1, 2, 16), torch.randn(1, 1, 16), torch.randn(512, 16))
+
+
+def test_failed_build_falls_back_to_torch(tmp_path):
+    """No compiler: the kernels report why they are unavailable, and the model runs on the torch path."""
+    code = (
+        "from radixgen.kernels import cpu\n"
+        "assert not cpu.available()\n"
+        "print(repr(cpu.unavailable_reason()))\n"
+        "from radixgen.runtime.layers.norm import RMSNorm\n"
+        "import torch\n"
+        "print(RMSNorm(8, 1e-6)(torch.ones(2, 8)).sum().item())\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "RADIXGEN_KERNEL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "building the CPU kernels failed" in lines[0] or "no C compiler" in lines[0]
+    assert float(lines[1]) == pytest.approx(16.0)
+
+
+def test_disabled_context_switches_off():
+    assert cpu.lib() is not None
+    with cpu.disabled():
+        assert cpu.lib() is None and cpu.for_tensor(torch.ones(1)) is None
+    assert cpu.for_tensor(torch.ones(1)) is not None
+    assert cpu.for_tensor(torch.ones(1, dtype=torch.float16)) is None

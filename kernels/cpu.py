@@ -8,8 +8,9 @@ reads the pool in place. The build is cached under ~/.cache/radixgen/kernels (RA
 overrides), keyed by the source, the flags and the CPU. When no compiler is found or the build fails,
 `available()` is False and callers use their torch path; RADIXGEN_DISABLE_CPU_KERNELS=1 forces that.
 
-Each public function checks its arguments and has a torch reference with the same signature (`<name>_ref`);
-the runtime calls the unchecked `lib()` entry points directly on its hot path.
+Each public function checks its arguments; its torch reference is the one of the Triton kernel of the same job
+(store_kv_ref, decode_attention_ref, fused_add_rmsnorm_ref, rotary_embedding_ref_) or, for silu_and_mul,
+silu_and_mul_ref here. The runtime calls the unchecked `_name(lib(), ...)` entry points on its hot path.
 """
 
 from __future__ import annotations
@@ -208,11 +209,6 @@ def _store_kv(kl: CKernels, k_buffer, v_buffer, slots, k, v) -> None:
                                       k_buffer.shape[1] * k_buffer.shape[2])
 
 
-def store_kv_ref(k_buffer, v_buffer, slots, k, v) -> None:
-    k_buffer.index_copy_(0, slots, k)
-    v_buffer.index_copy_(0, slots, v)
-
-
 # ------------------------------------------------------------------------------------- decode attention
 
 
@@ -304,14 +300,6 @@ def _add_rmsnorm(kl: CKernels, x, weight, eps: float, residual) -> torch.Tensor:
     return out
 
 
-def add_rmsnorm_ref(x, weight, eps, residual=None) -> torch.Tensor:
-    if residual is not None:
-        residual.copy_(x + residual)
-        x = residual
-    xf = x.float()
-    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2N) gate|up, contiguous -> (T, N) silu(gate) * up."""
     _check_rows("x", x)
@@ -357,11 +345,3 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
 def _rotary(kl: CKernels, positions, q, k, cos_sin_cache) -> None:
     kl.fn("rotary", q.dtype)(positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(),
                              k.stride(0), k.shape[1], cos_sin_cache.data_ptr(), q.shape[2], q.shape[0])
-
-
-def rotary_ref_(positions, q, k, cos_sin_cache) -> None:
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    for t in (q, k):
-        x1, x2 = t.float().chunk(2, dim=-1)
-        t.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

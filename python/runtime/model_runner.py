@@ -70,11 +70,23 @@ class ModelRunner:
         self.allocator = SlotAllocator(num_slots + 1, self.device)
         self.req_table = ReqToSlotTable(cfg.max_running_requests, self.context_length, self.device)
         self.attn_backend = backend_for(self.device)
+        if self.device.type == "cuda":
+            self.use_triton_kernels()
         logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.disable_cuda_graph:
             self.cuda_graph_runner = CudaGraphRunner(self)
+
+    def use_triton_kernels(self) -> None:
+        """Attention, RMSNorm and rotary through radixgen.kernels' Triton kernels (the CUDA path; on the CPU
+        only under TRITON_INTERPRET=1, which is how the tests check this wiring without a GPU)."""
+        from radixgen.runtime.layers.attention import TritonAttentionBackend
+
+        self.attn_backend = TritonAttentionBackend()
+        for m in self.model.modules():
+            if hasattr(m, "use_triton"):
+                m.use_triton = True
 
     def _slots_from_memory(self) -> int:
         mc = self.model_config

@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernel_testutil import TOL, make_pool, rel_err
 
-from radixgen.kernels import cpu, decode_attention_ref, store_kv_ref
+from radixgen.kernels import cpu, decode_attention_ref, fused_add_rmsnorm_ref, rotary_embedding_ref_, store_kv_ref
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -81,12 +81,11 @@ def test_add_rmsnorm_matches_reference(dtype, with_residual, rows, gen, poison):
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     w = torch.randn(576, generator=gen).to(dtype)
     res = torch.randn(rows, 576, generator=gen).to(dtype) if with_residual else None
-    res_ref = res.clone() if with_residual else None
+    ref = fused_add_rmsnorm_ref(x, w, 1e-5, None if res is None else res.clone())
     out = cpu.add_rmsnorm(x, w, 1e-5, res)
-    ref = cpu.add_rmsnorm_ref(x, w, 1e-5, res_ref)
-    assert rel_err(out, ref) < CTOL[dtype]
-    if with_residual:
-        assert torch.equal(res, res_ref)  # the residual sum is rounded to the dtype exactly like torch's add
+    assert rel_err(out, ref.out) < CTOL[dtype]
+    if with_residual:  # updated in place, rounded to the dtype exactly like the reference's sum
+        assert torch.equal(res, ref.residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,7 +108,7 @@ def test_rotary_matches_reference(dtype, head_dim, gen):
     positions = torch.randint(0, 512, (t,), generator=gen)
     q_ref, k_ref = q.clone(), k.clone()
     cpu.rotary_(positions, q, k, rope.cos_sin_cache)
-    cpu.rotary_ref_(positions, q_ref, k_ref, rope.cos_sin_cache)
+    rotary_embedding_ref_(positions, q_ref, k_ref, rope.cos_sin_cache, head_dim)
     assert rel_err(q, q_ref) < CTOL[dtype] and rel_err(k, k_ref) < CTOL[dtype]
     # the value part of the buffer is untouched
     assert torch.equal(qkv[:, 6 * head_dim:], qkv.clone()[:, 6 * head_dim:])

@@ -13,6 +13,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.use_triton = False  # set by ModelRunner on CUDA: radixgen.kernels.fused_add_rmsnorm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -21,6 +22,11 @@ class RMSNorm(nn.Module):
             else (self.weight * xf).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_triton and x.dim() == 2:
+            from radixgen import kernels
+
+            out, res = kernels.fused_add_rmsnorm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, res)
         ck = cpu_kernels.for_tensor(x)
         if ck is not None and x.dim() == 2 and x.stride(1) == 1 and self.weight.dtype == x.dtype:
             # one C call: the residual add happens in place on the (contiguous) residual

@@ -35,11 +35,17 @@ class RotaryEmbedding(nn.Module):
         # (P, D): cos in the first half, sin in the second
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
                              persistent=False)
+        self.use_triton = False  # set by ModelRunner on CUDA: radixgen.kernels.rotary_embedding_
 
     _last: tuple = (None, None, None)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q (T, Hq, D), k (T, Hk, D) -> rotated q, k: in place by the CPU kernel, else rotated copies."""
+        """q (T, Hq, D), k (T, Hk, D) -> rotated q, k: in place by the Triton or CPU kernel, else copies."""
+        if self.use_triton:
+            from radixgen import kernels
+
+            kernels.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.head_dim)
+            return q, k
         ck = cpu_kernels.for_tensor(q)
         if (ck is not None and positions.dtype == torch.int64 and positions.is_contiguous()
                 and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == self.head_dim):

@@ -1,6 +1,7 @@
 """Model-executor speed: prefill of 1024 tokens and decode steps at batch 1/8/32/64 over 256-token
-contexts, bf16 and fp32, for radixgen's model runner beside transformers' forward on the same weights
-and beside the roofline from this machine's matmul peak and memory bandwidth, all measured in this run.
+contexts, bf16 and fp32, for radixgen's model runner beside transformers' forward on the same weights,
+beside radixgen itself on plain torch ops, and beside the roofline from this machine's matmul peak and
+memory bandwidth, all measured in this run.
 
     python benchmarks/bench_forward.py [--dtypes bfloat16,float32] [--batches 1,8,32,64] [--quick]
 """
@@ -41,10 +42,17 @@ def measure_peaks(dtype: torch.dtype) -> tuple[float, float]:
 
 
 class OurModel:
-    def __init__(self, path, dtype: str, max_batch: int, ctx: int) -> None:
+    def __init__(self, path, dtype: str, max_batch: int, ctx: int, torch_ops: bool = False) -> None:
         cfg = RuntimeConfig(model=str(path), dtype=dtype, max_total_tokens=max_batch * (ctx + 16) + 2048,
-                            max_running_requests=max_batch, context_length=2048)
+                            max_running_requests=max_batch, context_length=2048, disable_cpu_kernels=torch_ops)
         self.runner = ModelRunner(cfg)
+
+    def matmuls_only(self, batch: int) -> float:
+        """Seconds of one decode step's weight matmuls alone (every linear layer and the LM head, on their
+        packed weights, nothing else): the floor this engine's matmul library puts under a decode step."""
+        mods = [m for m in self.runner.model.modules() if hasattr(m, "pack_for_cpu")]
+        xs = {n: torch.randn(batch, n, dtype=self.runner.dtype) for n in {m.weight.shape[1] for m in mods}}
+        return best_of(lambda: [m(xs[m.weight.shape[1]]) for m in mods], 5)
 
     def prefill(self, ids: list[int]) -> None:
         r = self.runner
@@ -115,6 +123,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--no-torch-ops", action="store_true",
+                    help="skip the column of radixgen with its C kernels and packed weights turned off")
     args = ap.parse_args()
     reps = 2 if args.quick else args.reps
     path = resolve_model_path(None)
@@ -125,31 +135,40 @@ def main() -> None:
         peak, bw = measure_peaks(DT[dtype])
         print(f"\n[{dtype}] measured matmul peak {peak / 1e12:.3f} TFLOP/s, memory bandwidth {bw / 1e9:.1f} GB/s")
         ours, hf = OurModel(path, dtype, max(batches), args.ctx), HFModel(path, dtype)
+        plain = None if args.no_torch_ops else OurModel(path, dtype, max(batches), args.ctx, torch_ops=True)
         params, wbytes, kv_tok, attn_pair = model_costs(ours.runner, DT[dtype])
         ids = torch.randint(0, 1000, (args.prefill,)).tolist()
         t_ours = best_of(lambda ours=ours, ids=ids: ours.prefill(ids), reps)
         t_hf = best_of(lambda hf=hf, ids=ids: hf.prefill(ids), reps)
+        t_plain = best_of(lambda plain=plain, ids=ids: plain.prefill(ids), reps) if plain else float("nan")
         n = args.prefill
         roof = (2 * params * n + attn_pair * n * n / 2) / peak
-        rows.append((dtype, f"prefill {n}", n / t_ours, n / t_hf, n / roof))
+        rows.append((dtype, f"prefill {n}", n / t_ours, n / t_plain, n / t_hf, n / roof, "compute"))
         for b in batches:
             fi = ours.setup_decode(b, args.ctx)
             t_ours = best_of(lambda fi=fi, ours=ours: ours.runner.forward(fi), reps * 2)
+            t_plain = float("nan")
+            if plain:
+                pfi = plain.setup_decode(b, args.ctx)
+                t_plain = best_of(lambda pfi=pfi, plain=plain: plain.runner.forward(pfi), reps * 2)
             cache = hf.setup_decode(b, args.ctx)
             t_hf = best_of(lambda cache=cache, b=b, hf=hf: hf.decode(cache, b, args.ctx), reps * 2)
             flops = 2 * params * b + attn_pair * b * args.ctx
             nbytes = wbytes + kv_tok * b * args.ctx
             roof_t = max(flops / peak, nbytes / bw)
-            rows.append((dtype, f"decode b={b}", b / t_ours, b / t_hf, b / roof_t,
-                         "bandwidth" if nbytes / bw > flops / peak else "compute"))
-        ours = hf = None  # free both models before the next dtype
-    print(f"\n{'dtype':9} {'case':14} {'radixgen tok/s':>15} {'transformers':>13} {'vs hf':>7} "
+            bound = "bandwidth" if nbytes / bw > flops / peak else "compute"
+            rows.append((dtype, f"decode b={b}", b / t_ours, b / t_plain, b / t_hf, b / roof_t, bound))
+            if b == 1:
+                rows.append((dtype, "  matmuls only", 1 / ours.matmuls_only(1), float("nan"), float("nan"),
+                             1 / roof_t, bound))
+        ours = hf = plain = None  # free the models before the next dtype
+    print(f"\n{'dtype':9} {'case':14} {'radixgen tok/s':>15} {'torch ops':>10} {'transformers':>13} {'vs hf':>7} "
           f"{'roofline tok/s':>15} {'of roofline':>12}")
-    for r in rows:
-        dtype, case, ours_tps, hf_tps, roof_tps = r[:5]
-        bound = f" ({r[5]}-bound)" if len(r) > 5 else " (compute-bound)"
-        print(f"{dtype:9} {case:14} {ours_tps:15.1f} {hf_tps:13.1f} {ours_tps / hf_tps:6.2f}x "
-              f"{roof_tps:15.1f} {ours_tps / roof_tps:11.1%}{bound}")
+    for dtype, case, ours_tps, plain_tps, hf_tps, roof_tps, bound in rows:
+        print(f"{dtype:9} {case:14} {ours_tps:15.1f} {plain_tps:10.1f} {hf_tps:13.1f} {ours_tps / hf_tps:6.2f}x "
+              f"{roof_tps:15.1f} {ours_tps / roof_tps:11.1%} ({bound}-bound)")
+    print("\ntorch ops: radixgen with its C kernels and oneDNN-packed weights turned off (disable_cpu_kernels);\n"
+          "matmuls only: a batch-1 step's weight matmuls alone (linear layers + LM head), the floor under decode.")
 
 
 if __name__ == "__main__":

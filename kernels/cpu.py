@@ -1,6 +1,6 @@
 """CPU kernels in C (csrc/cpu_kernels.c), built on first use with the system C compiler and called through
-ctypes: decode attention through the slot table, KV store, fused residual-add RMSNorm, SiLU-and-multiply
-and in-place rotary embedding, for float32 and bfloat16 CPU tensors.
+ctypes: decode attention through the slot table, KV store, fused residual-add RMSNorm and in-place rotary
+embedding, for float32 and bfloat16 CPU tensors.
 
 They exist because on a small CPU a decode step is dominated by per-op overhead and by copies (gathering a
 batch's KV into contiguous tensors before scaled_dot_product_attention); each kernel here is one call that
@@ -9,8 +9,8 @@ overrides), keyed by the source, the flags and the CPU. When no compiler is foun
 `available()` is False and callers use their torch path; RADIXGEN_DISABLE_CPU_KERNELS=1 forces that.
 
 Each public function checks its arguments; its torch reference is the one of the Triton kernel of the same job
-(store_kv_ref, decode_attention_ref, fused_add_rmsnorm_ref, rotary_embedding_ref_) or, for silu_and_mul,
-silu_and_mul_ref here. The runtime calls the unchecked `_name(lib(), ...)` entry points on its hot path.
+(store_kv_ref, decode_attention_ref, fused_add_rmsnorm_ref, rotary_embedding_ref_). The runtime calls the
+unchecked `_name(lib(), ...)` entry points on its hot path.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import threading
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ._checks import check_contiguous, check_dim, check_tensor, expect
 
@@ -36,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 DTYPES = tuple(_SUFFIX)
 
@@ -45,7 +44,6 @@ _SIGNATURES = {
     "store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
     "decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P],
     "add_rmsnorm": [_P, _I, _P, _P, _P, _I, _I, _F],
-    "silu_and_mul": [_P, _P, _I, _I],
     "rotary": [_P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
 }
 
@@ -298,27 +296,6 @@ def _add_rmsnorm(kl: CKernels, x, weight, eps: float, residual) -> torch.Tensor:
     kl.fn("add_rmsnorm", x.dtype)(x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(),
                                   x.shape[0], x.shape[1], eps)
     return out
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """(T, 2N) gate|up, contiguous -> (T, N) silu(gate) * up."""
-    _check_rows("x", x)
-    check_contiguous("x", x)
-    expect(x.shape[1] % 2 == 0, f"x's last dim must be even (gate|up), got {x.shape[1]}")
-    _check_cpu(x=x)
-    return _silu_and_mul(_require(), x)
-
-
-def _silu_and_mul(kl: CKernels, x) -> torch.Tensor:
-    n = x.shape[1] // 2
-    out = torch.empty((x.shape[0], n), dtype=x.dtype)
-    kl.fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.shape[0], n)
-    return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

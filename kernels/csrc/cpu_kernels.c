@@ -1,5 +1,5 @@
-/* radixgen's CPU kernels: decode attention through the slot table, KV store, fused residual-add RMSNorm,
- * SiLU-and-multiply and in-place rotary embedding, for float32 and bfloat16 tensors. Built on first use
+/* radixgen's CPU kernels: decode attention through the slot table, KV store, fused residual-add RMSNorm
+ * and in-place rotary embedding, for float32 and bfloat16 tensors. Built on first use
  * by radixgen.kernels.cpu (cc -O3 -march=native -fopenmp) and called through ctypes; OpenMP resolves to
  * the libgomp that torch has already loaded, so these kernels share torch's thread pool. */
 #include <math.h>
@@ -16,12 +16,12 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN; branch-free */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 /* Slots are scattered over the pool, so the hardware prefetcher cannot follow a request's rows: attention
@@ -35,7 +35,8 @@ static inline void prefetch_row(const void *p, size_t bytes) {
 /* exp for float32 that the compiler can vectorize (glibc's expf is a scalar call): 2^(x log2 e) as
  * 2^i * 2^f with i the nearest integer and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error
  * about 1e-7). Arguments are clamped to the range whose result is a normal float, so exp(-inf) gives
- * 1.2e-38 rather than 0; callers that need an exact zero test for it. */
+ * 1.2e-38 rather than 0; callers that need an exact zero test for it. Needs -fno-trapping-math to vectorize
+ * (floorf). */
 static inline float exp_f32(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float t = x * 1.4426950408889634f;

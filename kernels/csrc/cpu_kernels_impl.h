@@ -203,21 +203,6 @@ void FN(add_rmsnorm)(const T *x, int64_t x_stride, T *residual, const T *weight,
     }
 }
 
-/* (rows, 2N) gate|up -> (rows, N) silu(gate) * up; silu's result is rounded to T before the product. */
-void FN(silu_and_mul)(const T *x, T *out, int64_t n_rows, int64_t N) {
-#pragma omp parallel for if (n_rows * N >= 65536)
-    for (int64_t r = 0; r < n_rows; ++r) {
-        const T *g = x + r * 2 * N, *u = g + N;
-        T *o = out + r * N;
-#pragma omp simd
-        for (int64_t i = 0; i < N; ++i) {
-            const float a = LD(g[i]);
-            const float s = LD(ST(a / (1.f + exp_f32(-a))));
-            o[i] = ST(s * LD(u[i]));
-        }
-    }
-}
-
 /* In-place rotate-half rotary embedding of q (T, Hq, D) and k (T, Hk, D); heads are D apart, rows
  * q_stride / k_stride apart. cos_sin (P, D) float32: cos in the first D/2 columns, sin in the rest. */
 void FN(rotary)(const int64_t *positions, T *q, int64_t q_stride, int64_t Hq, T *k, int64_t k_stride,

@@ -31,7 +31,7 @@ class ExtendSpan(NamedTuple):
     q_start: int
     q_end: int
     prefix_slots: torch.Tensor | None  # (P,) slots of positions [0, prefix_len), None when P == 0
-    mask: torch.Tensor | None  # (E, P + E) True where attended; None: plain causal
+    mask: torch.Tensor | None  # (E, P + E) additive float mask, 0 where attended, -inf elsewhere; None: causal
 
 
 class TorchAttentionBackend:
@@ -63,7 +63,11 @@ class TorchAttentionBackend:
                 # new token i sits at position p + i and sees positions [0, p + i]
                 cols = torch.arange(p + e).unsqueeze(0)
                 rows = torch.arange(e).unsqueeze(1) + p
-                spans.append(ExtendSpan(start, start + e, ctx.req_to_slot[row, :p], cols <= rows))
+                # an additive mask in the model dtype, built once per step: SDPA would otherwise turn a
+                # boolean mask into one in every layer
+                mask = torch.zeros((e, p + e), dtype=ctx.kv_pool.k_buffers[0].dtype)
+                mask.masked_fill_(cols > rows, float("-inf"))
+                spans.append(ExtendSpan(start, start + e, ctx.req_to_slot[row, :p], mask))
             start += e
         ctx.attn_meta = spans
 
@@ -97,8 +101,8 @@ class TorchAttentionBackend:
             qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, E, D)
             ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
             if span.prefix_slots is not None:
-                ks = torch.cat([k_buf[span.prefix_slots], ks])
-                vs = torch.cat([v_buf[span.prefix_slots], vs])
+                ks = torch.cat([k_buf.index_select(0, span.prefix_slots), ks])
+                vs = torch.cat([v_buf.index_select(0, span.prefix_slots), vs])
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None,
                                                scale=scale, enable_gqa=True)

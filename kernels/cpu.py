@@ -53,6 +53,13 @@ _failed: str | None = None
 _enabled = True
 
 
+class LayerBF16(ctypes.Structure):
+    """One decoder layer for the fused decode step (rg_layer_bf16): weight and KV buffer addresses."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
+                                                     "down", "k_buf", "v_buf")]
+
+
 class CKernels:
     """The loaded library: `fn(name, dtype)` is the ctypes function of that kernel for that dtype."""
 
@@ -65,6 +72,13 @@ class CKernels:
                 f = getattr(self.cdll, f"rg_{name}_{suffix}")
                 f.argtypes, f.restype = argtypes, None
                 self._fns[name, dtype] = f
+        self.has_decode_step = bool(self.cdll.rg_has_decode_step())
+        if self.has_decode_step:
+            f = self.cdll.rg_decode_step_bf16
+            f.argtypes = [ctypes.POINTER(LayerBF16), _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I, _P,
+                          _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+            f.restype = ctypes.c_int
+            self.decode_step_bf16 = f
 
     def fn(self, name: str, dtype: torch.dtype):
         return self._fns[name, dtype]
@@ -322,3 +336,62 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
 def _rotary(kl: CKernels, positions, q, k, cos_sin_cache) -> None:
     kl.fn("rotary", q.dtype)(positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(),
                              k.stride(0), k.shape[1], cos_sin_cache.data_ptr(), q.shape[2], q.shape[0])
+
+
+# ------------------------------------------------------------------------------------ fused decode step
+
+
+class DecodeStepWeights:
+    """The bf16 weights of a Llama-family decoder stack, laid out for `decode_step`. Every tensor must stay
+    alive and in place as long as this object is used (the model's parameters and KV buffers do)."""
+
+    def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor, *, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> None:
+        hidden = final_norm.shape[0]
+        qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
+        shapes = {"input_norm": (hidden,), "qkv": (qkv_n, hidden), "qkv_bias": (qkv_n,),
+                  "o": (hidden, num_heads * head_dim), "post_norm": (hidden,), "gate_up": (2 * intermediate, hidden),
+                  "down": (hidden, intermediate)}
+        arr = (LayerBF16 * len(layers))()
+        for i, ly in enumerate(layers):
+            for name, shape in shapes.items():
+                t = ly.get(name)
+                if t is None and name == "qkv_bias":
+                    continue
+                expect(t is not None and tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+                       and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape {shape}")
+                setattr(arr[i], name, t.data_ptr())
+            for name in ("k_buf", "v_buf"):
+                t = ly[name]
+                expect(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[1:] == (num_kv_heads, head_dim),
+                       f"layer {i} {name}: expected a contiguous bfloat16 (slots, {num_kv_heads}, {head_dim}) pool")
+                setattr(arr[i], name, t.data_ptr())
+        expect(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+        self.layers, self.final_norm = arr, final_norm
+        self.keep = (layers, final_norm)
+        self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
+        self.intermediate, self.eps = intermediate, float(eps)
+
+
+def decode_step(kl: CKernels, w: DecodeStepWeights, x: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, out_slots: torch.Tensor, req_to_slot: torch.Tensor,
+                req_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """Every decoder layer and the final norm for a decode batch: x (M, hidden) bf16 token embeddings (used
+    as scratch) -> (M, hidden) final hidden states. Index tensors int64 and contiguous, no checks: the
+    runtime builds them. Writes this step's K/V into the pool at out_slots."""
+    m, hidden = x.shape
+    h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
+    splits = num_splits(m, max_len, torch.get_num_threads())
+    bf = torch.bfloat16
+    out, residual, normed = torch.empty((m, hidden), dtype=bf), torch.empty((m, hidden), dtype=bf), \
+        torch.empty((m, hidden), dtype=bf)
+    qkv = torch.empty((m, (h + 2 * hkv) * d), dtype=bf)
+    attn = torch.empty((m, h * d), dtype=bf)
+    gu, act = torch.empty((m, 2 * w.intermediate), dtype=bf), torch.empty((m, w.intermediate), dtype=bf)
+    part = torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
+    kl.decode_step_bf16(w.layers, len(w.layers), w.final_norm.data_ptr(), m, hidden, h, hkv, d, w.intermediate,
+                        w.eps, scale, positions.data_ptr(), cos_sin_cache.data_ptr(), out_slots.data_ptr(),
+                        req_to_slot.data_ptr(), req_to_slot.stride(0), req_indices.data_ptr(), seq_lens.data_ptr(),
+                        splits, x.data_ptr(), out.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
+                        attn.data_ptr(), gu.data_ptr(), act.data_ptr(), part.data_ptr())
+    return out

@@ -104,3 +104,134 @@ int rg_d_max(void) { return D_MAX; }
 #undef ST
 #undef FN
 #undef LOAD16
+
+/* ------------------------------------------------------------------------------------------------------
+ * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model
+ * (optional qkv bias, SiLU-gated MLP) for a small decode batch, in one call and one OpenMP team. At batch 1
+ * the step is the weights streaming through the matmuls; the unfused path adds a Python round trip and a
+ * thread fork/join per op between them, which this removes. Roundings follow the unfused path: every op
+ * rounds its output to bf16, norms and attention compute in float32. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+#define GEMV_PREFETCH 4096 /* bytes ahead within the weight stream */
+
+/* y[m0 .. m0+MB) x [n0 .. n0+4) of y (M, N) = x (M, K) @ w (N, K)^T (+ bias): four weight rows against MB
+ * input rows with the bf16 pair dot product, float32 lanes reduced at the end. Rows past N or M are
+ * computed on a clamped copy and not stored. */
+static inline __attribute__((always_inline)) void gemv_block_bf16(
+    const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K,
+    int64_t n0, int64_t m0, const int MB) {
+    const uint16_t *wr[4], *xr[4];
+    for (int r = 0; r < 4; ++r) wr[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;
+    for (int i = 0; i < MB; ++i) xr[i] = x + (m0 + i < M ? m0 + i : M - 1) * K;
+    __m512 acc[4][4];
+    for (int i = 0; i < MB; ++i)
+        for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? 0xffffffffu : ((1u << (K - k)) - 1u);
+        __m512bh wv[4], xv[4];
+        for (int r = 0; r < 4; ++r) {
+            _mm_prefetch((const char *)(wr[r] + k) + GEMV_PREFETCH, _MM_HINT_T0);
+            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[r] + k);
+        }
+        for (int i = 0; i < MB; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[i] + k);
+        for (int i = 0; i < MB; ++i)
+            for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv[i], wv[r]);
+    }
+    for (int i = 0; i < MB && m0 + i < M; ++i)
+        for (int r = 0; r < 4 && n0 + r < N; ++r) {
+            float s = _mm512_reduce_add_ps(acc[i][r]);
+            if (bias) s += bf16_to_f32(bias[n0 + r]);
+            y[(m0 + i) * N + n0 + r] = f32_to_bf16(s);
+        }
+}
+
+/* y (M, N) = x (M, K) @ w (N, K)^T (+ bias), split over the calling team by bands of weight rows. */
+static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, const uint16_t *bias,
+                           uint16_t *y, int64_t N) {
+    const int64_t n_blocks = (N + 3) / 4;
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) gemv_block_bf16(x, w, bias, y, M, N, K, blk * 4, m0, 4);
+        if (M - m0 >= 2) {
+            gemv_block_bf16(x, w, bias, y, M, N, K, blk * 4, m0, 2);
+            m0 += 2;
+        }
+        if (M - m0 == 1) gemv_block_bf16(x, w, bias, y, M, N, K, blk * 4, m0, 1);
+    }
+}
+
+/* (M, 2I) gate|up -> (M, I): silu(gate), rounded to bf16 as torch's silu returns it, times up. */
+static void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t *g = gu + m * 2 * I, *u = g + I;
+        uint16_t *o = out + m * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; ++i) {
+            const float a = bf16_to_f32(g[i]);
+            const float s = bf16_to_f32(f32_to_bf16(a / (1.f + exp_f32(-a))));
+            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+typedef struct { /* one decoder layer: bf16 weights, row-major (out, in), and its KV buffers */
+    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    uint16_t *k_buf, *v_buf;
+} rg_layer_bf16;
+
+/* x (M, hidden): the token embeddings, used as scratch; out (M, hidden): the final norm's output.
+ * residual, h (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter), act (M, inter) and
+ * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. */
+int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm, int64_t M,
+                        int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps, float scale,
+                        const int64_t *positions, const float *cos_sin, const int64_t *out_slots,
+                        const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
+                        int64_t splits, uint16_t *x, uint16_t *out, uint16_t *residual, uint16_t *h, uint16_t *qkv,
+                        uint16_t *attn, uint16_t *gu, uint16_t *act, float *part) {
+    const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz;
+#pragma omp parallel
+    {
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
+        float *sc = NULL;
+        int64_t sc_cap = 0;
+        for (int64_t l = 0; l < n_layers; ++l) {
+            const rg_layer_bf16 *ly = layers + l;
+#pragma omp single
+            {
+                if (l == 0) {
+                    memcpy(residual, x, sizeof(uint16_t) * (size_t)(M * hidden));
+                    rg_add_rmsnorm_bf16(x, hidden, NULL, ly->input_norm, h, M, hidden, eps);
+                } else {
+                    rg_add_rmsnorm_bf16(x, hidden, residual, ly->input_norm, h, M, hidden, eps);
+                }
+            }
+            gemv_team_bf16(h, M, hidden, ly->qkv, ly->qkv_bias, qkv, qkv_n);
+#pragma omp single
+            {
+                rg_rotary_bf16(positions, qkv, qkv_n, H, qkv + qsz, qkv_n, Hkv, cos_sin, D, M);
+                rg_store_kv_bf16(qkv + qsz, qkv_n, qkv + qsz + kvsz, qkv_n, ly->k_buf, ly->v_buf, out_slots, M, kvsz);
+            }
+            rg_decode_attention_team_bf16(qkv, qkv_n, ly->k_buf, ly->v_buf, table, table_stride, rows, seq_lens,
+                                          attn, M, H, Hkv, D, scale, splits, part, qf, &sc, &sc_cap);
+            gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, hidden);
+#pragma omp single
+            rg_add_rmsnorm_bf16(x, hidden, residual, ly->post_norm, h, M, hidden, eps);
+            gemv_team_bf16(h, M, hidden, ly->gate_up, NULL, gu, 2 * inter);
+#pragma omp single
+            silu_mul_bf16(gu, act, M, inter);
+            gemv_team_bf16(act, M, inter, ly->down, NULL, x, hidden);
+        }
+#pragma omp single
+        rg_add_rmsnorm_bf16(x, hidden, residual, final_norm, out, M, hidden, eps);
+        free(sc);
+        free(qf);
+    }
+    return 1;
+}
+
+int rg_has_decode_step(void) { return 1; }
+#else
+int rg_has_decode_step(void) { return 0; }
+#endif

@@ -97,61 +97,51 @@ static inline __attribute__((always_inline)) void FN(attend_piece)(
     }
 }
 
-/* Decode attention through the request->slot table.
- * q (B, H, D) with row stride q_stride, head stride D; out (B, H, D) contiguous.
- * k_buf / v_buf (slots, Hkv, D). The query heads h*G .. h*G+G-1 share KV head h.
- * Each (request, KV head) is cut into `splits` pieces along the context so that a few long requests still
- * use every thread; a piece leaves its running max, its sum of exponentials and its unnormalised output
- * in `part`, and the pieces are merged at the end. */
-void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
-                          const int64_t *table, int64_t table_stride, const int64_t *rows,
-                          const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          float scale, int64_t splits, float *part) {
+/* The body of decode_attention (below) for the calling team: qf (H*D floats) and the score buffer are the
+ * calling thread's scratch. */
+static void FN(decode_attention_team)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
+                                      const int64_t *table, int64_t table_stride, const int64_t *rows,
+                                      const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv,
+                                      int64_t D, float scale, int64_t splits, float *part, float *qf,
+                                      float **sc_p, int64_t *sc_cap_p) {
     const int64_t G = H / Hkv;
     const int64_t part_len = G * (D + 2); /* per (b, h, split): G x [max, sum, D outputs] */
     const int64_t n_items = B * splits;
-#pragma omp parallel
-    {
-        float *qf = (float *)malloc(sizeof(float) * (size_t)(G * D));
-        float *sc = NULL;
-        int64_t sc_cap = 0;
-        /* one work item = one piece of one request, all its KV heads: the heads of a slot share its row,
-         * so the item streams whole rows */
+    /* one work item = one piece of one request, all its KV heads: the heads of a slot share its row, so
+     * the item streams whole rows */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n_items; ++item) {
-            const int64_t b = item / splits, s = item % splits;
-            const int64_t L = seq_lens[b];
-            const int64_t chunk = (L + splits - 1) / splits;
-            const int64_t j0 = s * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
-            const int64_t n = j1 > j0 ? j1 - j0 : 0;
-            if (n * G > sc_cap) {
-                free(sc);
-                sc_cap = n * G;
-                sc = (float *)malloc(sizeof(float) * (size_t)sc_cap);
+    for (int64_t item = 0; item < n_items; ++item) {
+        const int64_t b = item / splits, s = item % splits;
+        const int64_t L = seq_lens[b];
+        const int64_t chunk = (L + splits - 1) / splits;
+        const int64_t j0 = s * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
+        const int64_t n = j1 > j0 ? j1 - j0 : 0;
+        if (n * G > *sc_cap_p) {
+            free(*sc_p);
+            *sc_cap_p = n * G;
+            *sc_p = (float *)malloc(sizeof(float) * (size_t)*sc_cap_p);
+        }
+        float *sc = *sc_p;
+        const int64_t *slots = table + rows[b] * table_stride + j0;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            float *pr = part + ((b * Hkv + h) * splits + s) * part_len;
+            if (n == 0) { /* an empty piece: contributes nothing */
+                for (int64_t g = 0; g < G; ++g) { pr[g * (D + 2)] = -INFINITY; pr[g * (D + 2) + 1] = 0.f; }
+                continue;
             }
-            const int64_t *slots = table + rows[b] * table_stride + j0;
-            for (int64_t h = 0; h < Hkv; ++h) {
-                float *pr = part + ((b * Hkv + h) * splits + s) * part_len;
-                if (n == 0) { /* an empty piece: contributes nothing */
-                    for (int64_t g = 0; g < G; ++g) { pr[g * (D + 2)] = -INFINITY; pr[g * (D + 2) + 1] = 0.f; }
-                    continue;
-                }
-                for (int64_t g = 0; g < G; ++g) {
-                    const T *qr = q + b * q_stride + (h * G + g) * D;
-                    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LD(qr[d]) * scale;
-                }
-                switch (D) {
-                case 64: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
-                case 128: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
-                default: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
-                }
+            for (int64_t g = 0; g < G; ++g) {
+                const T *qr = q + b * q_stride + (h * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LD(qr[d]) * scale;
+            }
+            switch (D) {
+            case 64: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
+            case 128: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
+            default: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
             }
         }
-        free(sc);
-        free(qf);
     }
     /* merge the pieces of each (request, query head) */
-#pragma omp parallel for if (B * H * splits > 64)
+#pragma omp for
     for (int64_t bq = 0; bq < B * H; ++bq) {
         const int64_t b = bq / H, hq = bq % H, h = hq / G, g = hq % G;
         const float *first = part + ((b * Hkv + h) * splits) * part_len + g * (D + 2);
@@ -173,6 +163,29 @@ void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T 
         T *o = out + (b * H + hq) * D;
         const float inv = total > 0.f ? 1.f / total : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = ST(acc[d] * inv);
+    }
+}
+
+/* Decode attention through the request->slot table.
+ * q (B, H, D) with row stride q_stride, head stride D; out (B, H, D) contiguous.
+ * k_buf / v_buf (slots, Hkv, D). The query heads h*G .. h*G+G-1 share KV head h.
+ * Each request is cut into `splits` pieces along the context so that a few long requests still use every
+ * thread; a piece leaves its running max, its sum of exponentials and its unnormalised output in `part`,
+ * and the pieces are merged at the end. The work is in decode_attention_team, whose worksharing loops bind
+ * to whatever team calls it (here a new one; the fused decode step calls it from inside its own). */
+void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
+                          const int64_t *table, int64_t table_stride, const int64_t *rows,
+                          const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                          float scale, int64_t splits, float *part) {
+#pragma omp parallel
+    {
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
+        float *sc = NULL;
+        int64_t sc_cap = 0;
+        FN(decode_attention_team)(q, q_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, out, B, H, Hkv,
+                                  D, scale, splits, part, qf, &sc, &sc_cap);
+        free(sc);
+        free(qf);
     }
 }
 

@@ -11,6 +11,7 @@ import torch
 
 from radixgen.kernels import cpu as cpu_kernels
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
+from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, ReqToSlotTable, SlotAllocator
@@ -72,6 +73,10 @@ class ModelRunner:
         self.attn_backend = backend_for(self.device)
         if self.device.type == "cuda":
             self.use_triton_kernels()
+        # small bf16 decode batches on the CPU: every layer in one C call (None where that does not apply)
+        self.fused_decode: FusedDecode | None = None
+        if self.device.type == "cpu" and not cfg.disable_cpu_kernels:
+            self.fused_decode = FusedDecode.build(self.model, self.kv_pool)
         logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
         self.cuda_graph_runner: CudaGraphRunner | None = None
@@ -128,7 +133,10 @@ class ModelRunner:
         with contextlib.ExitStack() as stack:
             if self.runtime_config.disable_cpu_kernels:
                 stack.enter_context(cpu_kernels.disabled())
-            self.attn_backend.prepare(ctx)
-            with forward_context(ctx):
-                hidden = self.model(fi.input_ids, fi.positions)
+            if self.fused_decode is not None and self.fused_decode.applies(ctx):
+                hidden = self.fused_decode(ctx, fi.input_ids, fi.positions)
+            else:
+                self.attn_backend.prepare(ctx)
+                with forward_context(ctx):
+                    hidden = self.model(fi.input_ids, fi.positions)
             return self.model.compute_logits(hidden[fi.logit_rows])

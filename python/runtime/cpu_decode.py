@@ -1,0 +1,63 @@
+"""The fused CPU decode step: all decoder layers of a bf16 Llama-family model (Llama, Mistral, Qwen2) for a
+decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu.decode_step).
+
+Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
+adds on top (a Python call, a tensor allocation and a thread fork/join per op, a cold start of every matmul)
+is most of the rest of the step. The fused step runs the same math with the same bf16 roundings inside one
+OpenMP team; larger batches, prefill, float32 and models with per-head q/k norms keep the unfused path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixgen.kernels import cpu as cpu_kernels
+from radixgen.runtime.forward_context import ForwardContext
+
+MAX_BATCH = 8
+
+
+class FusedDecode:
+    def __init__(self, kl: cpu_kernels.CKernels, weights: cpu_kernels.DecodeStepWeights, embed: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, scale: float) -> None:
+        self.kl, self.weights, self.embed, self.cos_sin_cache, self.scale = kl, weights, embed, cos_sin_cache, scale
+
+    @classmethod
+    def build(cls, model, kv_pool) -> FusedDecode | None:
+        """The fused step for `model` over `kv_pool`, or None where it does not apply."""
+        from radixgen.runtime.layers.linear import TPInfo
+        from radixgen.runtime.models.llama import LlamaAttention, LlamaForCausalLM
+
+        kl = cpu_kernels.lib()
+        if kl is None or not kl.has_decode_step or TPInfo.size != 1 or not isinstance(model, LlamaForCausalLM):
+            return None
+        first = model.layers[0]
+        attn = first.self_attn
+        if (type(attn).qk_norm is not LlamaAttention.qk_norm or model.embed_tokens.weight.dtype != torch.bfloat16
+                or not model.embed_tokens.weight.is_cpu or attn.head_dim > kl.d_max):
+            return None
+        layers = []
+        for i, layer in enumerate(model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            layers.append({"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.weight,
+                           "qkv_bias": a.qkv_proj.bias, "o": a.o_proj.weight,
+                           "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
+                           "down": mlp.down_proj.weight, "k_buf": kv_pool.k_buffers[i], "v_buf": kv_pool.v_buffers[i]})
+        cfg = model.config
+        weights = cpu_kernels.DecodeStepWeights(
+            layers, model.norm.weight, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps)
+        return cls(kl, weights, model.embed_tokens.weight, attn.rotary.cos_sin_cache, attn.attn.scale)
+
+    def applies(self, ctx: ForwardContext) -> bool:
+        return ctx.is_decode and len(ctx.extend_lens) <= MAX_BATCH
+
+    def __call__(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (B, hidden) of a decode step; writes the step's K/V into the pool."""
+        x = self.embed.index_select(0, input_ids)
+        seq_lens = ctx.seq_lens
+        return cpu_kernels.decode_step(
+            self.kl, self.weights, x, positions.to(torch.int64).contiguous(), self.cos_sin_cache,
+            ctx.out_slots.to(torch.int64).contiguous(), ctx.req_to_slot,
+            ctx.req_indices.to(torch.int64).contiguous(), torch.tensor(seq_lens, dtype=torch.int64), max(seq_lens),
+            self.scale)

@@ -1,0 +1,135 @@
+"""The fused CPU decode step (all layers in one C call, bf16) against the unfused path on the same weights:
+the same logits and the same KV written, over decode steps of requests with unequal contexts; and on the
+default model, its error against a float32 run is no larger than the unfused bf16 path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model_dir
+
+from radixgen.kernels import cpu
+from radixgen.runtime import cpu_decode
+from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+
+pytestmark = pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),
+                                reason="the fused decode step needs the CPU kernels built with AVX512-BF16")
+
+
+def runner_for(model: str, dtype: str = "bfloat16", **kw) -> ModelRunner:
+    return ModelRunner(RuntimeConfig(model=model, dtype=dtype, max_total_tokens=4096, max_running_requests=12, **kw))
+
+
+def drive(runner: ModelRunner, prompts: list[list[int]], steps: int, forced: list[int] | None = None):
+    """Prefill (unfused, as the scheduler's extend), then `steps` decode steps feeding back the argmax (or
+    `forced` tokens); the logits of every decode step and a copy of the pool."""
+    b = len(prompts)
+    rows, lens = list(range(b)), [len(p) for p in prompts]
+    slots = [runner.allocator.allocate(n) for n in lens]
+    for row, s in zip(rows, slots, strict=True):
+        runner.req_table.write(row, 0, s)
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    out = runner.forward(ForwardInput(ids, pos, torch.cat(slots), torch.tensor(rows), [0] * b, lens,
+                                      torch.tensor(lens).cumsum(0) - 1))
+    logits = []
+    for step in range(steps):
+        nxt = torch.tensor([forced[step]] * b) if forced else out.argmax(-1)
+        s = runner.allocator.allocate(b)
+        for i, row in enumerate(rows):
+            runner.req_table.write(row, lens[i], s[i:i + 1])
+        out = runner.forward(ForwardInput(nxt, torch.tensor(lens), s, torch.tensor(rows), list(lens), [1] * b,
+                                          torch.arange(b)))
+        logits.append(out)
+        lens = [n + 1 for n in lens]
+    return torch.stack(logits), [k.clone() for k in runner.kv_pool.k_buffers], \
+        [v.clone() for v in runner.kv_pool.v_buffers]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fused_step_matches_unfused_path(arch, batch):
+    folder = str(tiny_model_dir(arch))
+    fused, plain = runner_for(folder), runner_for(folder)
+    assert fused.fused_decode is not None
+    plain.fused_decode = None
+    for r in (fused, plain):  # checkpoints initialise biases to zero: give them values that show
+        for layer in r.model.layers:
+            if layer.self_attn.qkv_proj.bias is not None:
+                layer.self_attn.qkv_proj.bias.copy_(torch.randn(layer.self_attn.qkv_proj.bias.shape,
+                                                                generator=torch.Generator().manual_seed(1)))
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in torch.randint(1, 40, (batch,),
+                                                                                            generator=gen).tolist()]
+    calls = []
+    real = cpu.decode_step
+    cpu_decode.cpu_kernels.decode_step = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        got, k_got, v_got = drive(fused, prompts, 6)
+    finally:
+        cpu_decode.cpu_kernels.decode_step = real
+    want, k_want, v_want = drive(plain, prompts, 6)
+    assert len(calls) == 6  # every decode step took the fused path
+    assert rel(got, want) < 1e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    for kg, kw, vg, vw in zip(k_got, k_want, v_got, v_want, strict=True):
+        assert rel(kg.float(), kw.float()) < 1e-2 and rel(vg.float(), vw.float()) < 1e-2
+
+
+def test_fused_step_is_as_accurate_as_unfused_on_default_model():
+    from transformers import AutoTokenizer
+
+    from radixgen.runtime.loader import resolve_model_path
+
+    path = str(resolve_model_path(None))
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["The history of the Roman Empire spans many centuries, beginning with",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+             "In 1969, the Apollo 11 mission"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    forced = tok(" the first time in a long")["input_ids"]
+    ref = drive(runner_for(path, "float32"), prompts, len(forced), forced)[0]
+    plain_runner = runner_for(path)
+    plain_runner.fused_decode = None
+    plain = drive(plain_runner, prompts, len(forced), forced)[0]
+    fused_runner = runner_for(path)
+    assert fused_runner.fused_decode is not None
+    fused = drive(fused_runner, prompts, len(forced), forced)[0]
+    assert rel(fused, ref) < 1.5 * rel(plain, ref) + 5e-3
+    assert rel(fused, ref) < 5e-2
+
+
+def test_where_the_fused_step_does_not_apply():
+    assert runner_for(str(tiny_model_dir("qwen3"))).fused_decode is None  # per-head q/k norms
+    assert runner_for(str(tiny_model_dir("llama")), "float32").fused_decode is None
+    assert runner_for(str(tiny_model_dir("llama")), disable_cpu_kernels=True).fused_decode is None
+    r = runner_for(str(tiny_model_dir("llama")))
+    from radixgen.runtime.forward_context import ForwardContext
+
+    def ctx(extend_lens):
+        return ForwardContext(is_decode=all(e == 1 for e in extend_lens), kv_pool=r.kv_pool, out_slots=None,
+                              req_to_slot=None, req_indices=None, prefix_lens=[0] * len(extend_lens),
+                              extend_lens=extend_lens, backend=None)
+
+    assert r.fused_decode.applies(ctx([1] * cpu_decode.MAX_BATCH))
+    assert not r.fused_decode.applies(ctx([1] * (cpu_decode.MAX_BATCH + 1)))
+    assert not r.fused_decode.applies(ctx([1, 3]))
+
+
+def test_decode_step_weights_check_their_tensors():
+    bf = torch.bfloat16
+    layer = {"input_norm": torch.ones(8, dtype=bf), "qkv": torch.ones(16, 8, dtype=bf), "qkv_bias": None,
+             "o": torch.ones(8, 8, dtype=bf), "post_norm": torch.ones(8, dtype=bf),
+             "gate_up": torch.ones(12, 8, dtype=bf), "down": torch.ones(8, 6, dtype=bf),
+             "k_buf": torch.zeros(4, 1, 4, dtype=bf), "v_buf": torch.zeros(4, 1, 4, dtype=bf)}
+    kw = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "intermediate": 6, "eps": 1e-6}
+    cpu.DecodeStepWeights([layer], torch.ones(8, dtype=bf), **kw)  # consistent: accepted
+    with pytest.raises(ValueError, match="layer 0 qkv"):
+        cpu.DecodeStepWeights([{**layer, "qkv": torch.ones(15, 8, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
+    with pytest.raises(ValueError, match="layer 0 down"):
+        cpu.DecodeStepWeights([{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)

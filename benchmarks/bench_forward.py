@@ -9,7 +9,11 @@ memory bandwidth, all measured in this run.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+
+# as the Engine's scheduler process does: large allocations on transparent huge pages (set before torch loads)
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 

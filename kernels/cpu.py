@@ -1,6 +1,7 @@
 """CPU kernels in C (csrc/cpu_kernels.c), built on first use with the system C compiler and called through
 ctypes: decode attention through the slot table, KV store, fused residual-add RMSNorm and in-place rotary
-embedding, for float32 and bfloat16 CPU tensors.
+embedding, for float32 and bfloat16 CPU tensors; and, on CPUs with AVX512-BF16, the fused bf16 decode step
+(`decode_step`: every decoder layer of a small decode batch in one call, see radixgen.runtime.cpu_decode).
 
 They exist because on a small CPU a decode step is dominated by per-op overhead and by copies (gathering a
 batch's KV into contiguous tensors before scaled_dot_product_attention); each kernel here is one call that

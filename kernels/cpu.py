@@ -80,6 +80,8 @@ class CKernels:
                           _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]
             f.restype = ctypes.c_int
             self.decode_step_bf16 = f
+            self.pack_kpairs_bf16 = self.cdll.rg_pack_kpairs_bf16
+            self.pack_kpairs_bf16.argtypes, self.pack_kpairs_bf16.restype = [_P, _I, _I, _P], None
 
     def fn(self, name: str, dtype: torch.dtype):
         return self._fns[name, dtype]
@@ -343,17 +345,26 @@ def _rotary(kl: CKernels, positions, q, k, cos_sin_cache) -> None:
 
 
 class DecodeStepWeights:
-    """The bf16 weights of a Llama-family decoder stack, laid out for `decode_step`. Every tensor must stay
-    alive and in place as long as this object is used (the model's parameters and KV buffers do)."""
+    """The weights of a Llama-family decoder stack laid out for `decode_step`: norm weights and the qkv bias as
+    given (bf16), the four matmul weights packed into the K-pair layout of csrc/cpu_kernels.c (a copy, built
+    here), the KV buffers by address. The given norms, bias and KV buffers must stay alive and in place as
+    long as this object is used (the model's parameters and pool do)."""
 
-    def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor, *, num_heads: int,
-                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> None:
+    MATMULS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, kl: CKernels, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor, *,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> None:
+        expect(kl.has_decode_step, "this CPU build has no fused decode step (needs AVX512-BF16)")
         hidden = final_norm.shape[0]
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
+        expect(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+        expect(hidden % 2 == 0 and (num_heads * head_dim) % 2 == 0 and intermediate % 2 == 0,
+               "hidden size, query size and intermediate size must be even (the K-pair layout)")
         shapes = {"input_norm": (hidden,), "qkv": (qkv_n, hidden), "qkv_bias": (qkv_n,),
                   "o": (hidden, num_heads * head_dim), "post_norm": (hidden,), "gate_up": (2 * intermediate, hidden),
                   "down": (hidden, intermediate)}
         arr = (LayerBF16 * len(layers))()
+        self.packed: list[torch.Tensor] = []
         for i, ly in enumerate(layers):
             for name, shape in shapes.items():
                 t = ly.get(name)
@@ -361,13 +372,18 @@ class DecodeStepWeights:
                     continue
                 expect(t is not None and tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
                        and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape {shape}")
+                if name in self.MATMULS:
+                    n, k = shape
+                    packed = torch.empty((n + 15) // 16 * 16 * k, dtype=torch.bfloat16)
+                    kl.pack_kpairs_bf16(t.data_ptr(), n, k, packed.data_ptr())
+                    self.packed.append(packed)
+                    t = packed
                 setattr(arr[i], name, t.data_ptr())
             for name in ("k_buf", "v_buf"):
                 t = ly[name]
                 expect(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[1:] == (num_kv_heads, head_dim),
                        f"layer {i} {name}: expected a contiguous bfloat16 (slots, {num_kv_heads}, {head_dim}) pool")
                 setattr(arr[i], name, t.data_ptr())
-        expect(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         self.layers, self.final_norm = arr, final_norm
         self.keep = (layers, final_norm)
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim

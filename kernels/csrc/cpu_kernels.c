@@ -115,50 +115,73 @@ int rg_d_max(void) { return D_MAX; }
 
 #define GEMV_PREFETCH 4096 /* bytes ahead within the weight stream */
 
-/* y[m0 .. m0+MB) x [n0 .. n0+4) of y (M, N) = x (M, K) @ w (N, K)^T (+ bias): four weight rows against MB
- * input rows with the bf16 pair dot product, float32 lanes reduced at the end. Rows past N or M are
- * computed on a clamped copy and not stored. */
-static inline __attribute__((always_inline)) void gemv_block_bf16(
-    const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K,
-    int64_t n0, int64_t m0, const int MB) {
-    const uint16_t *wr[4], *xr[4];
-    for (int r = 0; r < 4; ++r) wr[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;
-    for (int i = 0; i < MB; ++i) xr[i] = x + (m0 + i < M ? m0 + i : M - 1) * K;
-    __m512 acc[4][4];
-    for (int i = 0; i < MB; ++i)
-        for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? 0xffffffffu : ((1u << (K - k)) - 1u);
-        __m512bh wv[4], xv[4];
-        for (int r = 0; r < 4; ++r) {
-            _mm_prefetch((const char *)(wr[r] + k) + GEMV_PREFETCH, _MM_HINT_T0);
-            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[r] + k);
-        }
-        for (int i = 0; i < MB; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[i] + k);
-        for (int i = 0; i < MB; ++i)
-            for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv[i], wv[r]);
-    }
-    for (int i = 0; i < MB && m0 + i < M; ++i)
-        for (int r = 0; r < 4 && n0 + r < N; ++r) {
-            float s = _mm512_reduce_add_ps(acc[i][r]);
-            if (bias) s += bf16_to_f32(bias[n0 + r]);
-            y[(m0 + i) * N + n0 + r] = f32_to_bf16(s);
-        }
+/* The matmuls of the fused step read their weights in a K-pair layout, packed once by rg_pack_kpairs_bf16:
+ * blocks of 16 output rows; inside a block, for each pair of input columns (2p, 2p+1), the 16 rows' two
+ * values side by side, so one 64-byte load holds a 16-row x 2-column slice. Multiplying it with the input
+ * pair (x[2p], x[2p+1]) broadcast to every lane is one vdpbf16ps that adds to 16 outputs at once: no
+ * horizontal sums, and each block is one sequential stream. Rows past N are zero. K must be even. */
+void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
+    const int64_t pairs = K / 2, blocks = (N + 15) / 16;
+    for (int64_t blk = 0; blk < blocks; ++blk)
+        for (int64_t p = 0; p < pairs; ++p)
+            for (int64_t j = 0; j < 16; ++j) {
+                const int64_t n = blk * 16 + j;
+                uint16_t *o = out + ((blk * pairs + p) * 16 + j) * 2;
+                o[0] = n < N ? w[n * K + 2 * p] : 0;
+                o[1] = n < N ? w[n * K + 2 * p + 1] : 0;
+            }
 }
 
-/* y (M, N) = x (M, K) @ w (N, K)^T (+ bias), split over the calling team by bands of weight rows. */
-static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, const uint16_t *bias,
-                           uint16_t *y, int64_t N) {
-    const int64_t n_blocks = (N + 3) / 4;
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < n_blocks; ++blk) {
-        int64_t m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) gemv_block_bf16(x, w, bias, y, M, N, K, blk * 4, m0, 4);
-        if (M - m0 >= 2) {
-            gemv_block_bf16(x, w, bias, y, M, N, K, blk * 4, m0, 2);
-            m0 += 2;
+/* Rows [m0, m0+MB) x blocks [blk0, blk0+NB) of y (M, N) = x (M, K) @ w^T (+ bias), w K-pair packed with
+ * `blocks` blocks. Blocks past the last are computed on a clamped copy and not stored. */
+static inline __attribute__((always_inline)) void gemv_tile_bf16(
+    const uint16_t *x, int64_t K, const uint16_t *wp, int64_t blocks, const uint16_t *bias, uint16_t *y, int64_t N,
+    int64_t blk0, int64_t m0, const int MB, const int NB) {
+    const int64_t pairs = K / 2;
+    const uint16_t *wb[4];
+    for (int b = 0; b < NB; ++b) wb[b] = wp + (blk0 + b < blocks ? blk0 + b : blocks - 1) * pairs * 32;
+    __m512 acc[4][8];
+    for (int b = 0; b < NB; ++b)
+        for (int i = 0; i < MB; ++i) acc[b][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512i wv[4];
+        for (int b = 0; b < NB; ++b) {
+            _mm_prefetch((const char *)(wb[b] + p * 32) + GEMV_PREFETCH, _MM_HINT_T0);
+            wv[b] = _mm512_loadu_si512(wb[b] + p * 32);
         }
-        if (M - m0 == 1) gemv_block_bf16(x, w, bias, y, M, N, K, blk * 4, m0, 1);
+        for (int i = 0; i < MB; ++i) {
+            int32_t pair;
+            memcpy(&pair, x + (m0 + i) * K + 2 * p, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], xb, (__m512bh)wv[b]);
+        }
+    }
+    for (int b = 0; b < NB && blk0 + b < blocks; ++b) {
+        const int64_t n0 = (blk0 + b) * 16, n = N - n0 < 16 ? N - n0 : 16;
+        for (int i = 0; i < MB; ++i) {
+            float v[16];
+            _mm512_storeu_ps(v, acc[b][i]);
+            uint16_t *yr = y + (m0 + i) * N + n0;
+            for (int64_t j = 0; j < n; ++j) yr[j] = f32_to_bf16(v[j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.f));
+        }
+    }
+}
+
+/* y (M, N) = x (M, K) @ w^T (+ bias) for a K-pair packed w, split over the calling team by tiles of four
+ * 16-row blocks; input rows go eight, four, two or one at a time through each tile. */
+static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, const uint16_t *bias,
+                           uint16_t *y, int64_t N) {
+    const int64_t blocks = (N + 15) / 16, tiles = (blocks + 3) / 4;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        int64_t m0 = 0;
+        for (; m0 + 8 <= M; m0 += 8) {
+            gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 8, 2);
+            gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4 + 2, m0, 8, 2);
+        }
+        for (; m0 + 4 <= M; m0 += 4) gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 4, 4);
+        for (; m0 + 2 <= M; m0 += 2) gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 2, 4);
+        for (; m0 < M; ++m0) gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 1, 4);
     }
 }
 
@@ -176,7 +199,7 @@ static void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t 
     }
 }
 
-typedef struct { /* one decoder layer: bf16 weights, row-major (out, in), and its KV buffers */
+typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
     uint16_t *k_buf, *v_buf;
 } rg_layer_bf16;
@@ -234,4 +257,7 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
 int rg_has_decode_step(void) { return 1; }
 #else
 int rg_has_decode_step(void) { return 0; }
+void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
+    (void)w, (void)N, (void)K, (void)out;
+}
 #endif

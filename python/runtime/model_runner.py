@@ -73,7 +73,8 @@ class ModelRunner:
         self.attn_backend = backend_for(self.device)
         if self.device.type == "cuda":
             self.use_triton_kernels()
-        # small bf16 decode batches on the CPU: every layer in one C call (None where that does not apply)
+        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the CPU: every layer in one C call (None where that
+        # does not apply)
         self.fused_decode: FusedDecode | None = None
         if self.device.type == "cpu" and not cfg.disable_cpu_kernels:
             self.fused_decode = FusedDecode.build(self.model, self.kv_pool)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_st
 
 
 def runner_for(model: str, dtype: str = "bfloat16", **kw) -> ModelRunner:
-    return ModelRunner(RuntimeConfig(model=model, dtype=dtype, max_total_tokens=4096, max_running_requests=12, **kw))
+    return ModelRunner(RuntimeConfig(model=model, dtype=dtype, max_total_tokens=4096, max_running_requests=24, **kw))
 
 
 def drive(runner: ModelRunner, prompts: list[list[int]], steps: int, forced: list[int] | None = None):
@@ -52,7 +52,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied"])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 21])  # 21: input rows through the kernel 8 + 8 + 4 + 1
 def test_fused_step_matches_unfused_path(arch, batch):
     folder = str(tiny_model_dir(arch))
     fused, plain = runner_for(folder), runner_for(folder)
@@ -128,8 +128,23 @@ def test_decode_step_weights_check_their_tensors():
              "gate_up": torch.ones(12, 8, dtype=bf), "down": torch.ones(8, 6, dtype=bf),
              "k_buf": torch.zeros(4, 1, 4, dtype=bf), "v_buf": torch.zeros(4, 1, 4, dtype=bf)}
     kw = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "intermediate": 6, "eps": 1e-6}
-    cpu.DecodeStepWeights([layer], torch.ones(8, dtype=bf), **kw)  # consistent: accepted
+    kl = cpu.lib()
+    w = cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw)  # consistent: accepted
+    assert [p.numel() for p in w.packed] == [16 * 8, 16 * 8, 16 * 8, 16 * 6]  # rows padded to blocks of 16
     with pytest.raises(ValueError, match="layer 0 qkv"):
-        cpu.DecodeStepWeights([{**layer, "qkv": torch.ones(15, 8, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
+        cpu.DecodeStepWeights(kl, [{**layer, "qkv": torch.ones(15, 8, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
     with pytest.raises(ValueError, match="layer 0 down"):
-        cpu.DecodeStepWeights([{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)
+        cpu.DecodeStepWeights(kl, [{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)
+    with pytest.raises(ValueError, match="even"):
+        cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **{**kw, "intermediate": 5})
+
+
+def test_kpair_packing_layout():
+    """The packed layout: block b, pair p, row j holds w[16 b + j, 2p : 2p + 2]; rows past N are zero."""
+    kl = cpu.lib()
+    w = torch.arange(20 * 6, dtype=torch.float32).reshape(20, 6).to(torch.bfloat16)
+    out = torch.empty(32 * 6, dtype=torch.bfloat16)
+    kl.pack_kpairs_bf16(w.data_ptr(), 20, 6, out.data_ptr())
+    view = out.view(2, 3, 16, 2)  # (blocks, pairs, rows, 2)
+    padded = torch.cat([w, torch.zeros(12, 6, dtype=torch.bfloat16)]).view(2, 16, 3, 2).transpose(1, 2)
+    assert torch.equal(view, padded)

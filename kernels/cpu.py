@@ -58,7 +58,7 @@ class LayerBF16(ctypes.Structure):
     """One decoder layer for the fused decode step (rg_layer_bf16): weight and KV buffer addresses."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
-                                                     "down", "k_buf", "v_buf")]
+                                                     "down", "k_buf", "v_buf", "q_norm", "k_norm")]
 
 
 class CKernels:
@@ -345,10 +345,10 @@ def _rotary(kl: CKernels, positions, q, k, cos_sin_cache) -> None:
 
 
 class DecodeStepWeights:
-    """The weights of a Llama-family decoder stack laid out for `decode_step`: norm weights and the qkv bias as
-    given (bf16), the four matmul weights packed into the K-pair layout of csrc/cpu_kernels.c (a copy, built
-    here), the KV buffers by address. The given norms, bias and KV buffers must stay alive and in place as
-    long as this object is used (the model's parameters and pool do)."""
+    """The weights of a Llama-family decoder stack laid out for `decode_step`: norm weights (optionally per-head
+    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights packed into the K-pair layout
+    of csrc/cpu_kernels.c (a copy, built here), the KV buffers by address. The given norms, bias and KV
+    buffers must stay alive and in place as long as this object is used (the model's parameters and pool do)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 
@@ -362,13 +362,14 @@ class DecodeStepWeights:
                "hidden size, query size and intermediate size must be even (the K-pair layout)")
         shapes = {"input_norm": (hidden,), "qkv": (qkv_n, hidden), "qkv_bias": (qkv_n,),
                   "o": (hidden, num_heads * head_dim), "post_norm": (hidden,), "gate_up": (2 * intermediate, hidden),
-                  "down": (hidden, intermediate)}
+                  "down": (hidden, intermediate), "q_norm": (head_dim,), "k_norm": (head_dim,)}
+        optional = ("qkv_bias", "q_norm", "k_norm")
         arr = (LayerBF16 * len(layers))()
         self.packed: list[torch.Tensor] = []
         for i, ly in enumerate(layers):
             for name, shape in shapes.items():
                 t = ly.get(name)
-                if t is None and name == "qkv_bias":
+                if t is None and name in optional:
                     continue
                 expect(t is not None and tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
                        and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape {shape}")

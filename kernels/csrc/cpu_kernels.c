@@ -107,7 +107,7 @@ int rg_d_max(void) { return D_MAX; }
 
 /* ------------------------------------------------------------------------------------------------------
  * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model
- * (optional qkv bias, SiLU-gated MLP) for a small decode batch, in one call and one OpenMP team. At batch 1
+ * (optional qkv bias, optional per-head q/k RMSNorm, SiLU-gated MLP) for a small decode batch, in one call and one OpenMP team. At batch 1
  * the step is the weights streaming through the matmuls; the unfused path adds a Python round trip and a
  * thread fork/join per op between them, which this removes. Roundings follow the unfused path: every op
  * rounds its output to bf16, norms and attention compute in float32. */
@@ -202,6 +202,7 @@ static void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t 
 typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
     uint16_t *k_buf, *v_buf;
+    const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
 } rg_layer_bf16;
 
 /* x (M, hidden): the token embeddings, used as scratch; out (M, hidden): the final norm's output.
@@ -233,6 +234,10 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
             gemv_team_bf16(h, M, hidden, ly->qkv, ly->qkv_bias, qkv, qkv_n);
 #pragma omp single
             {
+                for (int64_t m = 0; m < M && ly->q_norm; ++m) /* in place, one row per head */
+                    rg_add_rmsnorm_bf16(qkv + m * qkv_n, D, NULL, ly->q_norm, qkv + m * qkv_n, H, D, eps);
+                for (int64_t m = 0; m < M && ly->k_norm; ++m)
+                    rg_add_rmsnorm_bf16(qkv + m * qkv_n + qsz, D, NULL, ly->k_norm, qkv + m * qkv_n + qsz, Hkv, D, eps);
                 rg_rotary_bf16(positions, qkv, qkv_n, H, qkv + qsz, qkv_n, Hkv, cos_sin, D, M);
                 rg_store_kv_bf16(qkv + qsz, qkv_n, qkv + qsz + kvsz, qkv_n, ly->k_buf, ly->v_buf, out_slots, M, kvsz);
             }

@@ -1,12 +1,11 @@
-"""The fused CPU decode step: all decoder layers of a bf16 Llama-family model (Llama, Mistral, Qwen2) for a
+"""The fused CPU decode step: all decoder layers of a bf16 Llama-family model (Llama, Mistral, Qwen2, Qwen3) for a
 decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu.decode_step).
 
 Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
 adds on top (a Python call, a tensor allocation and a thread fork/join per op, a cold start of every matmul)
 is most of the rest of the step. The fused step runs the same math with the same bf16 roundings inside one
 OpenMP team, on its own copy of the matmul weights in a layout its kernel streams at 25-30 GB/s here (oneDNN
-reaches about 17 on the same matrices at batch 1). Larger batches, prefill, float32 and models with per-head
-q/k norms keep the unfused path.
+reaches about 17 on the same matrices at batch 1). Larger batches, prefill and float32 keep the unfused path.
 """
 
 from __future__ import annotations
@@ -35,8 +34,11 @@ class FusedDecode:
             return None
         first = model.layers[0]
         attn = first.self_attn
-        if (type(attn).qk_norm is not LlamaAttention.qk_norm or model.embed_tokens.weight.dtype != torch.bfloat16
-                or not model.embed_tokens.weight.is_cpu or attn.head_dim > kl.d_max):
+        # per-head q/k norms are supported in Qwen3's form (q_norm / k_norm RMSNorms), no other override
+        qk_norms = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        if ((type(attn).qk_norm is not LlamaAttention.qk_norm and not qk_norms)
+                or model.embed_tokens.weight.dtype != torch.bfloat16 or not model.embed_tokens.weight.is_cpu
+                or attn.head_dim > kl.d_max):
             return None
         layers = []
         for i, layer in enumerate(model.layers):
@@ -44,7 +46,9 @@ class FusedDecode:
             layers.append({"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.weight,
                            "qkv_bias": a.qkv_proj.bias, "o": a.o_proj.weight,
                            "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
-                           "down": mlp.down_proj.weight, "k_buf": kv_pool.k_buffers[i], "v_buf": kv_pool.v_buffers[i]})
+                           "down": mlp.down_proj.weight, "k_buf": kv_pool.k_buffers[i], "v_buf": kv_pool.v_buffers[i],
+                           "q_norm": a.q_norm.weight if qk_norms else None,
+                           "k_norm": a.k_norm.weight if qk_norms else None})
         cfg = model.config
         weights = cpu_kernels.DecodeStepWeights(
             kl, layers, model.norm.weight, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,

@@ -51,7 +51,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-tied"])
 @pytest.mark.parametrize("batch", [1, 3, 8, 21])  # 21: input rows through the kernel 8 + 8 + 4 + 1
 def test_fused_step_matches_unfused_path(arch, batch):
     folder = str(tiny_model_dir(arch))
@@ -105,7 +105,6 @@ def test_fused_step_is_as_accurate_as_unfused_on_default_model():
 
 
 def test_where_the_fused_step_does_not_apply():
-    assert runner_for(str(tiny_model_dir("qwen3"))).fused_decode is None  # per-head q/k norms
     assert runner_for(str(tiny_model_dir("llama")), "float32").fused_decode is None
     assert runner_for(str(tiny_model_dir("llama")), disable_cpu_kernels=True).fused_decode is None
     r = runner_for(str(tiny_model_dir("llama")))

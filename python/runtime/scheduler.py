@@ -59,6 +59,7 @@ class Scheduler:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.waiting: deque[Req] = deque()
+        self._cached_lens: dict[int, int] = {}  # id(req) -> cached prefix length, from this step's ordering
         self.grammar_wait: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
         self.running: list[Req] = []  # decoding, in admission order (the newest is retracted first)
@@ -172,16 +173,19 @@ class Scheduler:
     # ------------------------------------------------------------------ admission (extend)
 
     def ordered_waiting(self) -> list[Req]:
-        """The waiting queue in policy order; requests past the ageing bound go first."""
+        """The waiting queue in policy order; requests past the ageing bound go first. Under lpm the cached
+        prefix length of each request is left in self._cached_lens for the admission loop of this step."""
         reqs = list(self.waiting)
         aged = [r for r in reqs if self.step_no - r.arrival_step >= self.cfg.max_queue_wait_steps]
         rest = [r for r in reqs if self.step_no - r.arrival_step < self.cfg.max_queue_wait_steps]
         policy = self.cfg.schedule_policy
+        self._cached_lens = {}
         if self.tree.disable or len(rest) > MAX_QUEUE_FOR_CACHE_AWARE:
             policy = "fcfs"
         if policy == "lpm":
             lens = {id(r): len(self.tree.match_prefix(r.fill_ids[:r.max_cacheable()], r.namespace).slots)
                     for r in rest}
+            self._cached_lens = lens
             rest.sort(key=lambda r: -lens[id(r)])  # stable: fcfs among equals
         elif policy == "dfs-weight":
             rest = self.dfs_weight_order(rest)
@@ -258,7 +262,11 @@ class Scheduler:
         if self.tree.disable:
             return False
         ids = req.fill_ids
-        cached = len(self.tree.match_prefix(ids[:req.max_cacheable()], req.namespace).slots)
+        # the length measured for this step's ordering, if any: a heuristic may use it even if an eviction
+        # since then shortened the match (admission re-matches before it locks anything)
+        cached = self._cached_lens.get(id(req))
+        if cached is None:
+            cached = len(self.tree.match_prefix(ids[:req.max_cacheable()], req.namespace).slots)
         for other in admitted:
             if other.namespace != req.namespace:
                 continue

@@ -82,6 +82,10 @@ class CKernels:
             self.decode_step_bf16 = f
             self.pack_kpairs_bf16 = self.cdll.rg_pack_kpairs_bf16
             self.pack_kpairs_bf16.argtypes, self.pack_kpairs_bf16.restype = [_P, _I, _I, _P], None
+            self.extend_attention_bf16 = self.cdll.rg_extend_attention_bf16
+            self.extend_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F,
+                                                   _P]
+            self.extend_attention_bf16.restype = ctypes.c_int
 
     def fn(self, name: str, dtype: torch.dtype):
         return self._fns[name, dtype]
@@ -280,6 +284,65 @@ def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indi
         q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_slot.data_ptr(),
         req_to_slot.stride(0), req_indices.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d,
         sm_scale, splits, part.data_ptr())
+    return out
+
+
+# ------------------------------------------------------------------------------------- extend attention
+
+
+def extend_attention_supported(kl: CKernels | None, dtype: torch.dtype, head_dim: int) -> bool:
+    return kl is not None and kl.has_decode_step and dtype == torch.bfloat16 and head_dim % 32 == 0 \
+        and head_dim <= 128
+
+
+def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_slot: torch.Tensor,
+                     req_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                     sm_scale: float) -> torch.Tensor:
+    """Like radixgen.kernels.extend_attention, for bfloat16 CPU tensors (head_dim a multiple of 32, at most
+    128, AVX512-BF16): q (T, Hq, D) holds the B requests' new tokens back to back (rows may be strided);
+    request b's tokens sit at positions prefix_lens[b] .. + extend_lens[b] - 1 and their K/V are already in
+    the pool through row req_indices[b] of req_to_slot. Returns (T, Hq, D)."""
+    check_tensor("q", q, 3, (torch.bfloat16,))
+    expect(q.stride(2) == 1 and q.stride(1) == q.shape[2], "q heads and dims must be contiguous")
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_tensor(name, t, 3, (torch.bfloat16,))
+        check_contiguous(name, t)
+        check_dim(name, t, 2, q.shape[2], "head_dim")
+    expect(q.shape[1] % k_buffer.shape[1] == 0, "query heads must be a multiple of KV heads")
+    for name, t in (("req_indices", req_indices), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):
+        check_tensor(name, t, 1, (torch.int64,))
+        check_dim(name, t, 0, req_indices.shape[0], "batch")
+    check_tensor("req_to_slot", req_to_slot, 2, (torch.int64,))
+    expect(req_to_slot.stride(1) == 1, "req_to_slot rows must be contiguous")
+    _check_cpu(q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_slot=req_to_slot)
+    expect(int(extend_lens.sum()) == q.shape[0], f"extend_lens sum to {int(extend_lens.sum())}, q has {q.shape[0]}")
+    expect(bool((extend_lens >= 1).all()) and bool((prefix_lens >= 0).all()), "extend_lens >= 1, prefix_lens >= 0")
+    expect(int((prefix_lens + extend_lens).max()) <= req_to_slot.shape[1], "sequences exceed req_to_slot's columns")
+    kl = lib()
+    expect(extend_attention_supported(kl, q.dtype, q.shape[2]),
+           "the CPU extend kernel needs AVX512-BF16 and a head_dim that is a multiple of 32, at most 128")
+    return _extend_attention(kl, q, k_buffer, v_buffer, req_to_slot, req_indices.contiguous(),
+                             prefix_lens.tolist(), extend_lens.tolist(), float(sm_scale))
+
+
+def _extend_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indices, prefix_lens: list[int],
+                      extend_lens: list[int], sm_scale: float) -> torch.Tensor:
+    t, h, d = q.shape
+    hkv = k_buffer.shape[1]
+    out = torch.empty((t, h, d), dtype=q.dtype)
+    starts, total = [], 0
+    for e in extend_lens:
+        starts.append(total)
+        total += e
+    pack_len = sum(hkv * 2 * -(-(p + e) // 16) * 16 * d for p, e in zip(prefix_lens, extend_lens, strict=True))
+    pack = torch.empty(pack_len, dtype=torch.bfloat16)
+    p_t = torch.tensor(prefix_lens, dtype=torch.int64)
+    e_t = torch.tensor(extend_lens, dtype=torch.int64)
+    s_t = torch.tensor(starts, dtype=torch.int64)
+    kl.extend_attention_bf16(q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(),
+                             req_to_slot.data_ptr(), req_to_slot.stride(0), req_indices.data_ptr(), p_t.data_ptr(),
+                             e_t.data_ptr(), s_t.data_ptr(), out.data_ptr(), len(extend_lens), h, hkv, d, sm_scale,
+                             pack.data_ptr())
     return out
 
 

@@ -36,6 +36,12 @@ def hf_config(arch: str):
         return tf.Qwen2Config(**_COMMON, rope_theta=1000000.0)
     if arch == "qwen3":
         return tf.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1000000.0)
+    # head sizes the CPU extend kernel takes (a multiple of 32)
+    if arch == "llama-hd64":
+        return tf.LlamaConfig(**{**_COMMON, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+                              rope_theta=10000.0)
+    if arch == "qwen3-hd32":
+        return tf.Qwen3Config(**_COMMON, head_dim=32, rope_theta=1000000.0)
     raise ValueError(arch)
 
 

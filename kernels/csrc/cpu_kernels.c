@@ -71,6 +71,23 @@ static inline __m512 hsum16(__m512 v[16]) {
     return v[0];
 }
 
+/* exp_f32 on 16 lanes (same polynomial and clamping). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, i);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
 static inline __m512 load16_bf16(const uint16_t *p) {
@@ -259,9 +276,169 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
     return 1;
 }
 
+
+/* ------------------------------------------------------------------------------------------------------
+ * Extend (prefill) attention for bfloat16, flash style: each new token attends to its request's prefix in
+ * the pool and causally to the new tokens before it (all read through the slot table: the step's K/V are
+ * stored first). Phase 1 packs each request's K and V per KV head into blocks of 16 keys laid out for
+ * vdpbf16ps with a broadcast operand (K: per dim pair, 16 keys x 2 dims; V: per key pair and 16-dim chunk,
+ * 16 dims x 2 keys), zero past the sequence. Phase 2 runs groups of query rows (the query heads of a KV
+ * head, several tokens) over the key blocks with an online softmax; P is rounded to bf16 for the PV product
+ * as flash attention does. D must be a multiple of 32, at most 128. */
+#define EXT_TOKENS 16 /* new tokens per work item */
+
+static inline __attribute__((always_inline)) void extend_rows_bf16(
+    const uint16_t *q, int64_t q_stride, const uint16_t *kpk, const uint16_t *vpk, uint16_t *out, int64_t H,
+    int64_t G, int64_t h, const int64_t *row_tok, const int64_t *row_g, int64_t prefix, int64_t q0, float scale,
+    const int64_t D, const int R) {
+    const int64_t pairs = D / 2, chunks = D / 16;
+    __m512 o[4][8];
+    float m[4], l[4];
+    int64_t last = 0;
+    for (int r = 0; r < R; ++r) {
+        for (int64_t c = 0; c < chunks; ++c) o[r][c] = _mm512_setzero_ps();
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        last = prefix + row_tok[r] > last ? prefix + row_tok[r] : last;
+    }
+    const uint16_t *qr[4];
+    for (int r = 0; r < R; ++r) qr[r] = q + (q0 + row_tok[r]) * q_stride + (h * G + row_g[r]) * D;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t kb = 0; kb * 16 <= last; ++kb) {
+        const uint16_t *kblk = kpk + kb * 16 * D, *vblk = vpk + kb * 16 * D;
+        __m512 s[4];
+        for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kblk + p * 32);
+            for (int r = 0; r < R; ++r) {
+                int32_t pair;
+                memcpy(&pair, qr[r] + 2 * p, sizeof pair);
+                s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(pair), kv);
+            }
+        }
+        uint32_t pp[4][8];
+        for (int r = 0; r < R; ++r) {
+            /* key kb*16 + lane is visible to this row when its position <= the row's position */
+            const __m512i limit = _mm512_set1_epi32((int32_t)(prefix + row_tok[r] - kb * 16));
+            const __mmask16 vis = _mm512_cmp_epi32_mask(lane, limit, _MM_CMPINT_LE);
+            const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+            const float mb = _mm512_reduce_max_ps(sc);
+            const float mn = mb > m[r] ? mb : m[r];
+            const float corr = exp_f32(m[r] - mn);
+            const __m512 pe = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(pe);
+            m[r] = mn;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < chunks; ++c) o[r][c] = _mm512_mul_ps(o[r][c], cv);
+            const __m256bh pb = _mm512_cvtneps_pbh(pe);
+            memcpy(pp[r], &pb, sizeof pp[r]);
+        }
+        for (int qq = 0; qq < 8; ++qq)
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vblk + (qq * chunks + c) * 32);
+                for (int r = 0; r < R; ++r)
+                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32((int32_t)pp[r][qq]), vv);
+            }
+    }
+    for (int r = 0; r < R; ++r) {
+        uint16_t *orow = out + ((q0 + row_tok[r]) * H + h * G + row_g[r]) * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+            float v[16];
+            _mm512_storeu_ps(v, _mm512_mul_ps(o[r][c], _mm512_set1_ps(inv)));
+            for (int j = 0; j < 16; ++j) orow[c * 16 + j] = f32_to_bf16(v[j]);
+        }
+    }
+}
+
+/* q (T, H, D) rows q_stride apart, the B requests' new tokens back to back from q_start[b]; out (T, H, D).
+ * pack: scratch of sum_b Hkv * 2 * ceil(L_b / 16) * 16 * D bf16, L_b = prefix_lens[b] + extend_lens[b]. */
+int rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf, const uint16_t *v_buf,
+                             const int64_t *table, int64_t table_stride, const int64_t *rows,
+                             const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_start,
+                             uint16_t *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
+                             uint16_t *pack) {
+    if (D % 32 != 0 || D > 128) return 0;
+    const int64_t G = H / Hkv, chunks = D / 16;
+    int64_t *base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* pack offset of each request */
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first work item of each */
+    base[0] = items[0] = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t blocks = (prefix_lens[b] + extend_lens[b] + 15) / 16;
+        base[b + 1] = base[b] + Hkv * 2 * blocks * 16 * D;
+        items[b + 1] = items[b] + Hkv * ((extend_lens[b] + EXT_TOKENS - 1) / EXT_TOKENS);
+    }
+#pragma omp parallel
+    {
+        /* phase 1: pack K and V, one (request, KV head, key block) at a time */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t L = prefix_lens[b] + extend_lens[b], blocks = (L + 15) / 16;
+            const int64_t *slots = table + rows[b] * table_stride;
+            for (int64_t h = 0; h < Hkv; ++h) {
+                uint16_t *kpk = pack + base[b] + h * 2 * blocks * 16 * D, *vpk = kpk + blocks * 16 * D;
+                for (int64_t kb = 0; kb < blocks; ++kb)
+                    for (int64_t j = 0; j < 16; ++j) {
+                        const int64_t pos = kb * 16 + j;
+                        const uint16_t *kr = pos < L ? k_buf + (slots[pos] * Hkv + h) * D : NULL;
+                        const uint16_t *vr = pos < L ? v_buf + (slots[pos] * Hkv + h) * D : NULL;
+                        for (int64_t p = 0; p < D / 2; ++p) {
+                            uint16_t *dst = kpk + (kb * (D / 2) + p) * 32 + j * 2;
+                            dst[0] = kr ? kr[2 * p] : 0;
+                            dst[1] = kr ? kr[2 * p + 1] : 0;
+                        }
+                        for (int64_t d = 0; d < D; ++d) /* key pair j/2, chunk d/16: 16 dims x 2 keys */
+                            vpk[((kb * 8 + j / 2) * chunks + d / 16) * 32 + (d % 16) * 2 + (j % 2)] = vr ? vr[d] : 0;
+                    }
+            }
+        }
+        /* phase 2: one (request, KV head, group of new tokens) per item, its rows four (two at D 128) at a time */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items[B]; ++it) {
+            int64_t b = 0;
+            while (items[b + 1] <= it) ++b;
+            const int64_t local = it - items[b], groups = (extend_lens[b] + EXT_TOKENS - 1) / EXT_TOKENS;
+            const int64_t h = local / groups, t0 = (local % groups) * EXT_TOKENS;
+            const int64_t t1 = t0 + EXT_TOKENS < extend_lens[b] ? t0 + EXT_TOKENS : extend_lens[b];
+            const int64_t L = prefix_lens[b] + extend_lens[b], blocks = (L + 15) / 16;
+            const uint16_t *kpk = pack + base[b] + h * 2 * blocks * 16 * D, *vpk = kpk + blocks * 16 * D;
+            const int R = D == 64 ? 4 : 2; /* as the calls below */
+            const int64_t n_rows = (t1 - t0) * G;
+            /* rows ordered by token, so a group's causal limits are close */
+            for (int64_t r0 = 0; r0 < n_rows; r0 += R) {
+                int64_t tok[4], g[4];
+                int cnt = 0;
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = r0 + r < n_rows ? r0 + r : n_rows - 1;
+                    tok[r] = t0 + row / G;
+                    g[r] = row % G;
+                    if (r0 + r < n_rows) ++cnt;
+                }
+                if (cnt < R) { /* the tail: recompute the last row into its own place, harmless */
+                    for (int r = cnt; r < R; ++r) { tok[r] = tok[cnt - 1]; g[r] = g[cnt - 1]; }
+                }
+                if (D == 64) {
+                    extend_rows_bf16(q, q_stride, kpk, vpk, out, H, G, h, tok, g, prefix_lens[b], q_start[b], scale,
+                                     64, 4);
+                } else if (D == 128) {
+                    extend_rows_bf16(q, q_stride, kpk, vpk, out, H, G, h, tok, g, prefix_lens[b], q_start[b], scale,
+                                     128, 2);
+                } else {
+                    extend_rows_bf16(q, q_stride, kpk, vpk, out, H, G, h, tok, g, prefix_lens[b], q_start[b], scale,
+                                     D, 2);
+                }
+            }
+        }
+    }
+    free(base);
+    free(items);
+    return 1;
+}
+
 int rg_has_decode_step(void) { return 1; }
 #else
 int rg_has_decode_step(void) { return 0; }
+int rg_extend_attention_bf16(void) { return 0; }
 void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
     (void)w, (void)N, (void)K, (void)out;
 }

@@ -12,7 +12,14 @@ import pytest
 import torch
 from kernel_testutil import TOL, make_pool, rel_err
 
-from radixgen.kernels import cpu, decode_attention_ref, fused_add_rmsnorm_ref, rotary_embedding_ref_, store_kv_ref
+from radixgen.kernels import (
+    cpu,
+    decode_attention_ref,
+    extend_attention_ref,
+    fused_add_rmsnorm_ref,
+    rotary_embedding_ref_,
+    store_kv_ref,
+)
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -59,6 +66,41 @@ def test_decode_attention_splits_agree(batch, gen):
         assert rel_err(out, one) < 1e-6
     ref = decode_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.125)
     assert rel_err(one, ref) < 1e-5
+
+
+EXTEND_OK = cpu.extend_attention_supported(cpu.lib(), torch.bfloat16, 64)
+
+
+@pytest.mark.skipif(not EXTEND_OK, reason="the CPU extend kernel needs AVX512-BF16")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 2, 32)])
+@pytest.mark.parametrize(("prefix", "extend"), [([0], [1]), ([0], [40]), ([24, 0, 5], [16, 1, 33]), ([100], [7]),
+                                                ([3, 0], [130, 17])])
+def test_extend_attention_matches_reference(num_heads, num_kv_heads, head_dim, prefix, extend, gen, poison):
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    pool = make_pool(lens, num_kv_heads, head_dim, torch.bfloat16, max_context_len=200, gen=gen)
+    t = sum(extend)
+    wide = torch.randn(t, num_heads * head_dim + 32, generator=gen).to(torch.bfloat16)
+    q = wide[:, :num_heads * head_dim].view(t, num_heads, head_dim)  # strided rows, as the model passes q
+    pl, el = torch.tensor(prefix), torch.tensor(extend)
+    out = cpu.extend_attention(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, pl, el, 0.2)
+    ref = extend_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, pl, el, 0.2)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not EXTEND_OK, reason="the CPU extend kernel needs AVX512-BF16")
+def test_extend_attention_rejects_what_it_cannot_do(gen):
+    pool = make_pool([4], 2, 64, torch.bfloat16, gen=gen)
+    q = torch.randn(4, 4, 64, generator=gen).to(torch.bfloat16)
+    args = (pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices)
+    with pytest.raises(ValueError, match="q dtype"):
+        cpu.extend_attention(q.float(), *args, torch.tensor([0]), torch.tensor([4]), 0.1)
+    with pytest.raises(ValueError, match="sum to"):
+        cpu.extend_attention(q, *args, torch.tensor([0]), torch.tensor([3]), 0.1)
+    pool48 = make_pool([4], 2, 48, torch.bfloat16, gen=gen)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu.extend_attention(torch.randn(4, 4, 48).to(torch.bfloat16), pool48.k_buffer, pool48.v_buffer,
+                             pool48.req_to_slot, pool48.req_indices, torch.tensor([0]), torch.tensor([4]), 0.1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -51,7 +51,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-tied", "llama-hd64"])
 @pytest.mark.parametrize("batch", [1, 3, 8, 21])  # 21: input rows through the kernel 8 + 8 + 4 + 1
 def test_fused_step_matches_unfused_path(arch, batch):
     folder = str(tiny_model_dir(arch))
@@ -147,3 +147,41 @@ def test_kpair_packing_layout():
     view = out.view(2, 3, 16, 2)  # (blocks, pairs, rows, 2)
     padded = torch.cat([w, torch.zeros(12, 6, dtype=torch.bfloat16)]).view(2, 16, 3, 2).transpose(1, 2)
     assert torch.equal(view, padded)
+
+
+@pytest.mark.parametrize("arch", ["llama-hd64", "qwen3-hd32", "llama"])  # the last: head_dim 16, torch extend
+def test_bf16_prefill_and_cached_prefix_extend_match_torch_path(arch, monkeypatch):
+    """The C extend attention (bf16 prefill, and extends after a prefix already in scattered pool slots)
+    gives the torch path's logits, at every position."""
+    folder = str(tiny_model_dir(arch))
+    c_runner, torch_runner = runner_for(folder), runner_for(folder, disable_cpu_kernels=True)
+    calls = []
+    real = cpu._extend_attention
+    monkeypatch.setattr(cpu, "_extend_attention", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (37, 5, 70)]
+    outs = []
+    for r in (c_runner, torch_runner):
+        free = r.allocator.allocate(r.allocator.available())  # scatter the slots
+        r.allocator.free(free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(0))])
+        rows, steps = [0, 1, 2], []
+        for lo, hi in ((0, 20), (20, None)):  # a prefill of the first 20 tokens, then an extend after them
+            parts = [p[lo:hi] for p in prompts]
+            ids, pos, slots, prefix, ext = [], [], [], [], []
+            for row, p, part in zip(rows, prompts, parts, strict=True):
+                s = r.allocator.allocate(len(part))
+                r.req_table.write(row, min(lo, len(p)), s)
+                ids += part
+                pos += range(min(lo, len(p)), min(lo, len(p)) + len(part))
+                slots.append(s)
+                prefix.append(min(lo, len(p)))
+                ext.append(len(part))
+            keep = [i for i, e in enumerate(ext) if e > 0]
+            fi = ForwardInput(torch.tensor(ids), torch.tensor(pos), torch.cat(slots), torch.tensor(rows)[keep],
+                              [prefix[i] for i in keep], [ext[i] for i in keep], torch.arange(len(ids)))
+            steps.append(r.forward(fi))
+        outs.append(torch.cat(steps))
+    head_dim = c_runner.model_config.head_dim
+    assert len(calls) == (2 * c_runner.model_config.num_layers if head_dim % 32 == 0 else 0)
+    assert rel(outs[0], outs[1]) < 2e-2
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.9

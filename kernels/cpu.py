@@ -86,6 +86,8 @@ class CKernels:
             self.extend_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F,
                                                    _P]
             self.extend_attention_bf16.restype = ctypes.c_int
+            self.silu_and_mul_bf16 = self.cdll.rg_silu_and_mul_bf16
+            self.silu_and_mul_bf16.argtypes, self.silu_and_mul_bf16.restype = [_P, _P, _I, _I], None
 
     def fn(self, name: str, dtype: torch.dtype):
         return self._fns[name, dtype]
@@ -376,6 +378,29 @@ def _add_rmsnorm(kl: CKernels, x, weight, eps: float, residual) -> torch.Tensor:
     kl.fn("add_rmsnorm", x.dtype)(x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(),
                                   x.shape[0], x.shape[1], eps)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2N) gate|up, bfloat16, contiguous -> (T, N) silu(gate) * up (AVX512-BF16 CPUs)."""
+    _check_rows("x", x, torch.bfloat16)
+    check_contiguous("x", x)
+    expect(x.shape[1] % 2 == 0, f"x's last dim must be even (gate|up), got {x.shape[1]}")
+    _check_cpu(x=x)
+    kl = _require()
+    expect(kl.has_decode_step, "the CPU SiLU kernel needs AVX512-BF16")
+    return _silu_and_mul(kl, x)
+
+
+def _silu_and_mul(kl: CKernels, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[1] // 2
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    kl.silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], n)
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

@@ -202,18 +202,32 @@ static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     }
 }
 
-/* (M, 2I) gate|up -> (M, I): silu(gate), rounded to bf16 as torch's silu returns it, times up. */
-static void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
-    for (int64_t m = 0; m < M; ++m) {
-        const uint16_t *g = gu + m * 2 * I, *u = g + I;
-        uint16_t *o = out + m * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) {
-            const float a = bf16_to_f32(g[i]);
-            const float s = bf16_to_f32(f32_to_bf16(a / (1.f + exp_f32(-a))));
-            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
-        }
+/* One row of (2I) gate|up -> (I): silu(gate), rounded to bf16 as torch's silu returns it, times up. */
+static inline void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t I) {
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const __m512 a = load16_bf16(g + i);
+        const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        const __m512 sr = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(s));
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(sr, load16_bf16(u + i)));
+        memcpy(o + i, &r, sizeof r);
     }
+    for (; i < I; ++i) {
+        const float a = bf16_to_f32(g[i]);
+        const float s = bf16_to_f32(f32_to_bf16(a / (1.f + exp_f32(-a))));
+        o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+    }
+}
+
+/* (M, 2I) gate|up -> (M, I) for the calling thread. */
+static void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
+    for (int64_t m = 0; m < M; ++m) silu_mul_row_bf16(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
+}
+
+/* The same over a new team, rows split between its threads: the MLP activation of a prefill. */
+void rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static) if (M * I >= 32768)
+    for (int64_t m = 0; m < M; ++m) silu_mul_row_bf16(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
 }
 
 typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */

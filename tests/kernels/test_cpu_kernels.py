@@ -103,6 +103,13 @@ def test_extend_attention_rejects_what_it_cannot_do(gen):
                              pool48.req_to_slot, pool48.req_indices, torch.tensor([0]), torch.tensor([4]), 0.1)
 
 
+@pytest.mark.skipif(not EXTEND_OK, reason="the CPU SiLU kernel needs AVX512-BF16")
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (64, 1536), (300, 24), (3, 7)])  # 7, 24: the scalar tail
+def test_silu_and_mul_equals_torch_bit_for_bit(rows, n, gen, poison):
+    x = (3 * torch.randn(rows, 2 * n, generator=gen)).to(torch.bfloat16)
+    assert torch.equal(cpu.silu_and_mul(x), cpu.silu_and_mul_ref(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_matches_reference(dtype, gen):
     k_buf = torch.randn(40, 3, 16, generator=gen).to(dtype)

@@ -384,28 +384,29 @@ int rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
     }
 #pragma omp parallel
     {
-        /* phase 1: pack K and V, one (request, KV head, key block) at a time */
-#pragma omp for schedule(dynamic, 4)
+        /* phase 1: pack K and V, one (request, KV head, key block) at a time, split over the team */
         for (int64_t b = 0; b < B; ++b) {
             const int64_t L = prefix_lens[b] + extend_lens[b], blocks = (L + 15) / 16;
             const int64_t *slots = table + rows[b] * table_stride;
-            for (int64_t h = 0; h < Hkv; ++h) {
+#pragma omp for schedule(static) nowait
+            for (int64_t hb = 0; hb < Hkv * blocks; ++hb) {
+                const int64_t h = hb / blocks, kb = hb % blocks;
                 uint16_t *kpk = pack + base[b] + h * 2 * blocks * 16 * D, *vpk = kpk + blocks * 16 * D;
-                for (int64_t kb = 0; kb < blocks; ++kb)
-                    for (int64_t j = 0; j < 16; ++j) {
-                        const int64_t pos = kb * 16 + j;
-                        const uint16_t *kr = pos < L ? k_buf + (slots[pos] * Hkv + h) * D : NULL;
-                        const uint16_t *vr = pos < L ? v_buf + (slots[pos] * Hkv + h) * D : NULL;
-                        for (int64_t p = 0; p < D / 2; ++p) {
-                            uint16_t *dst = kpk + (kb * (D / 2) + p) * 32 + j * 2;
-                            dst[0] = kr ? kr[2 * p] : 0;
-                            dst[1] = kr ? kr[2 * p + 1] : 0;
-                        }
-                        for (int64_t d = 0; d < D; ++d) /* key pair j/2, chunk d/16: 16 dims x 2 keys */
-                            vpk[((kb * 8 + j / 2) * chunks + d / 16) * 32 + (d % 16) * 2 + (j % 2)] = vr ? vr[d] : 0;
+                for (int64_t j = 0; j < 16; ++j) {
+                    const int64_t pos = kb * 16 + j;
+                    const uint16_t *kr = pos < L ? k_buf + (slots[pos] * Hkv + h) * D : NULL;
+                    const uint16_t *vr = pos < L ? v_buf + (slots[pos] * Hkv + h) * D : NULL;
+                    for (int64_t p = 0; p < D / 2; ++p) {
+                        uint16_t *dst = kpk + (kb * (D / 2) + p) * 32 + j * 2;
+                        dst[0] = kr ? kr[2 * p] : 0;
+                        dst[1] = kr ? kr[2 * p + 1] : 0;
                     }
+                    for (int64_t d = 0; d < D; ++d) /* key pair j/2, chunk d/16: 16 dims x 2 keys */
+                        vpk[((kb * 8 + j / 2) * chunks + d / 16) * 32 + (d % 16) * 2 + (j % 2)] = vr ? vr[d] : 0;
+                }
             }
         }
+#pragma omp barrier
         /* phase 2: one (request, KV head, group of new tokens) per item, its rows four (two at D 128) at a time */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items[B]; ++it) {

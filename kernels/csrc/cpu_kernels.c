@@ -130,7 +130,8 @@ int rg_d_max(void) { return D_MAX; }
  * rounds its output to bf16, norms and attention compute in float32. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
-#define GEMV_PREFETCH 4096 /* bytes ahead within the weight stream */
+#define GEMV_PREFETCH 1024 /* bytes ahead within each weight stream, into L2: a T0 prefetch ties up one of the
+                            * few L1 miss buffers for a whole DRAM round trip and capped the stream at ~30 GB/s */
 
 /* The matmuls of the fused step read their weights in a K-pair layout, packed once by rg_pack_kpairs_bf16:
  * blocks of 16 output rows; inside a block, for each pair of input columns (2p, 2p+1), the 16 rows' two
@@ -163,7 +164,7 @@ static inline __attribute__((always_inline)) void gemv_tile_bf16(
     for (int64_t p = 0; p < pairs; ++p) {
         __m512i wv[4];
         for (int b = 0; b < NB; ++b) {
-            _mm_prefetch((const char *)(wb[b] + p * 32) + GEMV_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb[b] + p * 32) + GEMV_PREFETCH, _MM_HINT_T1);
             wv[b] = _mm512_loadu_si512(wb[b] + p * 32);
         }
         for (int i = 0; i < MB; ++i) {

@@ -130,6 +130,8 @@ int rg_d_max(void) { return D_MAX; }
  * rounds its output to bf16, norms and attention compute in float32. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
+#include <omp.h>
+
 #define GEMV_PREFETCH 1024 /* bytes ahead within each weight stream, into L2: a T0 prefetch ties up one of the
                             * few L1 miss buffers for a whole DRAM round trip and capped the stream at ~30 GB/s */
 
@@ -247,23 +249,34 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
                         int64_t splits, uint16_t *x, uint16_t *out, uint16_t *residual, uint16_t *h, uint16_t *qkv,
                         uint16_t *attn, uint16_t *gu, uint16_t *act, float *part) {
     const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz;
+    const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
+    (void)act;
+    /* The norms and the SiLU run redundantly in every thread, on private copies, so that only the matmuls
+     * and attention need the team to meet: the residual stream alternates between two shared buffers
+     * (residual, h); every thread reads the current one, thread 0 alone writes the next, and a matmul's
+     * barrier always lies between a write and the next read of the same buffer. */
 #pragma omp parallel
     {
+        const int tid = omp_get_thread_num();
         float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
+        uint16_t *hp = (uint16_t *)malloc(row_bytes), *rp = (uint16_t *)malloc(row_bytes);
+        uint16_t *ap = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * inter));
+        uint16_t *res[2] = {residual, h};
+        int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
         float *sc = NULL;
         int64_t sc_cap = 0;
         for (int64_t l = 0; l < n_layers; ++l) {
             const rg_layer_bf16 *ly = layers + l;
-#pragma omp single
-            {
-                if (l == 0) {
-                    memcpy(residual, x, sizeof(uint16_t) * (size_t)(M * hidden));
-                    rg_add_rmsnorm_bf16(x, hidden, NULL, ly->input_norm, h, M, hidden, eps);
-                } else {
-                    rg_add_rmsnorm_bf16(x, hidden, residual, ly->input_norm, h, M, hidden, eps);
-                }
+            if (l == 0) { /* the residual stream starts as the embeddings */
+                memcpy(rp, x, row_bytes);
+                rg_add_rmsnorm_bf16(rp, hidden, NULL, ly->input_norm, hp, M, hidden, eps);
+            } else {
+                memcpy(rp, res[cur], row_bytes);
+                rg_add_rmsnorm_bf16(x, hidden, rp, ly->input_norm, hp, M, hidden, eps);
             }
-            gemv_team_bf16(h, M, hidden, ly->qkv, ly->qkv_bias, qkv, qkv_n);
+            if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
+            cur ^= 1;
+            gemv_team_bf16(hp, M, hidden, ly->qkv, ly->qkv_bias, qkv, qkv_n);
 #pragma omp single
             {
                 for (int64_t m = 0; m < M && ly->q_norm; ++m) /* in place, one row per head */
@@ -276,16 +289,20 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
             rg_decode_attention_team_bf16(qkv, qkv_n, ly->k_buf, ly->v_buf, table, table_stride, rows, seq_lens,
                                           attn, M, H, Hkv, D, scale, splits, part, qf, &sc, &sc_cap);
             gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, hidden);
-#pragma omp single
-            rg_add_rmsnorm_bf16(x, hidden, residual, ly->post_norm, h, M, hidden, eps);
-            gemv_team_bf16(h, M, hidden, ly->gate_up, NULL, gu, 2 * inter);
-#pragma omp single
-            silu_mul_bf16(gu, act, M, inter);
-            gemv_team_bf16(act, M, inter, ly->down, NULL, x, hidden);
+            memcpy(rp, res[cur], row_bytes);
+            rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
+            if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
+            cur ^= 1;
+            gemv_team_bf16(hp, M, hidden, ly->gate_up, NULL, gu, 2 * inter);
+            silu_mul_bf16(gu, ap, M, inter);
+            gemv_team_bf16(ap, M, inter, ly->down, NULL, x, hidden);
         }
 #pragma omp single
-        rg_add_rmsnorm_bf16(x, hidden, residual, final_norm, out, M, hidden, eps);
+        rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
         free(sc);
+        free(ap);
+        free(rp);
+        free(hp);
         free(qf);
     }
     return 1;

@@ -77,7 +77,7 @@ class CKernels:
         if self.has_decode_step:
             f = self.cdll.rg_decode_step_bf16
             f.argtypes = [ctypes.POINTER(LayerBF16), _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I, _P,
-                          _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+                          _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]
             f.restype = ctypes.c_int
             self.decode_step_bf16 = f
             self.pack_kpairs_bf16 = self.cdll.rg_pack_kpairs_bf16
@@ -489,15 +489,14 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, x: torch.Tensor, positions: 
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     splits = num_splits(m, max_len, torch.get_num_threads())
     bf = torch.bfloat16
-    out, residual, normed = torch.empty((m, hidden), dtype=bf), torch.empty((m, hidden), dtype=bf), \
-        torch.empty((m, hidden), dtype=bf)
+    out, res_a, res_b = (torch.empty((m, hidden), dtype=bf) for _ in range(3))
     qkv = torch.empty((m, (h + 2 * hkv) * d), dtype=bf)
     attn = torch.empty((m, h * d), dtype=bf)
-    gu, act = torch.empty((m, 2 * w.intermediate), dtype=bf), torch.empty((m, w.intermediate), dtype=bf)
+    gu = torch.empty((m, 2 * w.intermediate), dtype=bf)
     part = torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
     kl.decode_step_bf16(w.layers, len(w.layers), w.final_norm.data_ptr(), m, hidden, h, hkv, d, w.intermediate,
                         w.eps, scale, positions.data_ptr(), cos_sin_cache.data_ptr(), out_slots.data_ptr(),
                         req_to_slot.data_ptr(), req_to_slot.stride(0), req_indices.data_ptr(), seq_lens.data_ptr(),
-                        splits, x.data_ptr(), out.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
-                        attn.data_ptr(), gu.data_ptr(), act.data_ptr(), part.data_ptr())
+                        splits, x.data_ptr(), out.data_ptr(), res_a.data_ptr(), res_b.data_ptr(), qkv.data_ptr(),
+                        attn.data_ptr(), gu.data_ptr(), part.data_ptr())
     return out

@@ -240,20 +240,19 @@ typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed
 } rg_layer_bf16;
 
 /* x (M, hidden): the token embeddings, used as scratch; out (M, hidden): the final norm's output.
- * residual, h (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter), act (M, inter) and
- * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. */
+ * res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and part (the attention
+ * pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. */
 int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm, int64_t M,
                         int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps, float scale,
                         const int64_t *positions, const float *cos_sin, const int64_t *out_slots,
                         const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
-                        int64_t splits, uint16_t *x, uint16_t *out, uint16_t *residual, uint16_t *h, uint16_t *qkv,
-                        uint16_t *attn, uint16_t *gu, uint16_t *act, float *part) {
+                        int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a, uint16_t *res_b, uint16_t *qkv,
+                        uint16_t *attn, uint16_t *gu, float *part) {
     const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz;
     const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
-    (void)act;
     /* The norms and the SiLU run redundantly in every thread, on private copies, so that only the matmuls
      * and attention need the team to meet: the residual stream alternates between two shared buffers
-     * (residual, h); every thread reads the current one, thread 0 alone writes the next, and a matmul's
+     * (res_a, res_b); every thread reads the current one, thread 0 alone writes the next, and a matmul's
      * barrier always lies between a write and the next read of the same buffer. */
 #pragma omp parallel
     {
@@ -261,7 +260,7 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
         float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
         uint16_t *hp = (uint16_t *)malloc(row_bytes), *rp = (uint16_t *)malloc(row_bytes);
         uint16_t *ap = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * inter));
-        uint16_t *res[2] = {residual, h};
+        uint16_t *res[2] = {res_a, res_b};
         int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
         float *sc = NULL;
         int64_t sc_cap = 0;

@@ -10,6 +10,7 @@ from typing import Any
 
 from radixgen.lang.backend_base import PREFILL_ONLY, BaseBackend, GenRequest
 from radixgen.lang.interpreter import SamplingDefaults, StateCore, TraceStop, start_driver
+from radixgen.lang.ir import LOGPROB_FIELDS, SAMPLING_FIELDS
 from radixgen.lang.state import ProgramState
 
 _default_backend: BaseBackend | None = None
@@ -46,24 +47,9 @@ def resolve_backend(backend: Any) -> BaseBackend:
     return _default_backend
 
 
-# The run-level sampling arguments (SGLang's names and defaults).
-_SAMPLING_KEYS = (
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "ignore_eos",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-)
+# The run-level sampling arguments of run / arun / run_batch (SGLang's names and defaults): a gen's sampling
+# and logprob fields, less min_new_tokens, which SGLang's run does not take.
+_SAMPLING_KEYS = tuple(k for k in SAMPLING_FIELDS + LOGPROB_FIELDS if k != "min_new_tokens")
 
 
 class Function:

@@ -59,7 +59,6 @@ class Scheduler:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.waiting: deque[Req] = deque()
-        self._cached_lens: dict[int, int] = {}  # id(req) -> cached prefix length, from this step's ordering
         self.grammar_wait: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
         self.running: list[Req] = []  # decoding, in admission order (the newest is retracted first)
@@ -172,24 +171,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission (extend)
 
-    def ordered_waiting(self) -> list[Req]:
-        """The waiting queue in policy order; requests past the ageing bound go first. Under lpm the cached
-        prefix length of each request is left in self._cached_lens for the admission loop of this step."""
+    def ordered_waiting(self) -> tuple[list[Req], dict[int, int]]:
+        """The waiting queue in policy order (requests past the ageing bound first), and the cached prefix
+        length of each request (by id) where the ordering measured it (lpm)."""
         reqs = list(self.waiting)
         aged = [r for r in reqs if self.step_no - r.arrival_step >= self.cfg.max_queue_wait_steps]
         rest = [r for r in reqs if self.step_no - r.arrival_step < self.cfg.max_queue_wait_steps]
         policy = self.cfg.schedule_policy
-        self._cached_lens = {}
+        lens: dict[int, int] = {}
         if self.tree.disable or len(rest) > MAX_QUEUE_FOR_CACHE_AWARE:
             policy = "fcfs"
         if policy == "lpm":
             lens = {id(r): len(self.tree.match_prefix(r.fill_ids[:r.max_cacheable()], r.namespace).slots)
                     for r in rest}
-            self._cached_lens = lens
             rest.sort(key=lambda r: -lens[id(r)])  # stable: fcfs among equals
         elif policy == "dfs-weight":
             rest = self.dfs_weight_order(rest)
-        return aged + rest
+        return aged + rest, lens
 
     def dfs_weight_order(self, reqs: list[Req]) -> list[Req]:
         """Walk the tree from the root, heaviest subtree (most waiting requests) first, so requests
@@ -233,12 +231,13 @@ class Scheduler:
                 break
             take(req, n)
             budget -= n
-        for req in self.ordered_waiting():
+        order, cached_lens = self.ordered_waiting()
+        for req in order:
             if budget <= 0 or self.num_active + len(reqs) >= self.cfg.max_running_requests:
                 break
             if self.runner.req_table.available() == 0:
                 break
-            if self.shares_uncached_prefix(req, reqs):
+            if self.shares_uncached_prefix(req, reqs, cached_lens.get(id(req))):
                 continue
             self.admit(req)
             n = req.remaining_prefill
@@ -258,13 +257,13 @@ class Scheduler:
             return None
         return Batch(reqs, is_decode=False, prefix_lens=prefix_lens, extend_lens=extend_lens)
 
-    def shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
+    def shares_uncached_prefix(self, req: Req, admitted: list[Req], cached: int | None = None) -> bool:
+        """Whether `req` shares a long not-yet-cached prefix with a request admitted this step (then it waits
+        a step and reuses that prefix). `cached`: its cached prefix length if already measured this step; a
+        heuristic may use it even if an eviction since shortened the match (admission re-matches)."""
         if self.tree.disable:
             return False
         ids = req.fill_ids
-        # the length measured for this step's ordering, if any: a heuristic may use it even if an eviction
-        # since then shortened the match (admission re-matches before it locks anything)
-        cached = self._cached_lens.get(id(req))
         if cached is None:
             cached = len(self.tree.match_prefix(ids[:req.max_cacheable()], req.namespace).slots)
         for other in admitted:

@@ -53,8 +53,9 @@ class TorchAttentionBackend:
         if self.ck is not None:
             ctx.out_slots = ctx.out_slots.to(torch.int64).contiguous()
         if ctx.is_decode:
-            lmax = max(ctx.seq_lens)
-            seq_lens = torch.tensor(ctx.seq_lens, dtype=torch.int64)
+            lens = ctx.seq_lens  # a list built on each access
+            lmax = max(lens)
+            seq_lens = torch.tensor(lens, dtype=torch.int64)
             req_indices = ctx.req_indices.to(torch.int64).contiguous()
             if self.ck is not None:
                 ctx.attn_meta = DecodeMeta(None, lmax, None, seq_lens, req_indices)

@@ -76,8 +76,8 @@ class CKernels:
         self.has_decode_step = bool(self.cdll.rg_has_decode_step())
         if self.has_decode_step:
             f = self.cdll.rg_decode_step_bf16
-            f.argtypes = [ctypes.POINTER(LayerBF16), _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I, _P,
-                          _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]
+            f.argtypes = [ctypes.POINTER(LayerBF16), _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P,
+                          _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]
             f.restype = ctypes.c_int
             self.decode_step_bf16 = f
             self.pack_kpairs_bf16 = self.cdll.rg_pack_kpairs_bf16
@@ -434,14 +434,16 @@ def _rotary(kl: CKernels, positions, q, k, cos_sin_cache) -> None:
 
 class DecodeStepWeights:
     """The weights of a Llama-family decoder stack laid out for `decode_step`: norm weights (optionally per-head
-    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights packed into the K-pair layout
-    of csrc/cpu_kernels.c (a copy, built here), the KV buffers by address. The given norms, bias and KV
-    buffers must stay alive and in place as long as this object is used (the model's parameters and pool do)."""
+    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights and the optional LM head
+    (vocab, hidden) packed into the K-pair layout of csrc/cpu_kernels.c (a copy, built here), the KV buffers by
+    address. The given norms, bias and KV buffers must stay alive and in place as long as this object is used
+    (the model's parameters and pool do)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 
     def __init__(self, kl: CKernels, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor, *,
-                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float) -> None:
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 lm_head: torch.Tensor | None = None) -> None:
         expect(kl.has_decode_step, "this CPU build has no fused decode step (needs AVX512-BF16)")
         hidden = final_norm.shape[0]
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
@@ -462,29 +464,41 @@ class DecodeStepWeights:
                 expect(t is not None and tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
                        and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape {shape}")
                 if name in self.MATMULS:
-                    n, k = shape
-                    packed = torch.empty((n + 15) // 16 * 16 * k, dtype=torch.bfloat16)
-                    kl.pack_kpairs_bf16(t.data_ptr(), n, k, packed.data_ptr())
-                    self.packed.append(packed)
-                    t = packed
+                    t = self._pack(kl, t)
                 setattr(arr[i], name, t.data_ptr())
             for name in ("k_buf", "v_buf"):
                 t = ly[name]
                 expect(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[1:] == (num_kv_heads, head_dim),
                        f"layer {i} {name}: expected a contiguous bfloat16 (slots, {num_kv_heads}, {head_dim}) pool")
                 setattr(arr[i], name, t.data_ptr())
+        self.vocab = 0
+        self.lm_head: torch.Tensor | None = None
+        if lm_head is not None:
+            expect(lm_head.dim() == 2 and lm_head.shape[1] == hidden and lm_head.dtype == torch.bfloat16
+                   and lm_head.is_contiguous() and lm_head.is_cpu,
+                   f"lm_head: expected a contiguous CPU bfloat16 tensor of shape (vocab, {hidden})")
+            self.vocab, self.lm_head = lm_head.shape[0], self._pack(kl, lm_head)
         self.layers, self.final_norm = arr, final_norm
         self.keep = (layers, final_norm)
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
         self.intermediate, self.eps = intermediate, float(eps)
 
+    def _pack(self, kl: CKernels, w: torch.Tensor) -> torch.Tensor:
+        n, k = w.shape
+        packed = torch.empty((n + 15) // 16 * 16 * k, dtype=torch.bfloat16)
+        kl.pack_kpairs_bf16(w.data_ptr(), n, k, packed.data_ptr())
+        self.packed.append(packed)
+        return packed
+
 
 def decode_step(kl: CKernels, w: DecodeStepWeights, x: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, out_slots: torch.Tensor, req_to_slot: torch.Tensor,
-                req_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+                req_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer and the final norm for a decode batch: x (M, hidden) bf16 token embeddings (used
-    as scratch) -> (M, hidden) final hidden states. Index tensors int64 and contiguous, no checks: the
-    runtime builds them. Writes this step's K/V into the pool at out_slots."""
+    as scratch) -> ((M, hidden) final hidden states, (M, vocab) bf16 logits or None where `w` has no LM head).
+    Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V into the
+    pool at out_slots."""
     m, hidden = x.shape
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     splits = num_splits(m, max_len, torch.get_num_threads())
@@ -494,9 +508,11 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, x: torch.Tensor, positions: 
     attn = torch.empty((m, h * d), dtype=bf)
     gu = torch.empty((m, 2 * w.intermediate), dtype=bf)
     part = torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
-    kl.decode_step_bf16(w.layers, len(w.layers), w.final_norm.data_ptr(), m, hidden, h, hkv, d, w.intermediate,
+    logits = None if w.lm_head is None else torch.empty((m, w.vocab), dtype=bf)
+    kl.decode_step_bf16(w.layers, len(w.layers), w.final_norm.data_ptr(), _ptr(w.lm_head), w.vocab, _ptr(logits),
+                        m, hidden, h, hkv, d, w.intermediate,
                         w.eps, scale, positions.data_ptr(), cos_sin_cache.data_ptr(), out_slots.data_ptr(),
                         req_to_slot.data_ptr(), req_to_slot.stride(0), req_indices.data_ptr(), seq_lens.data_ptr(),
                         splits, x.data_ptr(), out.data_ptr(), res_a.data_ptr(), res_b.data_ptr(), qkv.data_ptr(),
                         attn.data_ptr(), gu.data_ptr(), part.data_ptr())
-    return out
+    return out, logits

@@ -88,6 +88,22 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+/* 2^x on 16 lanes for x <= 0 (a softmax's shifted scores, base 2): 2^i * 2^f with i the nearest integer,
+ * 2^f by exp_f32's polynomial, scaled by vscalefps, which underflows to an exact 0 (x = -1e30 gives 0; -inf and
+ * NaN are not allowed). */
+static inline __m512 exp2_nonpos512(__m512 x) {
+    const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, i);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, i);
+}
+
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
 static inline __m512 load16_bf16(const uint16_t *p) {
@@ -103,24 +119,28 @@ int rg_d_max(void) { return D_MAX; }
 #define ST(f) (f)
 #define FN(name) rg_##name##_f32
 #define LOAD16(p) load16_f32(p)
+#define IS_BF16 0
 #include "cpu_kernels_impl.h"
 #undef T
 #undef LD
 #undef ST
 #undef FN
 #undef LOAD16
+#undef IS_BF16
 
 #define T uint16_t
 #define LD(x) bf16_to_f32(x)
 #define ST(f) f32_to_bf16(f)
 #define FN(name) rg_##name##_bf16
 #define LOAD16(p) load16_bf16(p)
+#define IS_BF16 1
 #include "cpu_kernels_impl.h"
 #undef T
 #undef LD
 #undef ST
 #undef FN
 #undef LOAD16
+#undef IS_BF16
 
 /* ------------------------------------------------------------------------------------------------------
  * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model
@@ -241,8 +261,10 @@ typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed
 
 /* x (M, hidden): the token embeddings, used as scratch; out (M, hidden): the final norm's output.
  * res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and part (the attention
- * pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. */
-int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm, int64_t M,
+ * pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. With an LM head (K-pair packed,
+ * vocab rows), logits (M, vocab) = out @ lm_head^T, rounded to bf16, by the same team. */
+int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
+                        const uint16_t *lm_head, int64_t vocab, uint16_t *logits, int64_t M,
                         int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps, float scale,
                         const int64_t *positions, const float *cos_sin, const int64_t *out_slots,
                         const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
@@ -298,6 +320,7 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
         }
 #pragma omp single
         rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
+        if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, logits, vocab);
         free(sc);
         free(ap);
         free(rp);
@@ -311,74 +334,92 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
 /* ------------------------------------------------------------------------------------------------------
  * Extend (prefill) attention for bfloat16, flash style: each new token attends to its request's prefix in
  * the pool and causally to the new tokens before it (all read through the slot table: the step's K/V are
- * stored first). Phase 1 packs each request's K and V per KV head into blocks of 16 keys laid out for
- * vdpbf16ps with a broadcast operand (K: per dim pair, 16 keys x 2 dims; V: per key pair and 16-dim chunk,
- * 16 dims x 2 keys), zero past the sequence. Phase 2 runs groups of query rows (the query heads of a KV
- * head, several tokens) over the key blocks with an online softmax; P is rounded to bf16 for the PV product
- * as flash attention does. D must be a multiple of 32, at most 128. */
-#define EXT_TOKENS 16 /* new tokens per work item */
+ * stored first). Phase 1 packs each request's K and V per KV head into blocks of 16 keys, zero past the
+ * sequence: K as rows of D, V as key pairs (per pair and dim, the two keys' values side by side).
+ * Phase 2 gives each work item 16 consecutive new tokens of one query head, one token per vector lane. Scores
+ * are then 16 vectors per key block (one per key, lanes over tokens), so the online softmax's maxima, sums and
+ * rescaling are all lane-wise: no horizontal reductions. Q.K is a vdpbf16ps of the tokens' query pairs with
+ * a key's dim pair broadcast; P.V a vdpbf16ps of the tokens' (p[2i], p[2i+1]) with V's key pair broadcast,
+ * P rounded to bf16 for it as flash attention does. D must be a multiple of 32, at most 128. */
+#define EXT_TOKENS 16 /* new tokens per work item, one per lane */
 
-static inline __attribute__((always_inline)) void extend_rows_bf16(
+static const uint16_t EXT_INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline __attribute__((always_inline)) void extend_item_bf16(
     const uint16_t *q, int64_t q_stride, const uint16_t *kpk, const uint16_t *vpk, uint16_t *out, int64_t H,
-    int64_t G, int64_t h, const int64_t *row_tok, const int64_t *row_g, int64_t prefix, int64_t q0, float scale,
-    const int64_t D, const int R) {
-    const int64_t pairs = D / 2, chunks = D / 16;
-    __m512 o[4][8];
-    float m[4], l[4];
-    int64_t last = 0;
-    for (int r = 0; r < R; ++r) {
-        for (int64_t c = 0; c < chunks; ++c) o[r][c] = _mm512_setzero_ps();
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-        last = prefix + row_tok[r] > last ? prefix + row_tok[r] : last;
+    int64_t head, int64_t t0, int64_t n, int64_t prefix, int64_t q0, float scale, const int64_t D) {
+    const int64_t pairs = D / 2;
+    int32_t qt[64 * 16] __attribute__((aligned(64))); /* [dim pair][token]: the tokens' query pairs */
+    float o[128 * 16] __attribute__((aligned(64)));   /* [dim][token]: the unnormalised output */
+    for (int64_t j = 0; j < 16; ++j) { /* lanes past the tail repeat the last token; never stored */
+        const uint16_t *qr = q + (q0 + t0 + (j < n ? j : n - 1)) * q_stride + head * D;
+        for (int64_t p = 0; p < pairs; ++p) memcpy(&qt[p * 16 + j], qr + 2 * p, sizeof(int32_t));
     }
-    const uint16_t *qr[4];
-    for (int r = 0; r < R; ++r) qr[r] = q + (q0 + row_tok[r]) * q_stride + (h * G + row_g[r]) * D;
+    memset(o, 0, sizeof(float) * (size_t)(D * 16));
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(prefix + t0)),
+                                         _mm512_min_epi32(lane, _mm512_set1_epi32((int32_t)(n - 1))));
+    const __m512i interleave = _mm512_loadu_si512(EXT_INTERLEAVE);
+    const __m512 sc = _mm512_set1_ps(scale * 1.4426950408889634f); /* scores in base 2 */
+    const int64_t first = prefix + t0, last = prefix + t0 + n - 1; /* the lanes' smallest and largest positions */
+    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
     for (int64_t kb = 0; kb * 16 <= last; ++kb) {
         const uint16_t *kblk = kpk + kb * 16 * D, *vblk = vpk + kb * 16 * D;
-        __m512 s[4];
-        for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+        __m512 s[16];
+        for (int k = 0; k < 16; ++k) s[k] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; ++p) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kblk + p * 32);
-            for (int r = 0; r < R; ++r) {
-                int32_t pair;
-                memcpy(&pair, qr[r] + 2 * p, sizeof pair);
-                s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(pair), kv);
+            const __m512bh qv = (__m512bh)_mm512_load_si512(qt + p * 16);
+            for (int k = 0; k < 16; ++k) {
+                int32_t kp;
+                memcpy(&kp, kblk + k * D + 2 * p, sizeof kp);
+                s[k] = _mm512_dpbf16_ps(s[k], qv, (__m512bh)_mm512_set1_epi32(kp));
             }
         }
-        uint32_t pp[4][8];
-        for (int r = 0; r < R; ++r) {
-            /* key kb*16 + lane is visible to this row when its position <= the row's position */
-            const __m512i limit = _mm512_set1_epi32((int32_t)(prefix + row_tok[r] - kb * 16));
-            const __mmask16 vis = _mm512_cmp_epi32_mask(lane, limit, _MM_CMPINT_LE);
-            const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-            const float mb = _mm512_reduce_max_ps(sc);
-            const float mn = mb > m[r] ? mb : m[r];
-            const float corr = exp_f32(m[r] - mn);
-            const __m512 pe = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
-            l[r] = l[r] * corr + _mm512_reduce_add_ps(pe);
-            m[r] = mn;
-            const __m512 cv = _mm512_set1_ps(corr);
-            for (int64_t c = 0; c < chunks; ++c) o[r][c] = _mm512_mul_ps(o[r][c], cv);
-            const __m256bh pb = _mm512_cvtneps_pbh(pe);
-            memcpy(pp[r], &pb, sizeof pp[r]);
+        /* only blocks reaching past the first lane's position need the causal mask; a hidden key's score is
+         * -1e30, whose 2^ is an exact 0 */
+        if (kb * 16 + 15 > first)
+            for (int k = 0; k < 16; ++k)
+                s[k] = _mm512_mask_mov_ps(
+                    _mm512_set1_ps(-1e30f),
+                    _mm512_cmp_epi32_mask(_mm512_set1_epi32((int32_t)(kb * 16 + k)), pos, _MM_CMPINT_LE), s[k]);
+        __m512 mx = s[0];
+        for (int k = 1; k < 16; ++k) mx = _mm512_max_ps(mx, s[k]);
+        const __m512 mn = _mm512_max_ps(m, _mm512_mul_ps(mx, sc)); /* key 0 is visible to all: real scores */
+        const __m512 corr = exp2_nonpos512(_mm512_sub_ps(m, mn));
+        __m512 sum = _mm512_setzero_ps();
+        for (int k = 0; k < 16; ++k) {
+            s[k] = exp2_nonpos512(_mm512_fmsub_ps(s[k], sc, mn));
+            sum = _mm512_add_ps(sum, s[k]);
         }
-        for (int qq = 0; qq < 8; ++qq)
-            for (int64_t c = 0; c < chunks; ++c) {
-                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vblk + (qq * chunks + c) * 32);
-                for (int r = 0; r < R; ++r)
-                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32((int32_t)pp[r][qq]), vv);
+        l = _mm512_fmadd_ps(l, corr, sum);
+        m = mn;
+        __m512bh pp[8]; /* lane i: (p[2kp][i], p[2kp + 1][i]) */
+        for (int kp = 0; kp < 8; ++kp)
+            pp[kp] = (__m512bh)_mm512_permutexvar_epi16(
+                interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * kp + 1], s[2 * kp]));
+        for (int64_t d = 0; d < D; d += 4) {
+            __m512 a[4];
+            for (int u = 0; u < 4; ++u) a[u] = _mm512_mul_ps(_mm512_load_ps(o + (d + u) * 16), corr);
+            for (int kp = 0; kp < 8; ++kp) {
+                const uint16_t *vr = vblk + (kp * D + d) * 2;
+                for (int u = 0; u < 4; ++u) {
+                    int32_t vp;
+                    memcpy(&vp, vr + 2 * u, sizeof vp);
+                    a[u] = _mm512_dpbf16_ps(a[u], pp[kp], (__m512bh)_mm512_set1_epi32(vp));
+                }
             }
+            for (int u = 0; u < 4; ++u) _mm512_store_ps(o + (d + u) * 16, a[u]);
+        }
     }
-    for (int r = 0; r < R; ++r) {
-        uint16_t *orow = out + ((q0 + row_tok[r]) * H + h * G + row_g[r]) * D;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t c = 0; c < chunks; ++c) {
-            float v[16];
-            _mm512_storeu_ps(v, _mm512_mul_ps(o[r][c], _mm512_set1_ps(inv)));
-            for (int j = 0; j < 16; ++j) orow[c * 16 + j] = f32_to_bf16(v[j]);
-        }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+    uint16_t ob[128 * 16]; /* [dim][token], rounded */
+    for (int64_t d = 0; d < D; ++d)
+        _mm256_storeu_si256((__m256i *)(ob + d * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + d * 16), inv)));
+    for (int64_t j = 0; j < n; ++j) {
+        uint16_t *orow = out + ((q0 + t0 + j) * H + head) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = ob[d * 16 + j];
     }
 }
 
@@ -390,14 +431,14 @@ int rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
                              uint16_t *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
                              uint16_t *pack) {
     if (D % 32 != 0 || D > 128) return 0;
-    const int64_t G = H / Hkv, chunks = D / 16;
+    const int64_t G = H / Hkv;
     int64_t *base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* pack offset of each request */
     int64_t *items = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first work item of each */
     base[0] = items[0] = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t blocks = (prefix_lens[b] + extend_lens[b] + 15) / 16;
         base[b + 1] = base[b] + Hkv * 2 * blocks * 16 * D;
-        items[b + 1] = items[b] + Hkv * ((extend_lens[b] + EXT_TOKENS - 1) / EXT_TOKENS);
+        items[b + 1] = items[b] + H * ((extend_lens[b] + EXT_TOKENS - 1) / EXT_TOKENS);
     }
 #pragma omp parallel
     {
@@ -411,55 +452,35 @@ int rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
                 uint16_t *kpk = pack + base[b] + h * 2 * blocks * 16 * D, *vpk = kpk + blocks * 16 * D;
                 for (int64_t j = 0; j < 16; ++j) {
                     const int64_t pos = kb * 16 + j;
-                    const uint16_t *kr = pos < L ? k_buf + (slots[pos] * Hkv + h) * D : NULL;
-                    const uint16_t *vr = pos < L ? v_buf + (slots[pos] * Hkv + h) * D : NULL;
-                    for (int64_t p = 0; p < D / 2; ++p) {
-                        uint16_t *dst = kpk + (kb * (D / 2) + p) * 32 + j * 2;
-                        dst[0] = kr ? kr[2 * p] : 0;
-                        dst[1] = kr ? kr[2 * p + 1] : 0;
+                    uint16_t *kd = kpk + pos * D, *vd = vpk + ((kb * 8 + j / 2) * D) * 2 + (j % 2);
+                    if (pos < L) {
+                        memcpy(kd, k_buf + (slots[pos] * Hkv + h) * D, sizeof(uint16_t) * (size_t)D);
+                        const uint16_t *vr = v_buf + (slots[pos] * Hkv + h) * D;
+                        for (int64_t d = 0; d < D; ++d) vd[2 * d] = vr[d];
+                    } else {
+                        memset(kd, 0, sizeof(uint16_t) * (size_t)D);
+                        for (int64_t d = 0; d < D; ++d) vd[2 * d] = 0;
                     }
-                    for (int64_t d = 0; d < D; ++d) /* key pair j/2, chunk d/16: 16 dims x 2 keys */
-                        vpk[((kb * 8 + j / 2) * chunks + d / 16) * 32 + (d % 16) * 2 + (j % 2)] = vr ? vr[d] : 0;
                 }
             }
         }
 #pragma omp barrier
-        /* phase 2: one (request, KV head, group of new tokens) per item, its rows four (two at D 128) at a time */
+        /* phase 2: one (request, query head, 16 new tokens) per item, the latest tokens (longest rows) first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items[B]; ++it) {
             int64_t b = 0;
             while (items[b + 1] <= it) ++b;
             const int64_t local = it - items[b], groups = (extend_lens[b] + EXT_TOKENS - 1) / EXT_TOKENS;
-            const int64_t h = local / groups, t0 = (local % groups) * EXT_TOKENS;
-            const int64_t t1 = t0 + EXT_TOKENS < extend_lens[b] ? t0 + EXT_TOKENS : extend_lens[b];
-            const int64_t L = prefix_lens[b] + extend_lens[b], blocks = (L + 15) / 16;
-            const uint16_t *kpk = pack + base[b] + h * 2 * blocks * 16 * D, *vpk = kpk + blocks * 16 * D;
-            const int R = D == 64 ? 4 : 2; /* as the calls below */
-            const int64_t n_rows = (t1 - t0) * G;
-            /* rows ordered by token, so a group's causal limits are close */
-            for (int64_t r0 = 0; r0 < n_rows; r0 += R) {
-                int64_t tok[4], g[4];
-                int cnt = 0;
-                for (int r = 0; r < R; ++r) {
-                    const int64_t row = r0 + r < n_rows ? r0 + r : n_rows - 1;
-                    tok[r] = t0 + row / G;
-                    g[r] = row % G;
-                    if (r0 + r < n_rows) ++cnt;
-                }
-                if (cnt < R) { /* the tail: recompute the last row into its own place, harmless */
-                    for (int r = cnt; r < R; ++r) { tok[r] = tok[cnt - 1]; g[r] = g[cnt - 1]; }
-                }
-                if (D == 64) {
-                    extend_rows_bf16(q, q_stride, kpk, vpk, out, H, G, h, tok, g, prefix_lens[b], q_start[b], scale,
-                                     64, 4);
-                } else if (D == 128) {
-                    extend_rows_bf16(q, q_stride, kpk, vpk, out, H, G, h, tok, g, prefix_lens[b], q_start[b], scale,
-                                     128, 2);
-                } else {
-                    extend_rows_bf16(q, q_stride, kpk, vpk, out, H, G, h, tok, g, prefix_lens[b], q_start[b], scale,
-                                     D, 2);
-                }
-            }
+            const int64_t head = local % H, t0 = (groups - 1 - local / H) * EXT_TOKENS;
+            const int64_t n = t0 + EXT_TOKENS < extend_lens[b] ? EXT_TOKENS : extend_lens[b] - t0;
+            const int64_t blocks = (prefix_lens[b] + extend_lens[b] + 15) / 16;
+            const uint16_t *kpk = pack + base[b] + (head / G) * 2 * blocks * 16 * D, *vpk = kpk + blocks * 16 * D;
+            if (D == 64)
+                extend_item_bf16(q, q_stride, kpk, vpk, out, H, head, t0, n, prefix_lens[b], q_start[b], scale, 64);
+            else if (D == 128)
+                extend_item_bf16(q, q_stride, kpk, vpk, out, H, head, t0, n, prefix_lens[b], q_start[b], scale, 128);
+            else
+                extend_item_bf16(q, q_stride, kpk, vpk, out, H, head, t0, n, prefix_lens[b], q_start[b], scale, D);
         }
     }
     free(base);

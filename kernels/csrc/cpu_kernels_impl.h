@@ -39,15 +39,80 @@ static inline __attribute__((always_inline)) int64_t FN(qk_blocks16)(
     }
     return j;
 }
+
+#if defined(__AVX512BF16__) && IS_BF16
+/* qk_blocks16 for bf16 with D a multiple of 32: vdpbf16ps of the unscaled bf16 query rows q (G rows of D) and
+ * the bf16 keys as stored (products exact, summed in float32), no conversions; the scale is applied to the
+ * 16 scores at the end. */
+static inline __attribute__((always_inline)) int64_t FN(qk_blocks16_dp)(
+    const T *q, float scale, const T *k_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h, int64_t G,
+    const int64_t D, float *sc) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const T *kr[16];
+        for (int jj = 0; jj < 16; ++jj) {
+            kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
+            if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const T *qg = q + g * D;
+            __m512 part[16];
+            for (int jj = 0; jj < 16; ++jj) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 32)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d),
+                                           (__m512bh)_mm512_loadu_si512(kr[jj] + d));
+                part[jj] = acc;
+            }
+            _mm512_storeu_ps(sc + g * n + j, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+        }
+    }
+    return j;
+}
 #endif
 
-/* One piece of decode attention: the G query rows qf (already scaled, float32) of one KV head h against
+/* P.V of a piece for D a multiple of 16, at most 128: the G rows' exponentials sc (G x n) against the V rows,
+ * four rows at a time (two at D > 64), so that each V row is loaded and converted once per group instead of
+ * once per row; a group past G repeats the last row and is not stored. Writes the D outputs of each row. */
+static inline __attribute__((always_inline)) void FN(pv_rows16)(
+    const float *sc, int64_t n, const T *v_buf, const int64_t *slots, int64_t Hkv, int64_t h, int64_t G,
+    const int64_t D, float *pr) {
+    const int R = D <= 64 ? 4 : 2, C = (int)(D / 16);
+    for (int64_t g0 = 0; g0 < G; g0 += R) {
+        __m512 o[4][8];
+        const float *pg[4];
+        for (int r = 0; r < R; ++r) {
+            pg[r] = sc + (g0 + r < G ? g0 + r : G - 1) * n;
+            for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            if (g0 == 0 && j + PREFETCH < n) prefetch_row(v_buf + (slots[j + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+            const T *vr = v_buf + (slots[j] * Hkv + h) * D;
+            __m512 p[4];
+            for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(pg[r][j]);
+            for (int c = 0; c < C; ++c) {
+                const __m512 vv = LOAD16(vr + c * 16);
+                for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(p[r], vv, o[r][c]);
+            }
+        }
+        for (int r = 0; r < R && g0 + r < G; ++r)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(pr + (g0 + r) * (D + 2) + 2 + c * 16, o[r][c]);
+    }
+}
+#endif
+
+/* One piece of decode attention: the G query rows of one KV head h (q: as stored; qf: float32, scaled) against
  * positions j0 .. j0+n-1 of one request. Leaves per query row [max score, sum of exponentials, D unnormalised
  * outputs] in pr. Inlined with D a constant for the common head sizes, so the row loops fully unroll. */
 static inline __attribute__((always_inline)) void FN(attend_piece)(
-    const float *qf, const T *k_buf, const T *v_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h,
-    int64_t G, const int64_t D, float *sc, float *pr) {
+    const T *q, float scale, const float *qf, const T *k_buf, const T *v_buf, const int64_t *slots, int64_t n,
+    int64_t Hkv, int64_t h, int64_t G, const int64_t D, float *sc, float *pr) {
     int64_t j0 = 0;
+    (void)q, (void)scale;
+#if defined(__AVX512BF16__) && IS_BF16
+    if (D % 32 == 0) j0 = FN(qk_blocks16_dp)(q, scale, k_buf, slots, n, Hkv, h, G, D, sc);
+    else
+#endif
 #if defined(__AVX512F__)
     if (D % 16 == 0) j0 = FN(qk_blocks16)(qf, k_buf, slots, n, Hkv, h, G, D, sc);
 #endif
@@ -78,6 +143,12 @@ static inline __attribute__((always_inline)) void FN(attend_piece)(
         pr[g * (D + 2)] = m;
         pr[g * (D + 2) + 1] = sum;
     }
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 128) {
+        FN(pv_rows16)(sc, n, v_buf, slots, Hkv, h, G, D, pr);
+        return;
+    }
+#endif
     for (int64_t g = 0; g < G; ++g) {
         float o[D_MAX];
 #pragma omp simd
@@ -95,6 +166,23 @@ static inline __attribute__((always_inline)) void FN(attend_piece)(
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) po[d] = o[d];
     }
+}
+
+/* A piece's K and V rows (every head), loaded once up front, one word per cache line, when they are at most
+ * 128 KiB: the line misses then overlap, as many as the core tracks, instead of each key waiting on its own DRAM
+ * round trip, which at batch 1 is most of the attention's time. Plain loads: software prefetches were dropped
+ * often enough here to be measurably slower. */
+static inline void FN(touch_piece)(const T *k_buf, const T *v_buf, const int64_t *slots, int64_t n,
+                                   int64_t row_elems) {
+    const size_t row_bytes = (size_t)row_elems * sizeof(T);
+    if (2 * (size_t)n * row_bytes > (128 << 10)) return;
+    int32_t acc = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        const char *kr = (const char *)(k_buf + slots[j] * row_elems), *vr = (const char *)(v_buf + slots[j] * row_elems);
+        for (size_t off = 0; off < row_bytes; off += 64)
+            acc += *(const volatile int32_t *)(kr + off) + *(const volatile int32_t *)(vr + off);
+    }
+    __asm__ volatile("" : : "r"(acc)); /* keep the loads */
 }
 
 /* The body of decode_attention (below) for the calling team: qf (H*D floats) and the score buffer are the
@@ -123,6 +211,7 @@ static void FN(decode_attention_team)(const T *q, int64_t q_stride, const T *k_b
         }
         float *sc = *sc_p;
         const int64_t *slots = table + rows[b] * table_stride + j0;
+        FN(touch_piece)(k_buf, v_buf, slots, n, Hkv * D);
         for (int64_t h = 0; h < Hkv; ++h) {
             float *pr = part + ((b * Hkv + h) * splits + s) * part_len;
             if (n == 0) { /* an empty piece: contributes nothing */
@@ -133,10 +222,11 @@ static void FN(decode_attention_team)(const T *q, int64_t q_stride, const T *k_b
                 const T *qr = q + b * q_stride + (h * G + g) * D;
                 for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LD(qr[d]) * scale;
             }
+            const T *qg = q + b * q_stride + h * G * D;
             switch (D) {
-            case 64: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
-            case 128: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
-            default: FN(attend_piece)(qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
+            case 64: FN(attend_piece)(qg, scale, qf, k_buf, v_buf, slots, n, Hkv, h, G, 64, sc, pr); break;
+            case 128: FN(attend_piece)(qg, scale, qf, k_buf, v_buf, slots, n, Hkv, h, G, 128, sc, pr); break;
+            default: FN(attend_piece)(qg, scale, qf, k_buf, v_buf, slots, n, Hkv, h, G, D, sc, pr); break;
             }
         }
     }

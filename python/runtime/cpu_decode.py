@@ -4,8 +4,9 @@ decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu.d
 Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
 adds on top (a Python call, a tensor allocation and a thread fork/join per op, a cold start of every matmul)
 is most of the rest of the step. The fused step runs the same math with the same bf16 roundings inside one
-OpenMP team, on its own copy of the matmul weights in a layout its kernel streams at 25-30 GB/s here (oneDNN
-reaches about 17 on the same matrices at batch 1). Larger batches, prefill and float32 keep the unfused path.
+OpenMP team, LM head included, on its own copy of the matmul weights in a layout its kernel streams at 45-55
+GB/s here (oneDNN reaches about 20-30 on the same matrices at batch 1). Larger batches, prefill and float32
+keep the unfused path.
 """
 
 from __future__ import annotations
@@ -52,14 +53,17 @@ class FusedDecode:
         cfg = model.config
         weights = cpu_kernels.DecodeStepWeights(
             kl, layers, model.norm.weight, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps)
+            head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+            lm_head=model.lm_head.weight)
         return cls(kl, weights, model.embed_tokens.weight, attn.rotary.cos_sin_cache, attn.attn.scale)
 
     def applies(self, ctx: ForwardContext) -> bool:
         return ctx.is_decode and len(ctx.extend_lens) <= MAX_BATCH
 
-    def __call__(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The final hidden states (B, hidden) of a decode step; writes the step's K/V into the pool."""
+    def __call__(self, ctx: ForwardContext, input_ids: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states (B, hidden) and bf16 logits (B, vocab) of a decode step; writes the step's K/V
+        into the pool."""
         x = self.embed.index_select(0, input_ids)
         seq_lens = ctx.seq_lens
         return cpu_kernels.decode_step(

@@ -135,9 +135,9 @@ class ModelRunner:
             if self.runtime_config.disable_cpu_kernels:
                 stack.enter_context(cpu_kernels.disabled())
             if self.fused_decode is not None and self.fused_decode.applies(ctx):
-                hidden = self.fused_decode(ctx, fi.input_ids, fi.positions)
-            else:
-                self.attn_backend.prepare(ctx)
-                with forward_context(ctx):
-                    hidden = self.model(fi.input_ids, fi.positions)
+                _, logits = self.fused_decode(ctx, fi.input_ids, fi.positions)
+                return logits[fi.logit_rows].float()
+            self.attn_backend.prepare(ctx)
+            with forward_context(ctx):
+                hidden = self.model(fi.input_ids, fi.positions)
             return self.model.compute_logits(hidden[fi.logit_rows])

@@ -89,6 +89,23 @@ def test_extend_attention_matches_reference(num_heads, num_kv_heads, head_dim, p
 
 
 @pytest.mark.skipif(not EXTEND_OK, reason="the CPU extend kernel needs AVX512-BF16")
+@pytest.mark.parametrize("scale", [0.02, 3.0])
+def test_extend_attention_online_softmax_extremes(scale, gen):
+    """Near-uniform and very peaked attention (scores in the hundreds): the running maximum moves by large steps
+    between key blocks and hidden keys must still weigh exactly nothing."""
+    prefix, extend = [19, 0], [70, 33]  # token groups of 16 with tails, a prefix that is not block-aligned
+    pool = make_pool([p + e for p, e in zip(prefix, extend, strict=True)], 2, 64, torch.bfloat16,
+                     max_context_len=128, gen=gen)
+    t = sum(extend)
+    q = (torch.randn(t, 6, 64, generator=gen) * 2).to(torch.bfloat16)
+    pl, el = torch.tensor(prefix), torch.tensor(extend)
+    out = cpu.extend_attention(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, pl, el, scale)
+    ref = extend_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, pl, el, scale)
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not EXTEND_OK, reason="the CPU extend kernel needs AVX512-BF16")
 def test_extend_attention_rejects_what_it_cannot_do(gen):
     pool = make_pool([4], 2, 64, torch.bfloat16, gen=gen)
     q = torch.randn(4, 4, 64, generator=gen).to(torch.bfloat16)

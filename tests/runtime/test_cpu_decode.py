@@ -136,6 +136,10 @@ def test_decode_step_weights_check_their_tensors():
         cpu.DecodeStepWeights(kl, [{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)
     with pytest.raises(ValueError, match="even"):
         cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **{**kw, "intermediate": 5})
+    w = cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 8, dtype=bf))
+    assert w.vocab == 40 and w.lm_head.numel() == 48 * 8  # the LM head packed like the layers
+    with pytest.raises(ValueError, match="lm_head"):
+        cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 6, dtype=bf))
 
 
 def test_kpair_packing_layout():

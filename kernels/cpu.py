@@ -482,6 +482,23 @@ class DecodeStepWeights:
         self.keep = (layers, final_norm)
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
         self.intermediate, self.eps = intermediate, float(eps)
+        self._scratch: dict[tuple[int, int], tuple] = {}
+
+    def scratch(self, m: int, splits: int) -> tuple:
+        """decode_step's buffers for m rows: (out, res_a, res_b, qkv, attn, gu, part, logits), kept from one
+        step to the next (a step's outputs are valid until the next step with as many rows)."""
+        key = (m, splits)
+        if key not in self._scratch:
+            bf, h, hkv, d = torch.bfloat16, self.num_heads, self.num_kv_heads, self.head_dim
+            if len(self._scratch) >= 8:
+                self._scratch.clear()
+            self._scratch[key] = (
+                *(torch.empty((m, self.hidden), dtype=bf) for _ in range(3)),
+                torch.empty((m, (h + 2 * hkv) * d), dtype=bf), torch.empty((m, h * d), dtype=bf),
+                torch.empty((m, 2 * self.intermediate), dtype=bf),
+                torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32),
+                None if self.lm_head is None else torch.empty((m, self.vocab), dtype=bf))
+        return self._scratch[key]
 
     def _pack(self, kl: CKernels, w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
@@ -496,19 +513,13 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, x: torch.Tensor, positions: 
                 req_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer and the final norm for a decode batch: x (M, hidden) bf16 token embeddings (used
-    as scratch) -> ((M, hidden) final hidden states, (M, vocab) bf16 logits or None where `w` has no LM head).
-    Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V into the
-    pool at out_slots."""
+    as scratch) -> ((M, hidden) final hidden states, (M, vocab) bf16 logits or None where `w` has no LM head),
+    both in `w`'s buffers for M rows, valid until its next step with M rows. Index tensors int64 and contiguous,
+    no checks: the runtime builds them. Writes this step's K/V into the pool at out_slots."""
     m, hidden = x.shape
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     splits = num_splits(m, max_len, torch.get_num_threads())
-    bf = torch.bfloat16
-    out, res_a, res_b = (torch.empty((m, hidden), dtype=bf) for _ in range(3))
-    qkv = torch.empty((m, (h + 2 * hkv) * d), dtype=bf)
-    attn = torch.empty((m, h * d), dtype=bf)
-    gu = torch.empty((m, 2 * w.intermediate), dtype=bf)
-    part = torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
-    logits = None if w.lm_head is None else torch.empty((m, w.vocab), dtype=bf)
+    out, res_a, res_b, qkv, attn, gu, part, logits = w.scratch(m, splits)
     kl.decode_step_bf16(w.layers, len(w.layers), w.final_norm.data_ptr(), _ptr(w.lm_head), w.vocab, _ptr(logits),
                         m, hidden, h, hkv, d, w.intermediate,
                         w.eps, scale, positions.data_ptr(), cos_sin_cache.data_ptr(), out_slots.data_ptr(),

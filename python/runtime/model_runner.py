@@ -21,6 +21,27 @@ from radixgen.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_host_memory() -> bool:
+    """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse instead of returning them to the kernel.
+
+    By default every block over 128 KiB is mmap'ed on allocation and unmapped on release, so each of a forward
+    pass's activation tensors (a 1024-token prefill makes about 15 MB of them per layer) starts as fresh pages
+    that the kernel faults in and zeroes: about 15,000 page faults and 5-8% of the prefill on this CPU. With the
+    thresholds raised, the blocks are reused from one op, layer and step to the next, the way the caching
+    allocators of GPU runtimes work. Process-wide and idempotent; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
 
 class ForwardInput(NamedTuple):
     """One step's tensors. Requests' new tokens are concatenated in request order."""
@@ -62,6 +83,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed)
         self.model = model.eval()
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         if self.device.type == "cpu" and not cfg.disable_cpu_kernels:
             packed = sum(bool(m.pack_for_cpu()) for m in model.modules() if hasattr(m, "pack_for_cpu"))
             logger.info("%d matmul weights packed for oneDNN", packed)

@@ -281,12 +281,45 @@ void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T 
 
 /* out = rmsnorm(x [+ residual]) * weight, per row of N. With a residual, the sum (rounded to T, as the
  * unfused torch code rounds it) is written back into `residual` first. x rows have stride x_stride. */
+#if defined(__AVX512BF16__) && IS_BF16
+/* add_rmsnorm's row for bf16 with N a multiple of 16, 16 lanes at a time: the same float32 operations and
+ * roundings in the same order, the sum of squares accumulated in 16 lanes. */
+static inline void FN(add_rmsnorm_row16)(const T *xr, T *rr, const T *weight, T *o, int64_t N, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    if (rr) {
+        for (int64_t i = 0; i < N; i += 16) {
+            const __m256bh sum = _mm512_cvtneps_pbh(_mm512_add_ps(load16_bf16(xr + i), load16_bf16(rr + i)));
+            _mm256_storeu_si256((__m256i *)(rr + i), (__m256i)sum);
+            const __m512 v = _mm512_cvtpbh_ps(sum);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        xr = rr;
+    } else {
+        for (int64_t i = 0; i < N; i += 16) {
+            const __m512 v = load16_bf16(xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)N + eps));
+    for (int64_t i = 0; i < N; i += 16) {
+        const __m512 y = _mm512_mul_ps(load16_bf16(weight + i), _mm512_mul_ps(load16_bf16(xr + i), inv));
+        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+#endif
+
 void FN(add_rmsnorm)(const T *x, int64_t x_stride, T *residual, const T *weight, T *out, int64_t n_rows,
                      int64_t N, float eps) {
 #pragma omp parallel for if (n_rows * N >= 65536)
     for (int64_t r = 0; r < n_rows; ++r) {
         const T *xr = x + r * x_stride;
         T *o = out + r * N;
+#if defined(__AVX512BF16__) && IS_BF16
+        if (N % 16 == 0) {
+            FN(add_rmsnorm_row16)(xr, residual ? residual + r * N : NULL, weight, o, N, eps);
+            continue;
+        }
+#endif
         float ss = 0.f;
         if (residual) {
             T *rr = residual + r * N;

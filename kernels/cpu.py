@@ -76,8 +76,8 @@ class CKernels:
         self.has_decode_step = bool(self.cdll.rg_has_decode_step())
         if self.has_decode_step:
             f = self.cdll.rg_decode_step_bf16
-            f.argtypes = [ctypes.POINTER(LayerBF16), _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P,
-                          _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]
+            f.argtypes = [ctypes.POINTER(LayerBF16), _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P,
+                          _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]
             f.restype = ctypes.c_int
             self.decode_step_bf16 = f
             self.pack_kpairs_bf16 = self.cdll.rg_pack_kpairs_bf16
@@ -485,7 +485,7 @@ class DecodeStepWeights:
         self._scratch: dict[tuple[int, int], tuple] = {}
 
     def scratch(self, m: int, splits: int) -> tuple:
-        """decode_step's buffers for m rows: (out, res_a, res_b, qkv, attn, gu, part, logits), kept from one
+        """decode_step's buffers for m rows: (x, out, res_a, res_b, qkv, attn, gu, part, logits), kept from one
         step to the next (a step's outputs are valid until the next step with as many rows)."""
         key = (m, splits)
         if key not in self._scratch:
@@ -493,11 +493,11 @@ class DecodeStepWeights:
             if len(self._scratch) >= 8:
                 self._scratch.clear()
             self._scratch[key] = (
-                *(torch.empty((m, self.hidden), dtype=bf) for _ in range(3)),
+                *(torch.empty((m, self.hidden), dtype=bf) for _ in range(4)),
                 torch.empty((m, (h + 2 * hkv) * d), dtype=bf), torch.empty((m, h * d), dtype=bf),
                 torch.empty((m, 2 * self.intermediate), dtype=bf),
                 torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32),
-                None if self.lm_head is None else torch.empty((m, self.vocab), dtype=bf))
+                None if self.lm_head is None else torch.empty((m, self.vocab), dtype=torch.float32))
         return self._scratch[key]
 
     def _pack(self, kl: CKernels, w: torch.Tensor) -> torch.Tensor:
@@ -508,22 +508,24 @@ class DecodeStepWeights:
         return packed
 
 
-def decode_step(kl: CKernels, w: DecodeStepWeights, x: torch.Tensor, positions: torch.Tensor,
+def decode_step(kl: CKernels, w: DecodeStepWeights, embed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, out_slots: torch.Tensor, req_to_slot: torch.Tensor,
-                req_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                req_indices: torch.Tensor, max_len: int,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every decoder layer and the final norm for a decode batch: x (M, hidden) bf16 token embeddings (used
-    as scratch) -> ((M, hidden) final hidden states, (M, vocab) bf16 logits or None where `w` has no LM head),
-    both in `w`'s buffers for M rows, valid until its next step with M rows. Index tensors int64 and contiguous,
-    no checks: the runtime builds them. Writes this step's K/V into the pool at out_slots."""
-    m, hidden = x.shape
+    """Every decoder layer and the final norm for a decode batch of M tokens `ids` at `positions` (each request's
+    context being its position + 1, this token included), from their rows of `embed` (vocab, hidden) bf16 ->
+    ((M, hidden) final hidden states, (M, vocab) float32 logits, rounded to bf16, or None where `w` has no LM
+    head), both in `w`'s buffers for M rows, valid until its next step with M rows. max_len: the longest
+    context. Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V
+    into the pool at out_slots."""
+    m = ids.shape[0]
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     splits = num_splits(m, max_len, torch.get_num_threads())
-    out, res_a, res_b, qkv, attn, gu, part, logits = w.scratch(m, splits)
+    x, out, res_a, res_b, qkv, attn, gu, part, logits = w.scratch(m, splits)
     kl.decode_step_bf16(w.layers, len(w.layers), w.final_norm.data_ptr(), _ptr(w.lm_head), w.vocab, _ptr(logits),
-                        m, hidden, h, hkv, d, w.intermediate,
-                        w.eps, scale, positions.data_ptr(), cos_sin_cache.data_ptr(), out_slots.data_ptr(),
-                        req_to_slot.data_ptr(), req_to_slot.stride(0), req_indices.data_ptr(), seq_lens.data_ptr(),
-                        splits, x.data_ptr(), out.data_ptr(), res_a.data_ptr(), res_b.data_ptr(), qkv.data_ptr(),
-                        attn.data_ptr(), gu.data_ptr(), part.data_ptr())
+                        embed.data_ptr(), ids.data_ptr(), m, w.hidden, h, hkv, d, w.intermediate, w.eps, scale,
+                        positions.data_ptr(), cos_sin_cache.data_ptr(), out_slots.data_ptr(), req_to_slot.data_ptr(),
+                        req_to_slot.stride(0), req_indices.data_ptr(), splits, x.data_ptr(), out.data_ptr(),
+                        res_a.data_ptr(), res_b.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
+                        part.data_ptr())
     return out, logits

@@ -175,8 +175,8 @@ void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out)
 /* Rows [m0, m0+MB) x blocks [blk0, blk0+NB) of y (M, N) = x (M, K) @ w^T (+ bias), w K-pair packed with
  * `blocks` blocks. Blocks past the last are computed on a clamped copy and not stored. */
 static inline __attribute__((always_inline)) void gemv_tile_bf16(
-    const uint16_t *x, int64_t K, const uint16_t *wp, int64_t blocks, const uint16_t *bias, uint16_t *y, int64_t N,
-    int64_t blk0, int64_t m0, const int MB, const int NB) {
+    const uint16_t *x, int64_t K, const uint16_t *wp, int64_t blocks, const uint16_t *bias, uint16_t *y, float *yf,
+    int64_t N, int64_t blk0, int64_t m0, const int MB, const int NB) {
     const int64_t pairs = K / 2;
     const uint16_t *wb[4];
     for (int b = 0; b < NB; ++b) wb[b] = wp + (blk0 + b < blocks ? blk0 + b : blocks - 1) * pairs * 32;
@@ -201,27 +201,34 @@ static inline __attribute__((always_inline)) void gemv_tile_bf16(
         for (int i = 0; i < MB; ++i) {
             float v[16];
             _mm512_storeu_ps(v, acc[b][i]);
-            uint16_t *yr = y + (m0 + i) * N + n0;
-            for (int64_t j = 0; j < n; ++j) yr[j] = f32_to_bf16(v[j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.f));
+            const int64_t at = (m0 + i) * N + n0;
+            for (int64_t j = 0; j < n; ++j) {
+                const uint16_t r = f32_to_bf16(v[j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.f));
+                if (yf)
+                    yf[at + j] = bf16_to_f32(r);
+                else
+                    y[at + j] = r;
+            }
         }
     }
 }
 
 /* y (M, N) = x (M, K) @ w^T (+ bias) for a K-pair packed w, split over the calling team by tiles of four
- * 16-row blocks; input rows go eight, four, two or one at a time through each tile. */
+ * 16-row blocks; input rows go eight, four, two or one at a time through each tile. With yf, the bf16-rounded
+ * results go there widened to float32 instead of into y. */
 static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, const uint16_t *bias,
-                           uint16_t *y, int64_t N) {
+                           uint16_t *y, float *yf, int64_t N) {
     const int64_t blocks = (N + 15) / 16, tiles = (blocks + 3) / 4;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         int64_t m0 = 0;
         for (; m0 + 8 <= M; m0 += 8) {
-            gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 8, 2);
-            gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4 + 2, m0, 8, 2);
+            gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 8, 2);
+            gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4 + 2, m0, 8, 2);
         }
-        for (; m0 + 4 <= M; m0 += 4) gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 4, 4);
-        for (; m0 + 2 <= M; m0 += 2) gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 2, 4);
-        for (; m0 < M; ++m0) gemv_tile_bf16(x, K, wp, blocks, bias, y, N, t * 4, m0, 1, 4);
+        for (; m0 + 4 <= M; m0 += 4) gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 4, 4);
+        for (; m0 + 2 <= M; m0 += 2) gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 2, 4);
+        for (; m0 < M; ++m0) gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 1, 4);
     }
 }
 
@@ -259,19 +266,25 @@ typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed
     const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
 } rg_layer_bf16;
 
-/* x (M, hidden): the token embeddings, used as scratch; out (M, hidden): the final norm's output.
- * res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and part (the attention
- * pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. With an LM head (K-pair packed,
- * vocab rows), logits (M, vocab) = out @ lm_head^T, rounded to bf16, by the same team. */
+/* ids (M,): the tokens, whose rows of embed (vocab, hidden) start the residual stream; positions (M,): theirs,
+ * each request's context being its position + 1 (the token's own K/V included). out (M, hidden): the final
+ * norm's output. x, res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
+ * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. With an LM head
+ * (K-pair packed, vocab rows), logits (M, vocab) float32 = out @ lm_head^T rounded to bf16, by the same team. */
 int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
-                        const uint16_t *lm_head, int64_t vocab, uint16_t *logits, int64_t M,
-                        int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter, float eps, float scale,
-                        const int64_t *positions, const float *cos_sin, const int64_t *out_slots,
-                        const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
+                        const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                        const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                        int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
+                        const int64_t *out_slots, const int64_t *table, int64_t table_stride, const int64_t *rows,
                         int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a, uint16_t *res_b, uint16_t *qkv,
                         uint16_t *attn, uint16_t *gu, float *part) {
     const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz;
     const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
+    int64_t *seq_lens = (int64_t *)malloc(sizeof(int64_t) * (size_t)M);
+    for (int64_t m = 0; m < M; ++m) {
+        seq_lens[m] = positions[m] + 1;
+        memcpy(x + m * hidden, embed + ids[m] * hidden, sizeof(uint16_t) * (size_t)hidden);
+    }
     /* The norms and the SiLU run redundantly in every thread, on private copies, so that only the matmuls
      * and attention need the team to meet: the residual stream alternates between two shared buffers
      * (res_a, res_b); every thread reads the current one, thread 0 alone writes the next, and a matmul's
@@ -297,7 +310,7 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
             }
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
-            gemv_team_bf16(hp, M, hidden, ly->qkv, ly->qkv_bias, qkv, qkv_n);
+            gemv_team_bf16(hp, M, hidden, ly->qkv, ly->qkv_bias, qkv, NULL, qkv_n);
 #pragma omp single
             {
                 for (int64_t m = 0; m < M && ly->q_norm; ++m) /* in place, one row per head */
@@ -309,24 +322,25 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
             }
             rg_decode_attention_team_bf16(qkv, qkv_n, ly->k_buf, ly->v_buf, table, table_stride, rows, seq_lens,
                                           attn, M, H, Hkv, D, scale, splits, part, qf, &sc, &sc_cap);
-            gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, hidden);
+            gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, NULL, hidden);
             memcpy(rp, res[cur], row_bytes);
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
-            gemv_team_bf16(hp, M, hidden, ly->gate_up, NULL, gu, 2 * inter);
+            gemv_team_bf16(hp, M, hidden, ly->gate_up, NULL, gu, NULL, 2 * inter);
             silu_mul_bf16(gu, ap, M, inter);
-            gemv_team_bf16(ap, M, inter, ly->down, NULL, x, hidden);
+            gemv_team_bf16(ap, M, inter, ly->down, NULL, x, NULL, hidden);
         }
 #pragma omp single
         rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
-        if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, logits, vocab);
+        if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, NULL, logits, vocab);
         free(sc);
         free(ap);
         free(rp);
         free(hp);
         free(qf);
     }
+    free(seq_lens);
     return 1;
 }
 

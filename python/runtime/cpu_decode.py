@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from radixgen.kernels import cpu as cpu_kernels
-from radixgen.runtime.forward_context import ForwardContext
 
 MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even at 96, slower at 128
 
@@ -57,17 +56,16 @@ class FusedDecode:
             lm_head=model.lm_head.weight)
         return cls(kl, weights, model.embed_tokens.weight, attn.rotary.cos_sin_cache, attn.attn.scale)
 
-    def applies(self, ctx: ForwardContext) -> bool:
-        return ctx.is_decode and len(ctx.extend_lens) <= MAX_BATCH
+    def applies(self, extend_lens: list[int]) -> bool:
+        """Whether a step with these per-request new-token counts is a decode step the fused path takes."""
+        return len(extend_lens) <= MAX_BATCH and all(e == 1 for e in extend_lens)
 
-    def __call__(self, ctx: ForwardContext, input_ids: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states (B, hidden) and bf16 logits (B, vocab) of a decode step; writes the step's K/V
-        into the pool."""
-        x = self.embed.index_select(0, input_ids)
-        seq_lens = ctx.seq_lens
-        return cpu_kernels.decode_step(
-            self.kl, self.weights, x, positions.to(torch.int64).contiguous(), self.cos_sin_cache,
-            ctx.out_slots.to(torch.int64).contiguous(), ctx.req_to_slot,
-            ctx.req_indices.to(torch.int64).contiguous(), torch.tensor(seq_lens, dtype=torch.int64), max(seq_lens),
-            self.scale)
+    def __call__(self, fi, req_to_slot: torch.Tensor) -> torch.Tensor:
+        """The float32 logits (N, vocab) of `fi.logit_rows` for a decode step (a model_runner.ForwardInput);
+        writes the step's K/V into the pool. Kept to few torch calls: at batch 1 each costs several times
+        its usual price right after the step has streamed the weights through the caches."""
+        ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+                                 for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
+        _, logits = cpu_kernels.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
+                                            req_to_slot, rows, max(fi.prefix_lens) + 1, self.scale)
+        return logits.index_select(0, fi.logit_rows)

@@ -149,6 +149,8 @@ class ModelRunner:
                              out_slots=fi.out_slots.to(dev, non_blocking=True),
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
+        if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens):
+            return self.fused_decode(fi, self.req_table.table)
         ctx = ForwardContext(
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_table.table, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
@@ -157,9 +159,6 @@ class ModelRunner:
         with contextlib.ExitStack() as stack:
             if self.runtime_config.disable_cpu_kernels:
                 stack.enter_context(cpu_kernels.disabled())
-            if self.fused_decode is not None and self.fused_decode.applies(ctx):
-                _, logits = self.fused_decode(ctx, fi.input_ids, fi.positions)
-                return logits[fi.logit_rows].float()
             self.attn_backend.prepare(ctx)
             with forward_context(ctx):
                 hidden = self.model(fi.input_ids, fi.positions)

@@ -108,16 +108,9 @@ def test_where_the_fused_step_does_not_apply():
     assert runner_for(str(tiny_model_dir("llama")), "float32").fused_decode is None
     assert runner_for(str(tiny_model_dir("llama")), disable_cpu_kernels=True).fused_decode is None
     r = runner_for(str(tiny_model_dir("llama")))
-    from radixgen.runtime.forward_context import ForwardContext
-
-    def ctx(extend_lens):
-        return ForwardContext(is_decode=all(e == 1 for e in extend_lens), kv_pool=r.kv_pool, out_slots=None,
-                              req_to_slot=None, req_indices=None, prefix_lens=[0] * len(extend_lens),
-                              extend_lens=extend_lens, backend=None)
-
-    assert r.fused_decode.applies(ctx([1] * cpu_decode.MAX_BATCH))
-    assert not r.fused_decode.applies(ctx([1] * (cpu_decode.MAX_BATCH + 1)))
-    assert not r.fused_decode.applies(ctx([1, 3]))
+    assert r.fused_decode.applies([1] * cpu_decode.MAX_BATCH)
+    assert not r.fused_decode.applies([1] * (cpu_decode.MAX_BATCH + 1))
+    assert not r.fused_decode.applies([1, 3])
 
 
 def test_decode_step_weights_check_their_tensors():

@@ -82,6 +82,8 @@ class CKernels:
             self.decode_step_bf16 = f
             self.pack_kpairs_bf16 = self.cdll.rg_pack_kpairs_bf16
             self.pack_kpairs_bf16.argtypes, self.pack_kpairs_bf16.restype = [_P, _I, _I, _P], None
+            self.gemv_kpairs_bf16 = self.cdll.rg_gemv_kpairs_bf16
+            self.gemv_kpairs_bf16.argtypes, self.gemv_kpairs_bf16.restype = [_P, _I, _I, _P, _P, _I], None
             self.extend_attention_bf16 = self.cdll.rg_extend_attention_bf16
             self.extend_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F,
                                                    _P]
@@ -529,3 +531,15 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, embed: torch.Tensor, ids: to
                         res_a.data_ptr(), res_b.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
                         part.data_ptr())
     return out, logits
+
+
+def lm_head_logits(kl: CKernels, w: DecodeStepWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """(M, hidden) bf16 final hidden states -> (M, vocab) float32 logits (rounded to bf16, as the fused step's)
+    on `w`'s K-pair packed LM head, which it must have."""
+    expect(w.lm_head is not None, "these decode-step weights have no LM head")
+    check_tensor("hidden", hidden, 2, (torch.bfloat16,))
+    expect(hidden.shape[1] == w.hidden, f"hidden: expected {w.hidden} columns, got {hidden.shape[1]}")
+    hidden = hidden.contiguous()
+    out = torch.empty((hidden.shape[0], w.vocab), dtype=torch.float32)
+    kl.gemv_kpairs_bf16(hidden.data_ptr(), hidden.shape[0], w.hidden, w.lm_head.data_ptr(), out.data_ptr(), w.vocab)
+    return out

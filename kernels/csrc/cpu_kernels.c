@@ -232,6 +232,13 @@ static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     }
 }
 
+/* yf (M, N) float32 = x (M, K) @ w^T rounded to bf16, for a K-pair packed w, over a new team: the LM head of
+ * a prefill's few sampled rows, outside the fused step. */
+void rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N) {
+#pragma omp parallel
+    gemv_team_bf16(x, M, K, wp, NULL, NULL, yf, N);
+}
+
 /* One row of (2I) gate|up -> (I): silu(gate), rounded to bf16 as torch's silu returns it, times up. */
 static inline void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t I) {
     int64_t i = 0;
@@ -509,4 +516,5 @@ int rg_extend_attention_bf16(void) { return 0; }
 void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
     (void)w, (void)N, (void)K, (void)out;
 }
+void rg_gemv_kpairs_bf16(void) {}
 #endif

@@ -11,6 +11,7 @@ import torch
 
 from radixgen.kernels import cpu as cpu_kernels
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
+from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
@@ -162,4 +163,7 @@ class ModelRunner:
             self.attn_backend.prepare(ctx)
             with forward_context(ctx):
                 hidden = self.model(fi.input_ids, fi.positions)
-            return self.model.compute_logits(hidden[fi.logit_rows])
+            rows = hidden[fi.logit_rows]
+            if self.fused_decode is not None and rows.shape[0] <= MAX_FUSED_BATCH:
+                return self.fused_decode.logits(rows)
+            return self.model.compute_logits(rows)

@@ -81,6 +81,51 @@ def test_fused_step_matches_unfused_path(arch, batch):
         assert rel(kg.float(), kw.float()) < 1e-2 and rel(vg.float(), vw.float()) < 1e-2
 
 
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen3"])
+def test_prefill_logits_on_the_packed_lm_head(arch):
+    """A bf16 prefill's sampled rows go through the fused step's K-pair LM head: the logits of the oneDNN head
+    within bf16 rounding, and the kernel really ran; more rows than a decode batch keep the oneDNN head."""
+    folder = str(tiny_model_dir(arch))
+    fused, plain = runner_for(folder), runner_for(folder)
+    plain.fused_decode = None
+    gen = torch.Generator().manual_seed(3)
+    lens = [5, 17, 2]
+    ids = torch.randint(3, 49152, (sum(lens),), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    last = torch.tensor(lens).cumsum(0) - 1
+    calls = []
+    real = cpu.lm_head_logits
+    cpu_decode.cpu_kernels.lm_head_logits = lambda *a: calls.append(a[2].shape[0]) or real(*a)
+    try:
+        outs = []
+        for r in (fused, plain):
+            slots = [r.allocator.allocate(n) for n in lens]
+            for row, s_ in enumerate(slots):
+                r.req_table.write(row, 0, s_)
+            outs.append(r.forward(ForwardInput(ids, pos, torch.cat(slots), torch.arange(3), [0] * 3, lens, last)))
+        every = torch.arange(sum(lens)).repeat(4)[:cpu_decode.MAX_BATCH + 1]  # too many rows: the oneDNN head
+        r = fused
+        slots = r.allocator.allocate(sum(lens))
+        r.req_table.write(5, 0, slots)
+        wide = r.forward(ForwardInput(ids, torch.arange(sum(lens)), slots, torch.tensor([5]), [0], [sum(lens)], every))
+    finally:
+        cpu_decode.cpu_kernels.lm_head_logits = real
+    got, want = outs
+    assert calls == [3]
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert rel(got, want) < 1e-2 and (got.argmax(-1) == want.argmax(-1)).all()
+    assert wide.shape == (cpu_decode.MAX_BATCH + 1, want.shape[1])
+
+
+def test_lm_head_logits_checks_its_input():
+    r = runner_for(str(tiny_model_dir("llama")))
+    w = r.fused_decode.weights
+    with pytest.raises(ValueError, match="hidden"):
+        cpu.lm_head_logits(r.fused_decode.kl, w, torch.ones(2, w.hidden + 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="hidden"):
+        cpu.lm_head_logits(r.fused_decode.kl, w, torch.ones(2, w.hidden))
+
+
 def test_fused_step_is_as_accurate_as_unfused_on_default_model():
     from transformers import AutoTokenizer
 

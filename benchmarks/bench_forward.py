@@ -130,22 +130,34 @@ def roofline_tps(tokens: int, flops: float, nbytes: float, ceil: dict) -> tuple[
     return tokens / max(t_compute, t_memory), ("bandwidth" if t_memory > t_compute else "compute")
 
 
-def windows(fn, reps: int, n_windows: int, dtype: str, tokens: int, flops: float, nbytes: float) -> dict:
-    """Times `fn` (best of `reps`) in `n_windows` windows, each between two measurements of the ceilings, and
-    sets each window against the better of its own two: this machine's memory bandwidth swings between about
-    35 and 75 GB/s within a minute with its neighbours' load, so a ceiling measured far from the timing can
-    belong to another regime. Returns the best time over the windows and the median window's roofline."""
+def windows(fns: dict, reps: int, n_windows: int, dtype: str, tokens: int, flops: float, nbytes: float) -> dict:
+    """Times the engines in `fns` (name -> one run) in `n_windows` windows, each between two measurements of
+    the ceilings; inside a window the engines take turns, one run each, `reps` rounds, so that every engine
+    meets the same machine. This machine's memory bandwidth swings between about 35 and 75 GB/s within a minute
+    with its neighbours' load: a ceiling measured far from a timing, or a baseline timed a minute later, can
+    belong to another regime. Returns each engine's best time over all windows, and per window radixgen's
+    ("ours") best time set against the better of the window's two ceilings, the median window apart."""
+    for fn in fns.values():
+        fn()  # warm-up
+    best = {name: float("inf") for name in fns}
     rows = []
     for _ in range(n_windows):
         before = measure_peaks(DT[dtype])
-        t = best_of(fn, reps)
+        t_win = {name: float("inf") for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                t_win[name] = min(t_win[name], time.perf_counter() - t0)
         after = measure_peaks(DT[dtype])
+        for name in fns:
+            best[name] = min(best[name], t_win[name])
         ceil = {"peak": max(before[0], after[0]), "bw": max(before[1], after[1])}
         roof, bound = roofline_tps(tokens, flops, nbytes, ceil)
-        rows.append({"t": t, "ceil": ceil, "roof": roof, "bound": bound, "frac": tokens / t / roof})
+        rows.append({"t": t_win["ours"], "ceil": ceil, "roof": roof, "bound": bound,
+                     "frac": tokens / t_win["ours"] / roof})
     rows.sort(key=lambda r: r["frac"])
-    med = rows[len(rows) // 2]
-    return {"t": min(r["t"] for r in rows), "median": med, "windows": rows}
+    return {"best": best, "median": rows[len(rows) // 2], "windows": rows}
 
 
 def main() -> None:
@@ -175,26 +187,29 @@ def main() -> None:
         # every engine here turns only the last position into logits: the LM head runs on one row
         head = ours.runner.model_config.vocab_size * ours.runner.model_config.hidden_size
         prefill_flops = 2 * (params - head) * n + 2 * head + attn_pair * n * n / 2
-        w = windows(lambda ours=ours, ids=ids: ours.prefill(ids), reps, n_windows, dtype, n, prefill_flops, 0)
-        t_hf = best_of(lambda hf=hf, ids=ids: hf.prefill(ids), reps)
-        t_plain = best_of(lambda plain=plain, ids=ids: plain.prefill(ids), reps) if plain else float("nan")
+        fns = {"ours": lambda ours=ours, ids=ids: ours.prefill(ids), "hf": lambda hf=hf, ids=ids: hf.prefill(ids)}
+        if plain:
+            fns["plain"] = lambda plain=plain, ids=ids: plain.prefill(ids)
+        w = windows(fns, reps, n_windows, dtype, n, prefill_flops, 0)
         # (dtype, case, ours, torch ops, transformers tok/s, windows)
-        rows.append((dtype, f"prefill {n}", n / w["t"], n / t_plain, n / t_hf, w))
+        rows.append((dtype, f"prefill {n}", n / w["best"]["ours"], n / w["best"].get("plain", float("nan")),
+                     n / w["best"]["hf"], w))
         for b in batches:
             fi = ours.setup_decode(b, args.ctx)
             flops = 2 * params * b + attn_pair * b * args.ctx
             nbytes = wbytes + kv_tok * b * args.ctx
-            w = windows(lambda fi=fi, ours=ours: ours.runner.forward(fi), reps * 2, n_windows, dtype, b, flops, nbytes)
-            t_plain = float("nan")
+            cache = hf.setup_decode(b, args.ctx)
+            fns = {"ours": lambda fi=fi, ours=ours: ours.runner.forward(fi),
+                   "hf": lambda cache=cache, b=b, hf=hf: hf.decode(cache, b, args.ctx)}
             if plain:
                 pfi = plain.setup_decode(b, args.ctx)
-                t_plain = best_of(lambda pfi=pfi, plain=plain: plain.runner.forward(pfi), reps * 2)
-            cache = hf.setup_decode(b, args.ctx)
-            t_hf = best_of(lambda cache=cache, b=b, hf=hf: hf.decode(cache, b, args.ctx), reps * 2)
-            rows.append((dtype, f"decode b={b}", b / w["t"], b / t_plain, b / t_hf, w))
+                fns["plain"] = lambda pfi=pfi, plain=plain: plain.runner.forward(pfi)
+            w = windows(fns, reps * 2, n_windows, dtype, b, flops, nbytes)
+            rows.append((dtype, f"decode b={b}", b / w["best"]["ours"], b / w["best"].get("plain", float("nan")),
+                         b / w["best"]["hf"], w))
             if b == 1:
-                wm = windows(ours.matmuls_only(1), reps, n_windows, dtype, 1, flops, nbytes)
-                rows.append((dtype, "  matmuls only", 1 / wm["t"], float("nan"), float("nan"), wm))
+                wm = windows({"ours": ours.matmuls_only(1)}, reps, n_windows, dtype, 1, flops, nbytes)
+                rows.append((dtype, "  matmuls only", 1 / wm["best"]["ours"], float("nan"), float("nan"), wm))
         ours = hf = plain = None  # free the models before the next dtype
     print("\nper measurement window: share of its roofline (ceilings measured right before and after it)")
     for dtype, case, *_, w in rows:
@@ -210,8 +225,9 @@ def main() -> None:
     print("\ntorch ops: radixgen with its C kernels and oneDNN-packed weights turned off (disable_cpu_kernels);\n"
           "matmuls only: a batch-1 step's weight matmuls alone through oneDNN (linear layers + LM head), the\n"
           "floor of an engine that calls the matmul library once per layer (the fused CPU decode step streams\n"
-          "the layers' weights with its own kernel). radixgen tok/s: best over all windows; roofline and of\n"
-          "roofline: the median window (each window's own time against its own ceilings).")
+          "the layers' weights with its own kernel). The engines take turns inside each measurement window; tok/s:\n"
+          "each engine's best over all windows; roofline and of roofline: radixgen's median window, its time\n"
+          "against the ceilings measured right before and after that window.")
 
 
 if __name__ == "__main__":

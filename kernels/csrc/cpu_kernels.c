@@ -414,6 +414,8 @@ static inline __attribute__((always_inline)) void extend_item_bf16(
             sum = _mm512_add_ps(sum, s[k]);
         }
         l = _mm512_fmadd_ps(l, corr, sum);
+        /* where no lane's maximum moved, corr is exactly 1 and the output needs no rescaling */
+        const int rescale = _mm512_cmp_ps_mask(mn, m, _CMP_NEQ_OQ) != 0;
         m = mn;
         __m512bh pp[8]; /* lane i: (p[2kp][i], p[2kp + 1][i]) */
         for (int kp = 0; kp < 8; ++kp)
@@ -421,7 +423,10 @@ static inline __attribute__((always_inline)) void extend_item_bf16(
                 interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * kp + 1], s[2 * kp]));
         for (int64_t d = 0; d < D; d += 4) {
             __m512 a[4];
-            for (int u = 0; u < 4; ++u) a[u] = _mm512_mul_ps(_mm512_load_ps(o + (d + u) * 16), corr);
+            for (int u = 0; u < 4; ++u) {
+                a[u] = _mm512_load_ps(o + (d + u) * 16);
+                if (rescale) a[u] = _mm512_mul_ps(a[u], corr);
+            }
             for (int kp = 0; kp < 8; ++kp) {
                 const uint16_t *vr = vblk + (kp * D + d) * 2;
                 for (int u = 0; u < 4; ++u) {

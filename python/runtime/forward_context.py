@@ -6,6 +6,7 @@ where each token's K/V goes in the pool and which slots each request attends to.
 
 from __future__ import annotations
 
+import bisect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,10 +27,40 @@ class ForwardContext:
     backend: object  # the attention backend (torch or Triton); its `prepare` fills attn_meta
     # Derived once per step (not per layer) by the backend's `prepare`.
     attn_meta: object | None = None
+    # Rows of the new tokens whose final hidden states are wanted (those that become logits), or None for all:
+    # the last layer then stores K/V for every row but computes attention, MLP and norms for these rows only.
+    # The backend's `prepare` keeps it where it computes those rows exactly as it would among all the others
+    # (otherwise it sets None) and leaves their attention metadata in rows_meta.
+    keep_rows: torch.Tensor | None = None
+    rows_meta: object | None = None
 
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    def kept_row_segments(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """keep_rows as extend segments: runs of consecutive rows of one request (in keep_rows' order), each
+        given as (request's row in req_to_slot, its position of the run's first row, run length), plus each
+        segment's request index in this step. Attention over a segment is then an extend of `length` tokens
+        after a `position`-token prefix, whose K/V are all in the pool already."""
+        starts, total = [], 0
+        for e in self.extend_lens:
+            starts.append(total)
+            total += e
+        table_rows = self.req_indices.tolist()
+        req_rows, prefixes, lengths, reqs = [], [], [], []
+        prev = None
+        for r in self.keep_rows.tolist():
+            b = bisect.bisect_right(starts, r) - 1
+            if prev is not None and r == prev + 1 and reqs[-1] == b:
+                lengths[-1] += 1
+            else:
+                req_rows.append(table_rows[b])
+                prefixes.append(self.prefix_lens[b] + r - starts[b])
+                lengths.append(1)
+                reqs.append(b)
+            prev = r
+        return req_rows, prefixes, lengths, reqs
 
 
 _current: ForwardContext | None = None

@@ -152,18 +152,20 @@ class ModelRunner:
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
         if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens):
             return self.fused_decode(fi, self.req_table.table)
+        # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only those
+        keep = fi.logit_rows.to(torch.int64) if fi.logit_rows.shape[0] < fi.input_ids.shape[0] else None
         ctx = ForwardContext(
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_table.table, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
-            extend_lens=fi.extend_lens, backend=self.attn_backend,
+            extend_lens=fi.extend_lens, backend=self.attn_backend, keep_rows=keep,
         )
         with contextlib.ExitStack() as stack:
             if self.runtime_config.disable_cpu_kernels:
                 stack.enter_context(cpu_kernels.disabled())
-            self.attn_backend.prepare(ctx)
+            self.attn_backend.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
             with forward_context(ctx):
-                hidden = self.model(fi.input_ids, fi.positions)
-            rows = hidden[fi.logit_rows]
+                hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows)
+            rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]
             if self.fused_decode is not None and rows.shape[0] <= MAX_FUSED_BATCH:
                 return self.fused_decode.logits(rows)
             return self.model.compute_logits(rows)

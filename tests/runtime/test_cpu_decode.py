@@ -117,6 +117,44 @@ def test_prefill_logits_on_the_packed_lm_head(arch):
     assert wide.shape == (cpu_decode.MAX_BATCH + 1, want.shape[1])
 
 
+@pytest.mark.parametrize("arch", ["llama-hd64", "qwen3-hd32"])
+def test_steps_compute_only_their_logit_rows_bit_exactly(arch):
+    """bf16 on the C extend kernel: a step whose logits are wanted at a few rows runs its last layer for those
+    rows alone (attention by the extend kernel, one vector lane per token, so no row sees another), giving the
+    very bits of the full computation; a chunk whose logits nobody wants still stores the K/V that the next
+    chunk reads."""
+    folder = str(tiny_model_dir(arch))
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(3, 49152, (n,), generator=gen) for n in (21, 13))
+    keep = [14, 2, 22, 15]  # of the second step's 23 tokens: a's last and 3rd, b's last and first
+
+    def run(first_rows, second_rows):
+        r = runner_for(folder)
+        rows, lens, out = [0, 1], [0, 0], None
+        for chunk_a, chunk_b, logit_rows in ((a[:6], b[:5], first_rows), (a[6:], b[5:], second_rows)):
+            ext = [len(chunk_a), len(chunk_b)]
+            slots = [r.allocator.allocate(n) for n in ext]
+            for row, p, s_ in zip(rows, lens, slots, strict=True):
+                r.req_table.write(row, p, s_)
+            pos = torch.cat([torch.arange(p, p + e) for p, e in zip(lens, ext, strict=True)])
+            out = r.forward(ForwardInput(torch.cat([chunk_a, chunk_b]), pos, torch.cat(slots), torch.tensor(rows),
+                                         list(lens), ext, torch.tensor(logit_rows, dtype=torch.int64)))
+            lens = [p + e for p, e in zip(lens, ext, strict=True)]
+        return out
+
+    q_rows = []
+    real = cpu._extend_attention
+    cpu.__dict__["_extend_attention"] = lambda kl, q, *a_, **k_: q_rows.append(q.shape[0]) or real(kl, q, *a_, **k_)
+    try:
+        kept = run([], keep)
+    finally:
+        cpu.__dict__["_extend_attention"] = real
+    full = run(list(range(11)), list(range(23)))[keep]
+    assert torch.equal(kept, full)
+    n_layers = len(runner_for(folder).model.layers)
+    assert q_rows == [11] * (n_layers - 1) + [23] * (n_layers - 1) + [4]  # the first chunk's last layer: none
+
+
 def test_lm_head_logits_checks_its_input():
     r = runner_for(str(tiny_model_dir("llama")))
     w = r.fused_decode.weights

@@ -29,8 +29,9 @@ class Driver:
         self.rows: dict[str, int] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, new_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Append new tokens to each named request in one forward; return their logits rows."""
+    def step(self, new_tokens: dict[str, list[int]], keep: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Append new tokens to each named request in one forward; return their logits rows. With `keep` (rows of
+        the step's tokens), only those rows become logits, returned in that order under "kept"."""
         ids, pos, slots, rows, prefix, ext = [], [], [], [], [], []
         for name, toks in new_tokens.items():
             if name not in self.rows:
@@ -47,8 +48,10 @@ class Driver:
             self.lens[name] = p + len(toks)
         t = len(ids)
         fi = ForwardInput(torch.tensor(ids), torch.tensor(pos), torch.cat(slots), torch.tensor(rows),
-                          prefix, ext, torch.arange(t))
+                          prefix, ext, torch.arange(t) if keep is None else torch.tensor(keep, dtype=torch.int64))
         logits = self.runner.forward(fi)
+        if keep is not None:
+            return {"kept": logits}
         out, start = {}, 0
         for name, e in zip(new_tokens, ext, strict=True):
             out[name] = logits[start:start + e]
@@ -98,6 +101,24 @@ def test_extend_after_cached_prefix(pair):
     out = d.step({"a": a[10:], "b": b[4:]})  # prefix already in scattered slots
     assert rel_err(out["a"], ref_logits(ref, a)[10:]) < TOL
     assert rel_err(out["b"], ref_logits(ref, b)[4:]) < TOL
+
+
+def test_only_the_rows_that_become_logits(pair):
+    """A step whose logits are wanted at a few rows (a prefill's last tokens, prompt-logprob rows, none at all in
+    a chunk that samples nothing): the last layer computes those rows alone, yet stores every row's K/V, which
+    the next step's attention reads."""
+    runner, ref = pair
+    a, b = prompts(2, [21, 13], seed=8)
+    d = Driver(runner, seed=9)
+    try:
+        assert d.step({"a": a[:6], "b": b[:5]}, keep=[])["kept"].shape[0] == 0  # a chunk no logits are wanted of
+        out = d.step({"a": a[6:], "b": b[5:]}, keep=[14, 2, 22, 15])  # a: last, 3rd new token; b: last, first
+    finally:  # the module's runner is shared: give its request rows back
+        for row in d.rows.values():
+            runner.req_table.free(row)
+    ra, rb = ref_logits(ref, a), ref_logits(ref, b)
+    want = torch.stack([ra[20], ra[8], rb[12], rb[5]])
+    assert rel_err(out["kept"], want) < TOL
 
 
 def test_decode_steps_of_requests_started_at_different_times(pair):

@@ -46,7 +46,8 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Qwen3 normalizes each head here
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), or (K, hidden) for rows `keep` only (every row's K/V still stored)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -56,8 +57,11 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v)  # (T, H, D)
-        return self.o_proj(o.reshape(t, q_size))
+        if keep is None:
+            o = self.attn(q, k, v)  # (T, H, D)
+        else:
+            o = self.attn.forward_rows(q.index_select(0, keep), k, v)  # (K, H, D)
+        return self.o_proj(o.reshape(o.shape[0], q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,12 +74,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions, x, residual, keep: torch.Tensor | None = None):
+        """With `keep`, the layer's outputs (and residual) are those rows only: what follows the attention is
+        computed for them alone (the model's last layer, when only some rows become logits)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(positions, x, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -98,11 +106,15 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(T,) ids and positions -> (T, hidden) final hidden states; KV goes through the forward context."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T,) ids and positions -> (T, hidden) final hidden states, or (K, hidden) for rows `keep_rows` only:
+        the last layer then runs its attention output, MLP and the final norm for those rows alone, the rest
+        of the last layer being needed by no one (K/V go through the forward context either way)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, keep_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 

@@ -71,37 +71,32 @@ static inline __m512 hsum16(__m512 v[16]) {
     return v[0];
 }
 
+/* 2^f for |f| <= 1/2 on 16 lanes: exp_f32's polynomial. */
+static inline __m512 pow2_frac512(__m512 f) {
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
 /* exp_f32 on 16 lanes (same polynomial and clamping). */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
     const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, i);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 p = pow2_frac512(_mm512_sub_ps(t, i));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 /* 2^x on 16 lanes for x <= 0 (a softmax's shifted scores, base 2): 2^i * 2^f with i the nearest integer,
- * 2^f by exp_f32's polynomial, scaled by vscalefps, which underflows to an exact 0 (x = -1e30 gives 0; -inf and
- * NaN are not allowed). */
+ * scaled by vscalefps, which underflows to an exact 0 (x = -1e30 gives 0; -inf and NaN are not allowed). */
 static inline __m512 exp2_nonpos512(__m512 x) {
     const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, i);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, i);
+    return _mm512_scalef_ps(pow2_frac512(_mm512_sub_ps(x, i)), i);
 }
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }

@@ -12,6 +12,15 @@ void FN(store_kv)(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T 
 }
 
 #if defined(__AVX512F__)
+/* kr: head h's key rows of positions j .. j+15 of a piece; the rows PREFETCH positions further are requested. */
+static inline void FN(key_rows16)(const T **kr, const T *k_buf, const int64_t *slots, int64_t j, int64_t n,
+                                  int64_t Hkv, int64_t h, int64_t D) {
+    for (int jj = 0; jj < 16; ++jj) {
+        kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
+        if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+    }
+}
+
 /* Scores of the G query rows against keys j .. j+15 of a piece, 16 keys at a time: each (row, key) dot
  * product leaves a vector of 16 partial sums and hsum16 turns 16 of them into 16 scores with no
  * per-key horizontal reduction. D must be a multiple of 16. Returns how many keys it scored. */
@@ -21,10 +30,7 @@ static inline __attribute__((always_inline)) int64_t FN(qk_blocks16)(
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
         const T *kr[16];
-        for (int jj = 0; jj < 16; ++jj) {
-            kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
-            if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
-        }
+        FN(key_rows16)(kr, k_buf, slots, j, n, Hkv, h, D);
         for (int64_t g = 0; g < G; ++g) {
             const float *qg = qf + g * D;
             __m512 part[16];
@@ -50,10 +56,7 @@ static inline __attribute__((always_inline)) int64_t FN(qk_blocks16_dp)(
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
         const T *kr[16];
-        for (int jj = 0; jj < 16; ++jj) {
-            kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
-            if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
-        }
+        FN(key_rows16)(kr, k_buf, slots, j, n, Hkv, h, D);
         for (int64_t g = 0; g < G; ++g) {
             const T *qg = q + g * D;
             __m512 part[16];

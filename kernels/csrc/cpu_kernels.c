@@ -115,13 +115,7 @@ int rg_d_max(void) { return D_MAX; }
 #define FN(name) rg_##name##_f32
 #define LOAD16(p) load16_f32(p)
 #define IS_BF16 0
-#include "cpu_kernels_impl.h"
-#undef T
-#undef LD
-#undef ST
-#undef FN
-#undef LOAD16
-#undef IS_BF16
+#include "cpu_kernels_impl.h" /* undefines T, LD, ST, FN, LOAD16 and IS_BF16 */
 
 #define T uint16_t
 #define LD(x) bf16_to_f32(x)
@@ -129,13 +123,7 @@ int rg_d_max(void) { return D_MAX; }
 #define FN(name) rg_##name##_bf16
 #define LOAD16(p) load16_bf16(p)
 #define IS_BF16 1
-#include "cpu_kernels_impl.h"
-#undef T
-#undef LD
-#undef ST
-#undef FN
-#undef LOAD16
-#undef IS_BF16
+#include "cpu_kernels_impl.h" /* undefines T, LD, ST, FN, LOAD16 and IS_BF16 */
 
 /* ------------------------------------------------------------------------------------------------------
  * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model

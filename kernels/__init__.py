@@ -6,7 +6,6 @@ work without it. Kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET
 """
 
 from .attention import decode_attention, decode_attention_ref, extend_attention, extend_attention_ref
-from .bitmask import apply_token_bitmask_, apply_token_bitmask_ref_
 from .norm import AddNormResult, fused_add_rmsnorm, fused_add_rmsnorm_ref
 from .rotary import rotary_embedding_, rotary_embedding_ref_
 from .store_kv import store_kv, store_kv_ref
@@ -23,8 +22,6 @@ def triton_available() -> bool:
 
 __all__ = [
     "AddNormResult",
-    "apply_token_bitmask_",
-    "apply_token_bitmask_ref_",
     "decode_attention",
     "decode_attention_ref",
     "extend_attention",

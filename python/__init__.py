@@ -10,6 +10,11 @@
     sgl.set_default_backend(sgl.Engine())
     print(qa.run(question="What is a radix tree?")["answer"])
 
+The offline batch API in vLLM's shape:
+
+    from radixgen.offline import LLM, SamplingParams
+    outs = LLM().generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
 The language is imported eagerly (it is light); the runtime (torch, the model) and the HTTP /
 OpenAI clients only when first used.
 """
@@ -22,6 +27,7 @@ from radixgen.lang import (  # noqa: F401 - re-exported, listed in __all__ via _
     ChoicesDecision,
     ChoicesSamplingMethod,
     Function,
+    GlobalConfig,
     ProgramError,
     ProgramState,
     ProgramStateGroup,
@@ -36,6 +42,7 @@ from radixgen.lang import (  # noqa: F401 - re-exported, listed in __all__ via _
     gen_string,
     get_default_backend,
     get_server_info,
+    global_config,
     greedy_token_selection,
     image,
     select,
@@ -60,6 +67,11 @@ _LAZY = {
     "EngineBackend": ("radixgen.lang.backend_engine", "EngineBackend"),
     "RuntimeEndpoint": ("radixgen.lang.backend_http", "RuntimeEndpoint"),
     "OpenAI": ("radixgen.lang.backend_openai", "OpenAI"),
+    # the offline API in vLLM's shape; its SamplingParams (max_tokens...) is radixgen.offline.SamplingParams
+    "LLM": ("radixgen.offline", "LLM"),
+    "GuidedDecodingParams": ("radixgen.offline", "GuidedDecodingParams"),
+    "RequestOutput": ("radixgen.offline", "RequestOutput"),
+    "CompletionOutput": ("radixgen.offline", "CompletionOutput"),
 }
 
 

@@ -1,4 +1,4 @@
-"""`python -m radixgen.serve [--model PATH] [--host H] [--port P] ...`: the HTTP server."""
+"""`python -m radixgen.serve [flags]`: the HTTP server, the same as `radixgen serve` (see --help)."""
 
 import sys
 

@@ -1,13 +1,22 @@
 /* radixgen's CPU kernels: decode attention through the slot table, KV store, fused residual-add RMSNorm
  * and in-place rotary embedding, for float32 and bfloat16 tensors. Built on first use
- * by radixgen.kernels.cpu (cc -O3 -march=native -fopenmp) and called through ctypes; OpenMP resolves to
- * the libgomp that torch has already loaded, so these kernels share torch's thread pool. */
+ * by radixgen.kernels.cpu (cc -O3 -march=native -fopenmp, or an explicit instruction set) and called through
+ * ctypes; OpenMP resolves to the libgomp that torch has already loaded, so these kernels share torch's thread
+ * pool. Every exported function (no `static`) has one declaration in radixgen/kernels/_cpu_bindings.py,
+ * checked against these prototypes by tests/kernels/test_cpu_bindings.py: change both together. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define D_MAX 512
+
+/* What a kernel that can fail returns; the bindings raise on anything but RG_OK. */
+typedef int rg_status;
+enum { RG_OK = 0, RG_ERR_ALLOC = 1, RG_ERR_UNSUPPORTED = 2, RG_ERR_SCRATCH = 3 };
+
+/* Bytes of scratch sized for n elements of `size` bytes, rounded up to a cache line. */
+static inline size_t rg_span(int64_t n, size_t size) { return ((size_t)n * size + 63) & ~(size_t)63; }
 
 static inline float bf16_to_f32(uint16_t x) {
     const uint32_t u = (uint32_t)x << 16;
@@ -125,6 +134,34 @@ int rg_d_max(void) { return D_MAX; }
 #define IS_BF16 1
 #include "cpu_kernels_impl.h" /* undefines T, LD, ST, FN, LOAD16 and IS_BF16 */
 
+typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
+    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    uint16_t *k_buf, *v_buf;
+    const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
+} rg_layer_bf16;
+
+/* The bfloat16-only entry points (AVX512-BF16). A build without it defines each as a stub returning
+ * RG_ERR_UNSUPPORTED (at the end of this file); these prototypes make the compiler hold both to one signature. */
+int rg_has_decode_step(void);
+rg_status rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out);
+rg_status rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N);
+rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
+int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                                          int64_t inter, int64_t max_piece, int64_t threads);
+rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
+                              const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                              const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                              int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
+                              const int64_t *out_slots, const int64_t *table, int64_t table_stride,
+                              const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
+                              uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
+                              void *scratch, int64_t scratch_bytes, int64_t threads);
+rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
+                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
+                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
+                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                   int64_t D, float scale, uint16_t *pack);
+
 /* ------------------------------------------------------------------------------------------------------
  * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model
  * (optional qkv bias, optional per-head q/k RMSNorm, SiLU-gated MLP) for a small decode batch, in one call and one OpenMP team. At batch 1
@@ -143,7 +180,7 @@ int rg_d_max(void) { return D_MAX; }
  * values side by side, so one 64-byte load holds a 16-row x 2-column slice. Multiplying it with the input
  * pair (x[2p], x[2p+1]) broadcast to every lane is one vdpbf16ps that adds to 16 outputs at once: no
  * horizontal sums, and each block is one sequential stream. Rows past N are zero. K must be even. */
-void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
+rg_status rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
     const int64_t pairs = K / 2, blocks = (N + 15) / 16;
     for (int64_t blk = 0; blk < blocks; ++blk)
         for (int64_t p = 0; p < pairs; ++p)
@@ -153,6 +190,7 @@ void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out)
                 o[0] = n < N ? w[n * K + 2 * p] : 0;
                 o[1] = n < N ? w[n * K + 2 * p + 1] : 0;
             }
+    return RG_OK;
 }
 
 /* Rows [m0, m0+MB) x blocks [blk0, blk0+NB) of y (M, N) = x (M, K) @ w^T (+ bias), w K-pair packed with
@@ -217,9 +255,10 @@ static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 
 /* yf (M, N) float32 = x (M, K) @ w^T rounded to bf16, for a K-pair packed w, over a new team: the LM head of
  * a prefill's few sampled rows, outside the fused step. */
-void rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N) {
+rg_status rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N) {
 #pragma omp parallel
     gemv_team_bf16(x, M, K, wp, NULL, NULL, yf, N);
+    return RG_OK;
 }
 
 /* One row of (2I) gate|up -> (I): silu(gate), rounded to bf16 as torch's silu returns it, times up. */
@@ -245,32 +284,53 @@ static void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t 
 }
 
 /* The same over a new team, rows split between its threads: the MLP activation of a prefill. */
-void rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
+rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
 #pragma omp parallel for schedule(static) if (M * I >= 32768)
     for (int64_t m = 0; m < M; ++m) silu_mul_row_bf16(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
+    return RG_OK;
 }
 
-typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
-    uint16_t *k_buf, *v_buf;
-    const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
-} rg_layer_bf16;
+/* Scratch of rg_decode_step_bf16 in bytes, for `threads` threads and pieces of at most max_piece positions:
+ * the contexts (M int64) shared, then per thread a float32 query block (H D), scores (max_piece G) and bf16
+ * private rows: the normed and the residual stream (M hidden each) and the MLP activation (M inter). */
+int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                                          int64_t inter, int64_t max_piece, int64_t threads) {
+    const size_t per_thread = rg_span(H * D, sizeof(float)) + rg_span(max_piece * (H / Hkv), sizeof(float)) +
+                              2 * rg_span(M * hidden, sizeof(uint16_t)) + rg_span(M * inter, sizeof(uint16_t));
+    return (int64_t)(rg_span(M, sizeof(int64_t)) + (size_t)threads * per_thread);
+}
 
 /* ids (M,): the tokens, whose rows of embed (vocab, hidden) start the residual stream; positions (M,): theirs,
  * each request's context being its position + 1 (the token's own K/V included). out (M, hidden): the final
  * norm's output. x, res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
- * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch. With an LM head
- * (K-pair packed, vocab rows), logits (M, vocab) float32 = out @ lm_head^T rounded to bf16, by the same team. */
-int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
-                        const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
-                        const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                        int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
-                        const int64_t *out_slots, const int64_t *table, int64_t table_stride, const int64_t *rows,
-                        int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a, uint16_t *res_b, uint16_t *qkv,
-                        uint16_t *attn, uint16_t *gu, float *part) {
-    const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz;
+ * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch, and so is `scratch`
+ * (scratch_bytes, at least rg_decode_step_scratch_bytes_bf16 for the longest context: RG_ERR_SCRATCH
+ * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. With an
+ * LM head (K-pair packed, vocab rows), logits (M, vocab) float32 = out @ lm_head^T rounded to bf16, by the
+ * same team. */
+rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
+                              const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                              const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                              int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
+                              const int64_t *out_slots, const int64_t *table, int64_t table_stride,
+                              const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
+                              uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
+                              void *scratch, int64_t scratch_bytes, int64_t threads) {
+    const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz, G = H / Hkv;
     const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
-    int64_t *seq_lens = (int64_t *)malloc(sizeof(int64_t) * (size_t)M);
+    int64_t max_piece = 0;
+    for (int64_t m = 0; m < M; ++m) {
+        const int64_t piece = (positions[m] + 1 + splits - 1) / splits;
+        max_piece = piece > max_piece ? piece : max_piece;
+    }
+    if (threads < 1 ||
+        rg_decode_step_scratch_bytes_bf16(M, hidden, H, Hkv, D, inter, max_piece, threads) > scratch_bytes)
+        return RG_ERR_SCRATCH;
+    int64_t *seq_lens = (int64_t *)scratch;
+    char *per_thread = (char *)scratch + rg_span(M, sizeof(int64_t));
+    const size_t qf_bytes = rg_span(qsz, sizeof(float)), sc_bytes = rg_span(max_piece * G, sizeof(float));
+    const size_t rows_bytes = rg_span(M * hidden, sizeof(uint16_t));
+    const size_t thread_bytes = qf_bytes + sc_bytes + 2 * rows_bytes + rg_span(M * inter, sizeof(uint16_t));
     for (int64_t m = 0; m < M; ++m) {
         seq_lens[m] = positions[m] + 1;
         memcpy(x + m * hidden, embed + ids[m] * hidden, sizeof(uint16_t) * (size_t)hidden);
@@ -279,16 +339,15 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
      * and attention need the team to meet: the residual stream alternates between two shared buffers
      * (res_a, res_b); every thread reads the current one, thread 0 alone writes the next, and a matmul's
      * barrier always lies between a write and the next read of the same buffer. */
-#pragma omp parallel
+#pragma omp parallel num_threads((int)threads)
     {
         const int tid = omp_get_thread_num();
-        float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
-        uint16_t *hp = (uint16_t *)malloc(row_bytes), *rp = (uint16_t *)malloc(row_bytes);
-        uint16_t *ap = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * inter));
+        char *mine = per_thread + (size_t)tid * thread_bytes;
+        float *qf = (float *)mine, *sc = (float *)(mine + qf_bytes);
+        uint16_t *hp = (uint16_t *)(mine + qf_bytes + sc_bytes), *rp = (uint16_t *)(mine + qf_bytes + sc_bytes + rows_bytes);
+        uint16_t *ap = (uint16_t *)(mine + qf_bytes + sc_bytes + 2 * rows_bytes);
         uint16_t *res[2] = {res_a, res_b};
         int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
-        float *sc = NULL;
-        int64_t sc_cap = 0;
         for (int64_t l = 0; l < n_layers; ++l) {
             const rg_layer_bf16 *ly = layers + l;
             if (l == 0) { /* the residual stream starts as the embeddings */
@@ -311,7 +370,7 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
                 rg_store_kv_bf16(qkv + qsz, qkv_n, qkv + qsz + kvsz, qkv_n, ly->k_buf, ly->v_buf, out_slots, M, kvsz);
             }
             rg_decode_attention_team_bf16(qkv, qkv_n, ly->k_buf, ly->v_buf, table, table_stride, rows, seq_lens,
-                                          attn, M, H, Hkv, D, scale, splits, part, qf, &sc, &sc_cap);
+                                          attn, M, H, Hkv, D, scale, splits, part, qf, sc);
             gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, NULL, hidden);
             memcpy(rp, res[cur], row_bytes);
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
@@ -324,14 +383,8 @@ int rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uin
 #pragma omp single
         rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
         if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, NULL, logits, vocab);
-        free(sc);
-        free(ap);
-        free(rp);
-        free(hp);
-        free(qf);
     }
-    free(seq_lens);
-    return 1;
+    return RG_OK;
 }
 
 
@@ -434,15 +487,20 @@ static inline __attribute__((always_inline)) void extend_item_bf16(
 
 /* q (T, H, D) rows q_stride apart, the B requests' new tokens back to back from q_start[b]; out (T, H, D).
  * pack: scratch of sum_b Hkv * 2 * ceil(L_b / 16) * 16 * D bf16, L_b = prefix_lens[b] + extend_lens[b]. */
-int rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf, const uint16_t *v_buf,
-                             const int64_t *table, int64_t table_stride, const int64_t *rows,
-                             const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_start,
-                             uint16_t *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
-                             uint16_t *pack) {
-    if (D % 32 != 0 || D > 128) return 0;
+rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
+                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
+                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
+                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                   int64_t D, float scale, uint16_t *pack) {
+    if (D % 32 != 0 || D > 128) return RG_ERR_UNSUPPORTED;
     const int64_t G = H / Hkv;
     int64_t *base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* pack offset of each request */
     int64_t *items = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first work item of each */
+    if (!base || !items) {
+        free(base);
+        free(items);
+        return RG_ERR_ALLOC;
+    }
     base[0] = items[0] = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t blocks = (prefix_lens[b] + extend_lens[b] + 15) / 16;
@@ -494,15 +552,54 @@ int rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
     }
     free(base);
     free(items);
-    return 1;
+    return RG_OK;
 }
 
 int rg_has_decode_step(void) { return 1; }
 #else
+/* Built without AVX512-BF16: the same entry points, each refusing (the prototypes above keep their signatures
+ * the real ones). */
 int rg_has_decode_step(void) { return 0; }
-int rg_extend_attention_bf16(void) { return 0; }
-void rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
+rg_status rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
     (void)w, (void)N, (void)K, (void)out;
+    return RG_ERR_UNSUPPORTED;
 }
-void rg_gemv_kpairs_bf16(void) {}
+rg_status rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N) {
+    (void)x, (void)M, (void)K, (void)wp, (void)yf, (void)N;
+    return RG_ERR_UNSUPPORTED;
+}
+rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
+    (void)gu, (void)out, (void)M, (void)I;
+    return RG_ERR_UNSUPPORTED;
+}
+int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                                          int64_t inter, int64_t max_piece, int64_t threads) {
+    (void)M, (void)hidden, (void)H, (void)Hkv, (void)D, (void)inter, (void)max_piece, (void)threads;
+    return 0;
+}
+rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
+                              const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                              const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                              int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
+                              const int64_t *out_slots, const int64_t *table, int64_t table_stride,
+                              const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
+                              uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
+                              void *scratch, int64_t scratch_bytes, int64_t threads) {
+    (void)layers, (void)n_layers, (void)final_norm, (void)lm_head, (void)vocab, (void)logits, (void)embed;
+    (void)ids, (void)M, (void)hidden, (void)H, (void)Hkv, (void)D, (void)inter, (void)eps, (void)scale;
+    (void)positions, (void)cos_sin, (void)out_slots, (void)table, (void)table_stride, (void)rows, (void)splits;
+    (void)x, (void)out, (void)res_a, (void)res_b, (void)qkv, (void)attn, (void)gu, (void)part, (void)scratch;
+    (void)scratch_bytes, (void)threads;
+    return RG_ERR_UNSUPPORTED;
+}
+rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
+                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
+                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
+                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                   int64_t D, float scale, uint16_t *pack) {
+    (void)q, (void)q_stride, (void)k_buf, (void)v_buf, (void)table, (void)table_stride, (void)rows;
+    (void)prefix_lens, (void)extend_lens, (void)q_start, (void)out, (void)B, (void)H, (void)Hkv, (void)D;
+    (void)scale, (void)pack;
+    return RG_ERR_UNSUPPORTED;
+}
 #endif

@@ -172,13 +172,23 @@ static inline void FN(touch_piece)(const T *k_buf, const T *v_buf, const int64_t
     __asm__ volatile("" : : "r"(acc)); /* keep the loads */
 }
 
-/* The body of decode_attention (below) for the calling team: qf (H*D floats) and the score buffer are the
- * calling thread's scratch. */
+/* The longest piece of decode attention's work items: the score buffer holds that many positions per query row
+ * of a KV head (G of them). */
+static inline int64_t FN(max_piece)(const int64_t *seq_lens, int64_t B, int64_t splits) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t piece = (seq_lens[b] + splits - 1) / splits;
+        longest = piece > longest ? piece : longest;
+    }
+    return longest;
+}
+
+/* The body of decode_attention (below) for the calling team: qf (H*D floats) and sc (max_piece * G floats) are
+ * the calling thread's scratch. */
 static void FN(decode_attention_team)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
                                       const int64_t *table, int64_t table_stride, const int64_t *rows,
                                       const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv,
-                                      int64_t D, float scale, int64_t splits, float *part, float *qf,
-                                      float **sc_p, int64_t *sc_cap_p) {
+                                      int64_t D, float scale, int64_t splits, float *part, float *qf, float *sc) {
     const int64_t G = H / Hkv;
     const int64_t part_len = G * (D + 2); /* per (b, h, split): G x [max, sum, D outputs] */
     const int64_t n_items = B * splits;
@@ -191,12 +201,6 @@ static void FN(decode_attention_team)(const T *q, int64_t q_stride, const T *k_b
         const int64_t chunk = (L + splits - 1) / splits;
         const int64_t j0 = s * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
         const int64_t n = j1 > j0 ? j1 - j0 : 0;
-        if (n * G > *sc_cap_p) {
-            free(*sc_p);
-            *sc_cap_p = n * G;
-            *sc_p = (float *)malloc(sizeof(float) * (size_t)*sc_cap_p);
-        }
-        float *sc = *sc_p;
         const int64_t *slots = table + rows[b] * table_stride + j0;
         FN(touch_piece)(k_buf, v_buf, slots, n, Hkv * D);
         for (int64_t h = 0; h < Hkv; ++h) {
@@ -249,21 +253,33 @@ static void FN(decode_attention_team)(const T *q, int64_t q_stride, const T *k_b
  * Each request is cut into `splits` pieces along the context so that a few long requests still use every
  * thread; a piece leaves its running max, its sum of exponentials and its unnormalised output in `part`,
  * and the pieces are merged at the end. The work is in decode_attention_team, whose worksharing loops bind
- * to whatever team calls it (here a new one; the fused decode step calls it from inside its own). */
-void FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
-                          const int64_t *table, int64_t table_stride, const int64_t *rows,
-                          const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          float scale, int64_t splits, float *part) {
+ * to whatever team calls it (here a new one; the fused decode step calls it from inside its own). Each thread
+ * allocates its scratch; if any allocation fails, no thread works and the call returns RG_ERR_ALLOC. */
+rg_status FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
+                               const int64_t *table, int64_t table_stride, const int64_t *rows,
+                               const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                               float scale, int64_t splits, float *part) {
+    const int64_t sc_len = FN(max_piece)(seq_lens, B, splits) * (H / Hkv);
+    int failed = 0;
 #pragma omp parallel
     {
         float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
-        float *sc = NULL;
-        int64_t sc_cap = 0;
-        FN(decode_attention_team)(q, q_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, out, B, H, Hkv,
-                                  D, scale, splits, part, qf, &sc, &sc_cap);
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(sc_len > 0 ? sc_len : 1));
+        if (!qf || !sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int stop;
+#pragma omp atomic read
+        stop = failed;
+        if (!stop) /* the same answer in every thread: all of them meet the worksharing loops, or none */
+            FN(decode_attention_team)(q, q_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, out, B, H,
+                                      Hkv, D, scale, splits, part, qf, sc);
         free(sc);
         free(qf);
     }
+    return failed ? RG_ERR_ALLOC : RG_OK;
 }
 
 /* out = rmsnorm(x [+ residual]) * weight, per row of N. With a residual, the sum (rounded to T, as the

@@ -31,6 +31,7 @@ from radixgen.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from radixgen.lang.global_config import GlobalConfig, global_config
 from radixgen.lang.interpreter import ProgramError
 from radixgen.lang.program import Function
 from radixgen.lang.state import ProgramState, ProgramStateGroup
@@ -40,6 +41,7 @@ __all__ = [
     "ChoicesDecision",
     "ChoicesSamplingMethod",
     "Function",
+    "GlobalConfig",
     "ProgramError",
     "ProgramState",
     "ProgramStateGroup",
@@ -54,6 +56,7 @@ __all__ = [
     "gen_string",
     "get_default_backend",
     "get_server_info",
+    "global_config",
     "greedy_token_selection",
     "image",
     "select",

@@ -49,9 +49,10 @@ def gen(
     name: str | None = None,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
+    n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
-    stop_regex: str | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -68,10 +69,10 @@ def gen(
     choices_method: ChoicesSamplingMethod | str | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
-    n: int | None = None,
 ) -> Node:
     """Generate text after the current state (stored in variable `name`). Arguments left None take
-    the run's defaults. `dtype` (int/float/str/bool), `regex` and `json_schema` constrain the
+    the run's defaults (SGLang's names and order). `dtype` (int/float/str/bool: the output matches
+    `ir.REGEX_INT`... and the variable holds that text), `regex` and `json_schema` constrain the
     output; with `choices` this is a `select` (scored from logprobs, never sampled)."""
     if choices is not None:
         return select(
@@ -105,7 +106,7 @@ def gen(
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
         ignore_eos=ignore_eos,
-        n=1 if n is None else n,
+        n=n,
         return_logprob=return_logprob,
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
@@ -116,14 +117,39 @@ def gen(
     )
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Node:
-    """`gen(dtype=int)`: the variable holds an int."""
-    return gen(name, max_tokens, dtype=int, **kwargs)
+def _typed_gen(dtype: type):
+    def typed(
+        name: str | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        ignore_eos: bool | None = None,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+    ) -> Node:
+        kwargs = dict(locals())
+        kwargs.pop("dtype", None)
+        return gen(**kwargs, dtype=dtype)
+
+    return typed
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Node:
-    """`gen(dtype=str)`: a double-quoted string; the variable holds its content."""
-    return gen(name, max_tokens, dtype=str, **kwargs)
+gen_int = _typed_gen(int)
+gen_int.__name__ = gen_int.__qualname__ = "gen_int"
+gen_int.__doc__ = """`gen(dtype=int)`: an integer, as text (the variable holds e.g. " 24": `int(s[name])`)."""
+gen_string = _typed_gen(str)
+gen_string.__name__ = gen_string.__qualname__ = "gen_string"
+gen_string.__doc__ = """`gen(dtype=str)`: a double-quoted string; the variable holds the text, quotes included."""
 
 
 def select(

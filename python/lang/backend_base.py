@@ -54,6 +54,7 @@ class GenRequest(NamedTuple):
 class ScoredChoices(NamedTuple):
     input_token_logprobs: list[TokenLogprobs]  # per choice: its tokens after the prompt
     unconditional_token_logprobs: list[TokenLogprobs] | None
+    usage: dict[str, int] | None = None  # prompt_tokens / cached_tokens summed over the scoring requests
 
 
 class ScorePlan(NamedTuple):
@@ -209,11 +210,16 @@ class BaseBackend:
             for i in range(len(prompts))
         ]
         warm = [p.warm for p in plans if p.warm is not None]
-        if warm:
-            yield warm
+        warmed = (yield warm) if warm else []
         results = yield [r for p in plans for r in p.requests]
         parsed = [parse_choices(p, results[i * n : (i + 1) * n]) for i, p in enumerate(plans)]
-        return ScoredChoices(parsed[0], parsed[1] if unconditional is not None else None)
+        return ScoredChoices(parsed[0], parsed[1] if unconditional is not None else None, usage(warmed + results))
+
+
+def usage(results: list[dict]) -> dict[str, int]:
+    """prompt_tokens and cached_tokens (prompt tokens the radix cache already held) of a call's requests."""
+    metas = [r.get("meta_info") or {} for r in results]
+    return {key: sum(m.get(key) or 0 for m in metas) for key in ("prompt_tokens", "cached_tokens")}
 
 
 def _groups(requests: list[GenRequest]) -> list[tuple[tuple, list[GenRequest]]]:

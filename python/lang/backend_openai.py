@@ -75,6 +75,9 @@ class OpenAI(BaseBackend):
             extra["min_tokens"] = p["min_new_tokens"]
         if p["stop_token_ids"]:
             extra["stop_token_ids"] = p["stop_token_ids"]
+        for key in ("skip_special_tokens", "spaces_between_special_tokens"):  # set by global_config
+            if key in p:
+                extra[key] = p[key]
         if "stop_regex" in p:
             extra["stop_regex"] = p["stop_regex"]
         if "regex" in p:

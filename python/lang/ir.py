@@ -7,8 +7,18 @@ Expressions are small immutable dataclasses; `+` concatenates them (strings beco
 from __future__ import annotations
 
 import json
+import os
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
+
+# The texts a typed gen may write (SGLang's names; each allows the space a model usually writes first).
+# Digits are bounded so a model cannot run on to max_tokens inside a number.
+REGEX_INT = r" ?-?(0|[1-9][0-9]{0,17})"  # an optionally signed decimal integer
+REGEX_FLOAT = r" ?-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,15})?"  # an integer or a decimal fraction
+REGEX_BOOL = r" ?(True|False)"  # a Python bool literal
+REGEX_STR = r' ?"[^"\\\x00-\x1f]*"'  # a double-quoted string without escapes (valid JSON too)
 
 
 class Node:
@@ -71,7 +81,8 @@ SAMPLING_FIELDS = (
 )
 # Logprob options: not sampling parameters, they shape what comes back.
 LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
-DTYPES = ("int", "float", "str", "bool")
+DTYPE_REGEX = {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
+DTYPES = tuple(DTYPE_REGEX)
 
 
 @dataclass(frozen=True)
@@ -89,12 +100,12 @@ class Gen(Node):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     ignore_eos: bool | None = None
-    n: int = 1
+    n: int | None = None  # None: the run's n
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
-    dtype: str | None = None  # one of DTYPES: the variable holds a converted value
+    dtype: str | None = None  # one of DTYPES: the output matches DTYPE_REGEX (the variable holds the text)
     regex: str | None = None
     json_schema: str | None = None
 
@@ -108,12 +119,22 @@ class Gen(Node):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.stop_regex, (list, tuple)):  # SGLang takes a list: stop at any of them
+            object.__setattr__(self, "stop_regex", join_patterns(self.stop_regex))
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"gen.dtype: must be one of int, float, str, bool (got {self.dtype!r})")
-        constraints = [k for k in ("dtype", "regex", "json_schema") if getattr(self, k) is not None]
+        if self.dtype is not None and self.regex is not None:
+            warnings.warn(
+                f"gen {self.name!r}: both dtype and regex are set; the dtype's regex is used "
+                f"(dtype={self.dtype}, regex={self.regex!r})",
+                stacklevel=user_stacklevel(),
+            )
+        constraints = [k for k in ("regex", "json_schema") if getattr(self, k) is not None]
+        if self.dtype is not None and self.json_schema is not None:
+            constraints = ["dtype", "json_schema"]
         if len(constraints) > 1:
-            raise ValueError(f"gen: at most one of dtype, regex, json_schema may be set, got {constraints}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"gen: at most one of dtype/regex and json_schema may be set, got {constraints}")
+        if self.n is not None and (not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1):
             raise ValueError(f"gen.n: must be a positive integer (got {self.n!r})")
 
     def sampling_overrides(self) -> dict[str, Any]:
@@ -179,6 +200,26 @@ class Join(Node):
 
     children: tuple[Any, ...]
     mode: str
+
+
+def join_patterns(patterns: list[str] | tuple[str, ...]) -> str | None:
+    """One regular expression that matches where any of `patterns` does (None for none)."""
+    if len(patterns) <= 1:
+        return patterns[0] if patterns else None
+    return "|".join(f"(?:{p})" for p in patterns)
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` of a warning raised here that points at the program line (the first frame
+    outside radixgen.lang and generated code such as a dataclass __init__)."""
+    lang_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        (frame.f_code.co_filename.startswith("<") and frame.f_code.co_name == "__init__")  # a dataclass's
+        or os.path.abspath(frame.f_code.co_filename).startswith(lang_dir)
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_name(name: Any, what: str) -> None:

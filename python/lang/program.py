@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from radixgen.lang.backend_base import PREFILL_ONLY, BaseBackend, GenRequest
+from radixgen.lang.global_config import global_config
 from radixgen.lang.interpreter import SamplingDefaults, StateCore, TraceStop, start_driver
 from radixgen.lang.ir import LOGPROB_FIELDS, SAMPLING_FIELDS
 from radixgen.lang.state import ProgramState
+from radixgen.runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
-_default_backend: BaseBackend | None = None
 _engine_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Engine -> its backend
 
 
@@ -31,33 +33,45 @@ def as_backend(obj: Any) -> BaseBackend:
 
 
 def set_default_backend(backend: Any) -> None:
-    global _default_backend
-    _default_backend = None if backend is None else as_backend(backend)
+    """Same as `radixgen.global_config.default_backend = backend` (checked here)."""
+    global_config.default_backend = None if backend is None else as_backend(backend)
 
 
 def get_default_backend() -> BaseBackend | None:
-    return _default_backend
+    backend = global_config.default_backend
+    return None if backend is None else as_backend(backend)
 
 
 def resolve_backend(backend: Any) -> BaseBackend:
-    if backend is not None:
-        return as_backend(backend)
-    if _default_backend is None:
+    if backend is None:
+        backend = global_config.default_backend
+    if backend is None:
         raise ValueError("no backend: pass backend=... or call radixgen.set_default_backend(...) first")
-    return _default_backend
+    return as_backend(backend)
 
 
 # The run-level sampling arguments of run / arun / run_batch (SGLang's names and defaults): a gen's sampling
-# and logprob fields, less min_new_tokens, which SGLang's run does not take.
-_SAMPLING_KEYS = tuple(k for k in SAMPLING_FIELDS + LOGPROB_FIELDS if k != "min_new_tokens")
+# and logprob fields and n, less min_new_tokens, which SGLang's run does not take.
+_SAMPLING_KEYS = tuple(k for k in SAMPLING_FIELDS + LOGPROB_FIELDS if k != "min_new_tokens") + ("n",)
+
+
+def _print_if_verbose(state: ProgramState) -> None:
+    if global_config.verbosity >= 2:
+        print(state.text())
 
 
 class Function:
     """A program: a Python function whose first parameter is the state `s`."""
 
     def __init__(self, func, num_api_spec_tokens: int | None = None, bind_arguments: dict | None = None):
-        if num_api_spec_tokens is not None:
-            raise ValueError("function.num_api_spec_tokens: API speculative execution is not supported")
+        # SGLang's API speculative execution (one long API call whose text later gens consume) is for
+        # OpenAI-backed programs. With a radixgen backend it has nothing to save (the radix cache reuses
+        # the prefix of every call): accepted, no effect. With the OpenAI backend a run refuses it.
+        if num_api_spec_tokens is not None and (
+            not isinstance(num_api_spec_tokens, int) or isinstance(num_api_spec_tokens, bool) or num_api_spec_tokens < 1
+        ):
+            raise ValueError(f"function.num_api_spec_tokens: must be a positive integer (got {num_api_spec_tokens!r})")
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.func = func
         self.bind_arguments = dict(bind_arguments or {})
         params = list(inspect.signature(func).parameters.values())
@@ -73,7 +87,7 @@ class Function:
         unknown = sorted(set(kwargs) - set(self.arg_names))
         if unknown:
             raise TypeError(f"{self.__name__}.bind: unknown argument(s) {unknown}")
-        return Function(self.func, bind_arguments={**self.bind_arguments, **kwargs})
+        return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         bound = self.signature.bind(*args, **{**self.bind_arguments, **kwargs})
@@ -82,10 +96,11 @@ class Function:
     def run(
         self,
         *args: Any,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        n: int = 1,
         stop: str | list[str] | None = None,
         stop_token_ids: list[int] | None = None,
-        stop_regex: str | None = None,
+        stop_regex: str | list[str] | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -99,16 +114,20 @@ class Function:
         return_text_in_logprobs: bool | None = None,
         stream: bool = False,
         backend: Any = None,
+        use_thread: bool = True,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program. With stream=False it returns when the program has finished (raising
         a ProgramError, with the failing program line, if it failed); with stream=True it returns
-        as soon as the body has queued its expressions: iterate `state.text_iter()`."""
+        as soon as the body has queued its expressions: iterate `state.text_iter()`.
+        `n`: the number of samples of every gen that does not set its own (its variable is then a
+        list of n texts). `use_thread=False`: each expression runs in the calling thread when it is
+        appended, instead of in a worker thread of the state (fork branches still get threads)."""
         self._check_sync("run")
         local = locals()
         defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
         arguments = self._arguments(args, kwargs)
-        state = self._start(resolve_backend(backend), defaults, stream, "thread")
+        state = self._start(resolve_backend(backend), defaults, stream, "thread" if use_thread else "inline")
         try:
             state.ret_value = self.func(state, **arguments)
         except BaseException as e:
@@ -120,6 +139,7 @@ class Function:
             state.sync()
             if state._core.error is not None:
                 raise state._core.error
+            _print_if_verbose(state)
         return state
 
     __call__ = run
@@ -127,10 +147,11 @@ class Function:
     async def arun(
         self,
         *args: Any,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        n: int = 1,
         stop: str | list[str] | None = None,
         stop_token_ids: list[int] | None = None,
-        stop_regex: str | None = None,
+        stop_regex: str | list[str] | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -168,16 +189,18 @@ class Function:
             await core.changed.wait_async(lambda: core.finished)
             if core.error is not None:
                 raise core.error
+            _print_if_verbose(state)
         return state
 
     def run_batch(
         self,
         batch_kwargs: list[dict[str, Any]] | list[tuple],
         *,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        n: int = 1,
         stop: str | list[str] | None = None,
         stop_token_ids: list[int] | None = None,
-        stop_regex: str | None = None,
+        stop_regex: str | list[str] | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -191,34 +214,44 @@ class Function:
         return_text_in_logprobs: bool | None = None,
         backend: Any = None,
         num_threads: int | str = "auto",
-        progress_bar: bool = True,
-    ) -> list[ProgramState]:
+        progress_bar: bool = False,
+        generator_style: bool = False,
+    ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per argument set, concurrently; states come back in input order.
         A program that fails does not stop the others: its state's `error()` tells why.
-        The prefix shared by the first programs' prompts is cached once before they start."""
+        Unless `global_config.enable_precache_with_tracing` is off, the prefix shared by the first
+        programs' prompts is cached once before they start. `generator_style=True` returns an
+        iterator instead of a list: each state, in input order, as soon as it (and those before it)
+        has finished."""
         self._check_sync("run_batch")
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch: batch_kwargs must be a list of dicts (or of argument tuples)")
-        if not batch_kwargs:
-            return []
         arguments = [
             self._arguments((), a) if isinstance(a, dict) else self._arguments(tuple(a), {}) for a in batch_kwargs
         ]
         if num_threads == "auto":
             # Program threads mostly wait on the runtime; more of them means bigger batches there.
-            num_threads = min(len(arguments), 64)
-        if not isinstance(num_threads, int) or num_threads < 1:
+            num_threads = max(1, min(len(arguments), 64))
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"run_batch.num_threads: must be 'auto' or a positive integer (got {num_threads!r})")
         local = locals()
         defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
         resolved = resolve_backend(backend)
-        if len(arguments) > 1 and resolved.can_prefill:
-            prefix = self.shared_prefix(arguments[:4], resolved, defaults)
+        states = self._batch_states(arguments, resolved, defaults, num_threads, progress_bar)
+        return states if generator_style else list(states)
+
+    def _batch_states(
+        self, arguments: list[dict], backend: BaseBackend, defaults: SamplingDefaults, num_threads: int, bar: bool
+    ) -> Iterator[ProgramState]:
+        if not arguments:
+            return
+        if len(arguments) > 1 and backend.can_prefill and global_config.enable_precache_with_tracing:
+            prefix = self.shared_prefix(arguments[:4], backend, defaults)
             if prefix:
-                resolved.generate([GenRequest(prefix, None, dict(PREFILL_ONLY))])
+                backend.generate([GenRequest(prefix, None, dict(PREFILL_ONLY))])
 
         def one(args: dict[str, Any]) -> ProgramState:
-            state = self._start(resolved, defaults, False, "thread")
+            state = self._start(backend, defaults, False, "thread")
             try:
                 state.ret_value = self.func(state, **args)
             except Exception as e:  # noqa: BLE001 - reported through the state, like expression errors
@@ -226,22 +259,28 @@ class Function:
             finally:
                 state._core.close()
             state.sync()
+            _print_if_verbose(state)
             return state
 
-        bar = None
-        if progress_bar:
+        progress = None
+        if bar:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(arguments), desc=self.__name__)
-        with ThreadPoolExecutor(max_workers=num_threads) as pool:
-            futures = [pool.submit(one, a) for a in arguments]
-            if bar is not None:
+            progress = tqdm(total=len(arguments), desc=self.__name__)
+        pool = ThreadPoolExecutor(max_workers=num_threads)
+        futures = [pool.submit(one, a) for a in arguments]
+        try:
+            if progress is not None:
                 for f in futures:
-                    f.add_done_callback(lambda _: bar.update(1))
-            states = [f.result() for f in futures]
-        if bar is not None:
-            bar.close()
-        return states
+                    f.add_done_callback(lambda _: progress.update(1))
+            for f in futures:
+                yield f.result()
+        finally:  # also when a generator-style caller stops early: programs not started yet never start
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)
+            if progress is not None:
+                progress.close()
 
     def trace_prompt(self, arguments: dict[str, Any], backend: Any = None, defaults=None) -> str:
         """The text this program has built when it first needs the model (without calling it)."""
@@ -277,6 +316,14 @@ class Function:
             )
 
     def _start(self, backend: BaseBackend, defaults: SamplingDefaults, stream: bool, mode: str) -> ProgramState:
+        if self.num_api_spec_tokens is not None:
+            from radixgen.lang.backend_openai import OpenAI
+
+            if isinstance(backend, OpenAI):
+                raise NotImplementedError(
+                    f"{self.__name__}: num_api_spec_tokens (API speculative execution) is not implemented for the "
+                    "OpenAI backend; remove it from @function(...) to run this program there"
+                )
         core = StateCore(backend, defaults, stream=stream, mode=mode)
         start_driver(core)
         return ProgramState(core)

@@ -34,6 +34,7 @@ class ProgramState:
     def __init__(self, core: StateCore):
         self._core = core
         self.ret_value: Any = None
+        self._copy_group: ProgramStateGroup | None = None
 
     # ---- appending
     def __iadd__(self, other: Any) -> ProgramState:
@@ -44,6 +45,13 @@ class ProgramState:
         self._core.submit(node, caller_origin())
 
     def set_var(self, name: str, value: Any) -> None:
+        """Set a variable: queued after what is queued so far while the program runs; at once on a
+        finished state (as SGLang allows: `state["n"] = int(state["n"])` after `run`)."""
+        core = self._core
+        if core.closed:
+            self.sync()
+            core.set_var(name, value)
+            return
         self._submit(SetVar(name, value))
 
     __setitem__ = set_var
@@ -90,7 +98,20 @@ class ProgramState:
         return ProgramStateGroup([ProgramState(c) for c in children], self)
 
     def copy(self) -> ProgramState:
-        return self.fork(1)[0]
+        """A fork of one branch. Also a `with` block (SGLang's form): `with s.copy() as c:` joins the
+        branch's variables back into `s` (gather_variable) when the block ends."""
+        group = self.fork(1)
+        branch = group[0]
+        branch._copy_group = group
+        return branch
+
+    def __enter__(self) -> ProgramState:
+        if getattr(self, "_copy_group", None) is None:
+            raise TypeError("only a state made by s.copy() is a `with` block")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._copy_group.join()
 
     # ---- reading
     def _wait(self, pred: Callable[[], bool], what: str) -> None:
@@ -230,9 +251,16 @@ class ProgramStateGroup:
         return iter(self.states)
 
     def __iadd__(self, other: Any) -> ProgramStateGroup:
+        """`forks += expr` (the same for every branch), `forks += lambda i: expr`, or a list/tuple
+        with one expression per branch."""
         origin = caller_origin()
+        if isinstance(other, (list, tuple)) and len(other) != len(self.states):
+            raise ValueError(f"fork +=: {len(other)} expressions for {len(self.states)} branches")
         for i, state in enumerate(self.states):
-            expr = other(i) if callable(other) and not isinstance(other, Node) else other
+            if isinstance(other, (list, tuple)):
+                expr = other[i]
+            else:
+                expr = other(i) if callable(other) and not isinstance(other, Node) else other
             state._core.submit(as_node(expr), origin)
         return self
 

@@ -3,22 +3,67 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from radixgen.runtime.model_runner import ForwardInput
-from radixgen.runtime.request import Req
+if TYPE_CHECKING:
+    from radixgen.runtime.request import Req
+
+
+class ForwardInput(NamedTuple):
+    """One step's tensors. Requests' new tokens are concatenated in request order."""
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    out_slots: torch.Tensor  # (T,) where each new token's K/V is written
+    req_indices: torch.Tensor  # (B,) rows of the request->slot table
+    prefix_lens: list[int]  # (B,) tokens already in the pool
+    extend_lens: list[int]  # (B,) new tokens this step
+    logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
 
 
 @dataclass
 class Batch:
+    """Built by the scheduler once the requests' slots for this step are allocated. Which logits rows the step
+    produces (and what each is for) is decided here, at construction, from the requests' state then."""
+
     reqs: list[Req]
     is_decode: bool
     prefix_lens: list[int]  # kv_len of each request before this step
     extend_lens: list[int]  # new tokens of each request this step
-    # per request: (logits-row offset, prompt positions whose logprob the rows give), filled by build
-    prompt_lp_rows: list[list[int]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)  # index into logits, or -1: no sampling
+    # per request: the prompt positions whose logprob this step's logits give (rows lp_first[i] onwards)
+    prompt_lp_rows: list[list[int]] = field(init=False)
+    lp_first: list[int] = field(init=False)
+    # per request: its sampled row in the logits, or -1 (no sampling: a chunk, or nothing left to generate)
+    sample_rows: list[int] = field(init=False)
+    logit_rows: list[int] = field(init=False)  # (N,) hidden rows -> logits rows, in that order
+
+    def __post_init__(self) -> None:
+        self.prompt_lp_rows, self.lp_first, self.sample_rows, self.logit_rows = [], [], [], []
+        offset = 0  # the hidden row of request i's first new token
+        for i, req in enumerate(self.reqs):
+            p, e = self.prefix_lens[i], self.extend_lens[i]
+            lp_positions = []
+            self.lp_first.append(len(self.logit_rows))
+            if req.wants_prompt_logprobs:
+                # row r predicts prompt token r + 1; wanted targets are [max(start, 1), len(input))
+                lo = max(req.logprob_start_len, 1) - 1
+                hi = len(req.input_ids) - 1
+                for r in range(max(lo, p), min(hi, p + e)):
+                    lp_positions.append(r + 1)
+                    self.logit_rows.append(offset + r - p)
+            self.prompt_lp_rows.append(lp_positions)
+            if self.completes_prefill(i) and req.params.max_new_tokens > len(req.output_ids):
+                self.sample_rows.append(len(self.logit_rows))
+                self.logit_rows.append(offset + e - 1)
+            else:
+                self.sample_rows.append(-1)
+            offset += e
 
     @property
     def num_tokens(self) -> int:
@@ -28,33 +73,16 @@ class Batch:
         return self.prefix_lens[i] + self.extend_lens[i] == self.reqs[i].seq_len
 
     def forward_input(self, table: torch.Tensor) -> ForwardInput:
+        """The step's tensors; `table` is the request->slot table holding every request's new slots."""
         ids: list[int] = []
         positions: list[int] = []
-        logit_rows: list[int] = []
         slot_parts = []
-        self.prompt_lp_rows, self.sample_rows = [], []
-        offset = 0
         for i, req in enumerate(self.reqs):
             p, e = self.prefix_lens[i], self.extend_lens[i]
             # [p, p + e): the positions computed now
             ids += req.fill_ids[p:p + e]
             positions += range(p, p + e)
             slot_parts.append(table[req.table_row, p:p + e])
-            lp_positions = []
-            if req.wants_prompt_logprobs:
-                # row r predicts prompt token r + 1; wanted targets are [max(start, 1), len(input))
-                lo = max(req.logprob_start_len, 1) - 1
-                hi = len(req.input_ids) - 1
-                for r in range(max(lo, p), min(hi, p + e)):
-                    lp_positions.append(r + 1)
-                    logit_rows.append(offset + r - p)
-            self.prompt_lp_rows.append(lp_positions)
-            if self.completes_prefill(i) and req.params.max_new_tokens > len(req.output_ids):
-                self.sample_rows.append(len(logit_rows))
-                logit_rows.append(offset + e - 1)
-            else:
-                self.sample_rows.append(-1)
-            offset += e
         return ForwardInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -62,5 +90,5 @@ class Batch:
             req_indices=torch.tensor([r.table_row for r in self.reqs], dtype=torch.int64),
             prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            logit_rows=torch.tensor(self.logit_rows, dtype=torch.int64),
         )

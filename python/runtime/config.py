@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+LOAD_FORMATS = ("auto", "dummy")
+JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,66 +93,86 @@ class ModelConfig:
         )
 
 
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = ()) -> Any:
+    """A config field and its command-line flag in one place: `radixgen serve` builds its flags from these
+    (radixgen.runtime.flags). `flags`: the flag names when not just `--name-with-dashes` (the first is the
+    main one; the others are aliases, e.g. SGLang's)."""
+    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags)}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Everything the Engine and scheduler are built from. Unknown keys are rejected by from_kwargs."""
 
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: bfloat16 where the CPU supports it fast, else float32
-    device: str = "cpu"
-    load_format: str = "auto"  # auto | dummy
-    max_total_tokens: int = 0  # KV slots; 0: sized from max_kv_memory_gb
-    max_kv_memory_gb: float = 2.0
-    max_running_requests: int = 128
-    context_length: int = 0  # 0: the model's max_position_embeddings (capped at 8192)
-    chunked_prefill_size: int = 512  # <= 0 disables chunking
-    max_prefill_tokens: int = 2048  # token budget of one extend batch
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    page_size: int = 1
-    seed: int = 0
-    max_queue_wait_steps: int = 64  # ageing bound: a request waits at most this many steps
-    grammar_compile_timeout_s: float = 30.0
-    grammar_strict_json: bool = False
-    grammar_json_whitespace: str = "compact"
-    enable_jump_forward: bool = False
-    num_threads: int = 0  # torch intra-op threads in the scheduler; 0: torch default
-    disable_cpu_kernels: bool = False  # CPU: plain torch ops instead of the C kernels and oneDNN-packed weights
-    disable_cuda_graph: bool = False  # CUDA devices: decode steps run eagerly instead of replaying graphs
-    cuda_graph_max_bs: int = 160  # largest decode batch captured (also capped by max_running_requests)
-    extra: dict = field(default_factory=dict)
+    model: str | None = option(
+        None, "Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+        flags=("--model", "--model-path"))
+    dtype: str = option("auto", "weights and activations; auto: bfloat16 on CUDA and on CPUs with fast bf16 "
+                        "(AMX / AVX512-BF16), else float32", choices=("auto", *DTYPES))
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights (benchmarks)",
+                              choices=LOAD_FORMATS)
+    max_total_tokens: int = option(0, "KV cache slots; 0: sized from --max-kv-memory-gb")
+    max_kv_memory_gb: float = option(2.0, "KV cache memory when --max-total-tokens is 0")
+    max_running_requests: int = option(128, "requests decoded together at most")
+    context_length: int = option(0, "longest prompt + output; 0: the model's max_position_embeddings (capped at 8192)")
+    chunked_prefill_size: int = option(512, "a longer prompt is prefilled in chunks of this many tokens; "
+                                       "<= 0: no chunking")
+    max_prefill_tokens: int = option(2048, "token budget of one prefill (extend) batch")
+    schedule_policy: str = option("lpm", "order of waiting requests: lpm (longest cached prefix first), dfs-weight "
+                                  "(depth-first over the radix tree), fcfs", choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = option(False, "no prefix reuse: every prompt is computed in full")
+    page_size: int = option(1, "tokens per radix-tree key (prefixes are reused in whole pages)")
+    seed: int = option(0, "seed of the dummy weights (--load-format dummy)")
+    max_queue_wait_steps: int = option(64, "ageing bound: a waiting request is admitted after at most this many steps")
+    grammar_compile_timeout_s: float = option(30.0, "seconds; a constraint whose grammar takes longer to compile "
+                                              "fails its request")
+    grammar_strict_json: bool = option(False, "reject JSON schemas with keywords the grammar cannot enforce "
+                                       "(default: a warning)")
+    grammar_json_whitespace: str = option("compact", "JSON output from a schema: compact (no whitespace) or flexible "
+                                          "(bounded runs of whitespace)", choices=JSON_WHITESPACE)
+    enable_jump_forward: bool = option(False, "prefill the text a grammar forces instead of decoding it token by token")
+    num_threads: int = option(0, "torch intra-op threads of the scheduler process; 0: torch's default")
+    disable_cpu_kernels: bool = option(False, "CPU: plain torch ops instead of the C kernels and oneDNN-packed weights")
+    disable_cuda_graph: bool = option(False, "CUDA: decode steps run eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
+                                    "--max-running-requests)")
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.max_total_tokens < 0:
-            raise ValueError(f"max_total_tokens must be >= 0, got {self.max_total_tokens}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.grammar_json_whitespace not in ("compact", "flexible"):
-            raise ValueError("grammar_json_whitespace must be 'compact' or 'flexible'")
+        check_choice("dtype", self.dtype, ("auto", *DTYPES))
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
+        check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        check_choice("grammar_json_whitespace", self.grammar_json_whitespace, JSON_WHITESPACE)
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_total_tokens", "context_length", "num_threads", "max_queue_wait_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.max_kv_memory_gb > 0:
+            raise ValueError(f"max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> RuntimeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown Engine option(s) {unknown}; known: {sorted(known - {'extra'})}")
+            raise ValueError(f"unknown Engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **kwargs)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[resolve_dtype(self.dtype, self.device)]
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

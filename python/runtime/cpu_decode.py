@@ -1,5 +1,5 @@
 """The fused CPU decode step: all decoder layers of a bf16 Llama-family model (Llama, Mistral, Qwen2, Qwen3) for a
-decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu.decode_step).
+decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu_fused.decode_step).
 
 Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
 adds on top (a Python call, a tensor allocation and a thread fork/join per op, a cold start of every matmul)
@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import torch
 
-from radixgen.kernels import cpu as cpu_kernels
+from radixgen.kernels import cpu_fused
+from radixgen.kernels.cpu import CKernels
 
 MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even at 96, slower at 128
 
 
 class FusedDecode:
-    def __init__(self, kl: cpu_kernels.CKernels, weights: cpu_kernels.DecodeStepWeights, embed: torch.Tensor,
+    def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, embed: torch.Tensor,
                  cos_sin_cache: torch.Tensor, scale: float) -> None:
         self.kl, self.weights, self.embed, self.cos_sin_cache, self.scale = kl, weights, embed, cos_sin_cache, scale
 
     @classmethod
-    def build(cls, model, kv_pool) -> FusedDecode | None:
-        """The fused step for `model` over `kv_pool`, or None where it does not apply."""
+    def build(cls, model, kv_pool, kl: CKernels) -> FusedDecode | None:
+        """The fused step for `model` over `kv_pool` on the kernels `kl`, or None where it does not apply."""
         from radixgen.runtime.layers.linear import TPInfo
         from radixgen.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
-        kl = cpu_kernels.lib()
-        if kl is None or not kl.has_decode_step or TPInfo.size != 1 or not isinstance(model, LlamaForCausalLM):
+        if not kl.has_decode_step or TPInfo.size != 1 or not isinstance(model, LlamaForCausalLM):
             return None
         first = model.layers[0]
         attn = first.self_attn
@@ -50,7 +50,7 @@ class FusedDecode:
                            "q_norm": a.q_norm.weight if qk_norms else None,
                            "k_norm": a.k_norm.weight if qk_norms else None})
         cfg = model.config
-        weights = cpu_kernels.DecodeStepWeights(
+        weights = cpu_fused.DecodeStepWeights(
             kl, layers, model.norm.weight, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             lm_head=model.lm_head.weight)
@@ -66,11 +66,11 @@ class FusedDecode:
         its usual price right after the step has streamed the weights through the caches."""
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
-        _, logits = cpu_kernels.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
+        _, logits = cpu_fused.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
                                             req_to_slot, rows, max(fi.prefix_lens) + 1, self.scale)
         return logits.index_select(0, fi.logit_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The float32 logits of up to MAX_BATCH bf16 final hidden states on the step's packed LM head (a prefill's
         sampled rows): oneDNN streams the head at about half the speed at so few rows."""
-        return cpu_kernels.lm_head_logits(self.kl, self.weights, hidden)
+        return cpu_fused.lm_head_logits(self.kl, self.weights, hidden)

@@ -15,13 +15,13 @@ Capture: largest bucket first, all graphs in one shared memory pool (later, smal
 larger ones freed), each after warm-up runs on the capture stream (Triton compiles, cuBLAS picks its kernels,
 the allocator grows). Inside a graph the decode attention metadata is the static seq_lens tensor, installed by
 `TritonAttentionBackend.prepare_static`: the only host-side value baked into a graph is its bucket size.
-RotaryEmbedding caches its cos/sin lookup by the identity of the positions tensor; every run passes a fresh
-slice of the static positions buffer (a new tensor object), so each graph records its own lookup.
+The torch ops cache their rotary cos/sin lookup by the identity of the positions tensor; every run passes a fresh
+slice of the static positions buffer (a new tensor object), so each run looks it up again.
 
 CPU testability: `CudaGraphRunner(runner, capture=False)` captures nothing; each replay runs the model eagerly
 on the same static, padded buffers through the same code (`_load`, `_run`, the logits read-back). With an
 attention backend that has `prepare_static` (Triton, interpreted on the CPU) that is exactly the graph's code
-path; the torch backend has none, so there the runner builds its metadata with the ordinary `prepare` from
+path; the torch and CPU backends have none, so there the runner builds its metadata with the ordinary `prepare` from
 lists read back from the static seq_lens buffer (the padded batch, padding rows included, still runs through
 attention). CPU tests therefore cover: bucket choice, copy-in and padding of every buffer, the reserved slot and
 row, logits of the real rows against the eager forward, KV written only to the real rows' slots and slot 0, no
@@ -72,7 +72,7 @@ class CudaGraphRunner:
         self.max_bs = self.buckets[-1]
         device = runner.device
         # one (5, max_bs) int64 matrix: its rows are the static inputs, so padding a range is one copy
-        pad_values = [0, 0, PADDING_SLOT, runner.req_table.padding_row, 1]
+        pad_values = [0, 0, PADDING_SLOT, runner.padding_row, 1]
         self._pad = torch.tensor(pad_values, dtype=torch.int64).unsqueeze(1).expand(5, self.max_bs)
         self._pad = self._pad.contiguous().to(device)
         self._buf = self._pad.clone()
@@ -125,16 +125,16 @@ class CudaGraphRunner:
     def _run(self, bs: int) -> None:
         """The model on static rows [0, bs), logits into self.logits[:bs]: what each graph records."""
         mr = self.runner
-        backend = mr.attn_backend
+        backend = mr.ops.attention
         # the lists describe the capture batch, not a replay's: with prepare_static nothing reads them
         ctx = ForwardContext(
-            is_decode=True, kv_pool=mr.kv_pool, out_slots=self.out_slots[:bs], req_to_slot=mr.req_table.table,
+            is_decode=True, kv_pool=mr.kv_pool, out_slots=self.out_slots[:bs], req_to_slot=mr.req_to_slot,
             req_indices=self.req_indices[:bs], prefix_lens=[0] * bs, extend_lens=[1] * bs, backend=backend,
         )
         seq_lens = self.seq_lens[:bs]
         if hasattr(backend, "prepare_static"):
             backend.prepare_static(ctx, seq_lens)
-        else:  # eager mode only (capture() refuses such a backend): the torch backend reads host lists
+        else:  # eager mode only (capture() refuses such a backend): the torch and CPU backends read host lists
             ctx.prefix_lens = (seq_lens - 1).tolist()
             backend.prepare(ctx)
         with forward_context(ctx):
@@ -148,8 +148,8 @@ class CudaGraphRunner:
         mr = self.runner
         if mr.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the model is on {mr.device}")
-        if not hasattr(mr.attn_backend, "prepare_static"):
-            raise RuntimeError(f"{type(mr.attn_backend).__name__} has no graph-safe prepare_static")
+        if not hasattr(mr.ops.attention, "prepare_static"):
+            raise RuntimeError(f"{type(mr.ops.attention).__name__} has no graph-safe prepare_static")
         start = time.perf_counter()
         self._buf.copy_(self._pad)  # all rows padding: warm-ups write K/V to slot 0 only
         pool = torch.cuda.graph_pool_handle()

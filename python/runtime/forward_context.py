@@ -24,7 +24,7 @@ class ForwardContext:
     req_indices: torch.Tensor  # (B,) row of each request in req_to_slot
     prefix_lens: list[int]  # per request: tokens already in the pool before this step
     extend_lens: list[int]  # per request: new tokens in this step (all 1 for decode)
-    backend: object  # the attention backend (torch or Triton); its `prepare` fills attn_meta
+    backend: object  # the ops set's attention backend (torch, CPU or Triton); its `prepare` fills attn_meta
     # Derived once per step (not per layer) by the backend's `prepare`.
     attn_meta: object | None = None
     # Rows of the new tokens whose final hidden states are wanted (those that become logits), or None for all:

@@ -1,5 +1,8 @@
 """The paged KV pool: per-layer K/V buffers indexed by slot, a free-slot allocator, the request->slot table.
 
+The model runner holds the buffers and the table tensor; the KV cache manager (scheduler/kv_manager.py) owns
+the allocator and the table's rows.
+
 A request's tokens may live in any slots: attention reads and writes KV only through slot indices,
 which is what lets the radix tree share a prefix's slots between requests.
 """
@@ -9,6 +12,21 @@ from __future__ import annotations
 import torch
 
 
+def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zero tensor whose host pages are not touched until written.
+
+    On the CPU, torch.zeros writes every byte, so a 2 GiB pool is resident from the start; numpy's zeros takes
+    fresh zero pages from the kernel (calloc), so the process's resident memory grows with the KV actually used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    start = -raw.ctypes.data % 4096  # page-aligned, as torch's allocator would give (vector loads within lines)
+    return torch.from_numpy(raw)[start:start + nbytes].view(dtype).view(shape)
+
+
 class KVPool:
     """K and V buffers of shape (num_slots, num_kv_heads, head_dim) for each layer. Slot 0 is padding."""
 
@@ -16,8 +34,8 @@ class KVPool:
                  dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
         self.num_slots = num_slots
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [zeros_untouched(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [zeros_untouched(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -52,17 +70,28 @@ class SlotAllocator:
         self._free = torch.arange(1, self.capacity + 1, dtype=torch.int64, device=self.device)
 
 
+def new_req_to_slot_table(max_reqs: int, max_context: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The request->slot table tensor: (max_reqs + 1, max_context) int64, zeros. Row `max_reqs` is the padding row
+    (see ReqToSlotTable); the model runner reads the tensor, the KV cache manager writes it."""
+    return torch.zeros((max_reqs + 1, max_context), dtype=torch.int64, device=device)
+
+
 class ReqToSlotTable:
     """Row r, column j: the slot holding token position j of the request that owns row r.
 
-    Rows [0, max_reqs) are handed out; one more row, `padding_row`, never is: all its entries stay 0 (the
-    padding slot), so a padded batch row (CUDA graph buckets) can point at it and read only slot 0.
+    Wraps a tensor made by `new_req_to_slot_table`. Rows [0, max_reqs) are handed out; the last row,
+    `padding_row`, never is: all its entries stay 0 (the padding slot), so a padded batch row (CUDA graph
+    buckets) can point at it and read only slot 0.
     """
 
-    def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu") -> None:
-        self.table = torch.zeros((max_reqs + 1, max_context), dtype=torch.int64, device=device)
-        self.padding_row = max_reqs
-        self._free_rows = list(range(max_reqs - 1, -1, -1))
+    def __init__(self, table: torch.Tensor) -> None:
+        if table.dim() != 2 or table.dtype != torch.int64 or table.shape[0] < 2:
+            raise ValueError(f"the request->slot table must be a 2-D int64 tensor with >= 2 rows, "
+                             f"got {tuple(table.shape)} {table.dtype}")
+        self.table = table
+        self.max_reqs = table.shape[0] - 1
+        self.padding_row = self.max_reqs
+        self._free_rows = list(range(self.max_reqs - 1, -1, -1))
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -78,3 +107,7 @@ class ReqToSlotTable:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         # [start, start + len(slots)) of the request's positions
         self.table[row, start:start + slots.numel()] = slots
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of the slots of positions [start, end) of `row`."""
+        return self.table[row, start:end].clone()

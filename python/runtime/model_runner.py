@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from radixgen.kernels import cpu as cpu_kernels
+from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
-from radixgen.runtime.kv_pool import KVPool, ReqToSlotTable, SlotAllocator
-from radixgen.runtime.layers.attention import backend_for
+from radixgen.runtime.kv_pool import KVPool, new_req_to_slot_table
+from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
 from radixgen.runtime.loader import load_weights, read_hf_config, resolve_model_path
 from radixgen.runtime.models import model_class
 
@@ -42,22 +40,6 @@ def keep_freed_host_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-
-
-class ForwardInput(NamedTuple):
-    """One step's tensors. Requests' new tokens are concatenated in request order."""
-
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    out_slots: torch.Tensor  # (T,) where each new token's K/V is written
-    req_indices: torch.Tensor  # (B,) rows of the request->slot table
-    prefix_lens: list[int]  # (B,) tokens already in the pool
-    extend_lens: list[int]  # (B,) new tokens this step
-    logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
-
-    @property
-    def is_decode(self) -> bool:
-        return all(e == 1 for e in self.extend_lens)
 
 
 class ModelRunner:
@@ -86,37 +68,32 @@ class ModelRunner:
         self.model = model.eval()
         if self.device.type == "cpu":
             keep_freed_host_memory()
-        if self.device.type == "cpu" and not cfg.disable_cpu_kernels:
-            packed = sum(bool(m.pack_for_cpu()) for m in model.modules() if hasattr(m, "pack_for_cpu"))
-            logger.info("%d matmul weights packed for oneDNN", packed)
 
         num_slots = cfg.max_total_tokens or self._slots_from_memory()
         self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.allocator = SlotAllocator(num_slots + 1, self.device)
-        self.req_table = ReqToSlotTable(cfg.max_running_requests, self.context_length, self.device)
-        self.attn_backend = backend_for(self.device)
-        if self.device.type == "cuda":
-            self.use_triton_kernels()
-        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the CPU: every layer in one C call (None where that
-        # does not apply)
+        # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
+        # only reads it (row `padding_row` stays all padding slots)
+        self.req_to_slot = new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
+        self.padding_row = cfg.max_running_requests
         self.fused_decode: FusedDecode | None = None
-        if self.device.type == "cpu" and not cfg.disable_cpu_kernels:
-            self.fused_decode = FusedDecode.build(self.model, self.kv_pool)
+        self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
         logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.disable_cuda_graph:
             self.cuda_graph_runner = CudaGraphRunner(self)
 
-    def use_triton_kernels(self) -> None:
-        """Attention, RMSNorm and rotary through radixgen.kernels' Triton kernels (the CUDA path; on the CPU
-        only under TRITON_INTERPRET=1, which is how the tests check this wiring without a GPU)."""
-        from radixgen.runtime.layers.attention import TritonAttentionBackend
-
-        self.attn_backend = TritonAttentionBackend()
-        for m in self.model.modules():
-            if hasattr(m, "use_triton"):
-                m.use_triton = True
+    def set_ops(self, ops: TorchOps) -> None:
+        """Install the ops set (layers/ops.py) on the model: its layers' kernels, its attention backend, its linear
+        method. __init__ installs the device's; tests switch a CPU runner to TritonOps (under TRITON_INTERPRET=1,
+        how the CUDA path's wiring is checked without a GPU) or TorchOps."""
+        self.ops = ops
+        ops.install(self.model)
+        logger.info("ops: %s (linear layers: %s)", ops.name, ops.linear_method.name)
+        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
+        # that does not apply)
+        kl = ops.kl if isinstance(ops, CpuOps) else None
+        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl) if kl is not None else None
 
     def _slots_from_memory(self) -> int:
         mc = self.model_config
@@ -151,21 +128,18 @@ class ModelRunner:
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
         if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens):
-            return self.fused_decode(fi, self.req_table.table)
+            return self.fused_decode(fi, self.req_to_slot)
         # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only those
         keep = fi.logit_rows.to(torch.int64) if fi.logit_rows.shape[0] < fi.input_ids.shape[0] else None
         ctx = ForwardContext(
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
-            req_to_slot=self.req_table.table, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
-            extend_lens=fi.extend_lens, backend=self.attn_backend, keep_rows=keep,
+            req_to_slot=self.req_to_slot, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
+            extend_lens=fi.extend_lens, backend=self.ops.attention, keep_rows=keep,
         )
-        with contextlib.ExitStack() as stack:
-            if self.runtime_config.disable_cpu_kernels:
-                stack.enter_context(cpu_kernels.disabled())
-            self.attn_backend.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
-            with forward_context(ctx):
-                hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows)
-            rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]
-            if self.fused_decode is not None and rows.shape[0] <= MAX_FUSED_BATCH:
-                return self.fused_decode.logits(rows)
-            return self.model.compute_logits(rows)
+        self.ops.attention.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
+        with forward_context(ctx):
+            hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows)
+        rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]
+        if self.fused_decode is not None and rows.shape[0] <= MAX_FUSED_BATCH:
+            return self.fused_decode.logits(rows)
+        return self.model.compute_logits(rows)

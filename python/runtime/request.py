@@ -1,67 +1,22 @@
-"""The scheduler's record of one request, and the messages between the Engine and the scheduler."""
+"""The scheduler's record of one request. The messages between the Engine and the scheduler live in
+`messages.py` (re-exported here for the modules that import them from this one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
+from radixgen.runtime.messages import (  # noqa: F401 - re-exported
+    AbortRequest,
+    ControlKind,
+    ControlReply,
+    ControlRequest,
+    FatalError,
+    FinishReason,
+    GenerateRequest,
+    ReadySignal,
+    ReqOutput,
+)
 from radixgen.runtime.sampler import make_generator
-from radixgen.runtime.sampling_params import SamplingParams
-
-# ---------------------------------------------------------------- messages (pickled over zmq)
-
-
-@dataclass
-class GenerateRequest:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    cache_salt: str | None = None
-
-
-@dataclass
-class AbortRequest:
-    rid: str
-
-
-@dataclass
-class ControlRequest:
-    """A request answered by a `ControlReply` with the same id: flush_cache, server_info, shutdown."""
-
-    reply_id: int
-    kind: str
-
-
-@dataclass
-class ControlReply:
-    reply_id: int
-    payload: Any
-
-
-@dataclass
-class ReqOutput:
-    """What one step produced for one request (only the new part)."""
-
-    rid: str
-    new_ids: list[int]
-    finish_reason: dict | None
-    prompt_tokens: int
-    cached_tokens: int
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top: list[tuple[list[float], list[int]]] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None  # sent once, when complete
-    input_top: list[tuple[list[float], list[int]] | None] | None = None
-
-
-@dataclass
-class FatalError:
-    message: str
-
 
 # ---------------------------------------------------------------- the request record
 
@@ -82,18 +37,21 @@ class Req:
         )
         self.grammar = None  # a matcher when the request is constrained
         self.grammar_future = None
+        self.regex_stop = None  # scheduler.output.RegexStop when params.stop_regex is set
 
-        # KV state: positions [0, cached_len) are held by the tree under last_node (locked);
-        # [cached_len, kv_len) are slots this request owns; all are listed in its table row.
+        # KV state, written by the KV cache manager only: positions [0, cached_len) are held by the tree under
+        # last_node (locked); [cached_len, kv_len) are slots this request owns (from the step that computes them
+        # on); all are listed in its table row.
         self.table_row: int | None = None
         self.kv_len = 0
         self.cached_len = 0
         self.last_node = None
         self.reported_cached = -1  # cached prompt tokens at first admission
 
-        self.finish_reason: dict | None = None
+        self.finish_reason: FinishReason | None = None  # set by the scheduler's finish(), which reports it
         self.to_abort: str | None = None
         self.sent_len = 0  # output tokens already sent to the Engine
+        self.final_sent = False  # the finish reason was sent: nothing more goes out
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[float], list[int]]] = []
         self.input_logprobs: list[float | None] | None = None

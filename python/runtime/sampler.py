@@ -7,19 +7,32 @@ truncation, per-request generators, logprobs) is skipped entirely.
 Sampling is inverse-CDF over the kept tokens taken in vocabulary order, driven by one uniform number per
 row. A seeded request draws its number from its own generator, so its tokens depend neither on the
 other rows of the batch nor on its row position.
+
+Hostile values never crash a step and never yield a token outside [0, vocab_size): NaN logits count as -inf,
++inf as the largest float32; a temperature below MIN_SAMPLING_TEMPERATURE is greedy; penalized logits stay
+finite. A row left with no allowed token (every logit NaN / -inf, or every token masked) gets token 0 and is
+listed in `SampleOutput.failed_rows`: the caller fails that request (token 0 is only a placeholder).
+Logprobs that would be -inf or NaN are reported as LOGPROB_FLOOR, so they stay plain JSON numbers.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from radixgen.runtime.sampling_params import SamplingParams
+from radixgen.runtime.logits_processors import (
+    Penalties,
+    apply_penalties,
+    apply_vocab_mask,
+    build_penalties,
+    finite_logprobs,
+    saturate,
+)
+from radixgen.runtime.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 # top-k / top-p / min-p cutoffs are first looked for among the heaviest tokens only: on one CPU core a full
 # sort of (64, 49152) costs ~220 ms, a top-512 ~17 ms; only rows whose cutoff lies deeper search further.
@@ -30,29 +43,9 @@ _PROMPT_CHUNK_ELEMENTS = 1 << 24
 
 def make_generator(seed: int) -> torch.Generator:
     """The generator of a seeded request: made once when the request starts, passed at every step."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    g = torch.Generator(device="cpu")
-    try:
-        g.manual_seed(seed)
-    except RuntimeError as e:
-        raise ValueError(f"seed {seed} is out of range: {e}") from e
-    return g
-
-
-class TokenAdjust(NamedTuple):
-    """One entry per distinct (batch row, token id) pair."""
-
-    rows: Tensor  # (N,) int64
-    ids: Tensor  # (N,) int64
-    values: Tensor  # (N,) float32
-
-
-class Penalties(NamedTuple):
-    """Sparse: only the (row, token) pairs a penalty touches, so a step pays O(tokens), not O(B * V)."""
-
-    repetition: TokenAdjust | None  # values: the row's repetition penalty, over prompt + output tokens
-    additive: TokenAdjust | None  # values: frequency_penalty * count + presence_penalty, over output tokens
+    if not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {seed!r}")
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 class TopLogprobs(NamedTuple):
@@ -64,6 +57,7 @@ class SampleOutput(NamedTuple):
     next_ids: Tensor  # (B,) int64
     logprobs: Tensor | None  # (B,) float32 logprob of next_ids under the raw logits
     top_logprobs: list[TopLogprobs] | None  # one per row (empty where 0 were asked)
+    failed_rows: tuple[int, ...] = ()  # rows with no allowed token: next_ids holds 0 there, fail the request
 
 
 class TopK(NamedTuple):
@@ -74,72 +68,6 @@ class TopK(NamedTuple):
 class PromptLogprobs(NamedTuple):
     logprobs: Tensor  # (T,) float32
     top: TopK | None
-
-
-def _distinct_pairs(rows: list[int], tokens: list[Iterable[int]], vocab_size: int,
-                    what: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Distinct (row, token) pairs of `tokens[j]` under batch row `rows[j]`, with their counts: (N,) each."""
-    flat = [list(t) for t in tokens]
-    lengths = torch.tensor([len(t) for t in flat], dtype=torch.int64)
-    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
-    tok = torch.tensor(list(itertools.chain.from_iterable(flat)), dtype=torch.int64)
-    if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= vocab_size):
-        raise ValueError(f"{what}: token ids must be in [0, {vocab_size}), "
-                         f"got [{int(tok.min())}, {int(tok.max())}]")
-    keys, counts = torch.unique(row * vocab_size + tok, return_counts=True)
-    return keys // vocab_size, keys % vocab_size, counts
-
-
-def _build_penalties(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
-                     prompt_ids: Sequence[Sequence[int]], vocab_size: int,
-                     device: torch.device) -> Penalties | None:
-    additive = repetition = None
-    add_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-    if add_rows:
-        outputs = [output_ids[i] for i in add_rows]
-        row, tok, count = _distinct_pairs(add_rows, outputs, vocab_size, "output_ids")
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[row]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[row]
-        additive = TokenAdjust(row.to(device), tok.to(device), (freq * count.float() + pres).to(device))
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rep_rows:
-        seen = [itertools.chain(prompt_ids[i], output_ids[i]) for i in rep_rows]
-        row, tok, _ = _distinct_pairs(rep_rows, seen, vocab_size, "prompt_ids + output_ids")
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)[row]
-        repetition = TokenAdjust(row.to(device), tok.to(device), rep.to(device))
-    if additive is None and repetition is None:
-        return None
-    return Penalties(repetition, additive)
-
-
-def apply_penalties(logits: Tensor, penalties: Penalties) -> None:
-    """In place on (B, V) logits. Repetition first (HF: a seen token's positive logit is divided by the
-    penalty, a negative one multiplied), then OpenAI's: logit -= frequency * count + presence * (count > 0)
-    with counts over the output tokens."""
-    if penalties.repetition is not None:
-        row, tok, rep = penalties.repetition
-        v = logits[row, tok]  # (N,)
-        logits[row, tok] = torch.where(v > 0, v / rep, v * rep)
-    if penalties.additive is not None:
-        row, tok, amount = penalties.additive
-        logits[row, tok] = logits[row, tok] - amount  # pairs are distinct: no accumulation needed
-
-
-def apply_vocab_mask(logits: Tensor, mask: Tensor) -> None:
-    """Disallowed tokens get -inf, in place. `mask` is (B, >= V') bool with True = allowed, or an int32
-    bitmask (B, ceil(V'/32)) where bit b of word w allows token 32 * w + b (xgrammar's layout).
-    Columns the mask does not cover are disallowed."""
-    if mask.dim() != 2 or mask.shape[0] != logits.shape[0]:
-        raise ValueError(f"vocab_mask: expected ({logits.shape[0]}, ...) rows, got shape {tuple(mask.shape)}")
-    if mask.dtype == torch.int32:
-        bits = torch.arange(32, dtype=torch.int32, device=mask.device)
-        mask = ((mask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)  # (B, 32 * words)
-    elif mask.dtype != torch.bool:
-        raise ValueError(f"vocab_mask: dtype must be bool (True = allowed) or int32 (packed bitmask), "
-                         f"got {mask.dtype}")
-    width = min(mask.shape[1], logits.shape[1])
-    logits[:, :width].masked_fill_(~mask[:, :width].to(logits.device), float("-inf"))
-    logits[:, width:] = float("-inf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,10 +111,6 @@ class SamplingBatch:
     @property
     def need_truncation(self) -> bool:
         return self.need_top_k or self.need_top_p or self.need_min_p
-
-    @property
-    def need_penalties(self) -> bool:
-        return self.penalties is not None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
@@ -234,7 +158,7 @@ class SamplingBatch:
             min_ps=min_ps,
             max_top_k=max_top_k,
             seeded=tuple((j, generators[i]) for j, i in enumerate(sampled) if generators[i] is not None),
-            penalties=_build_penalties(params, output_ids, prompt_ids, vocab_size, device),
+            penalties=build_penalties(params, output_ids, prompt_ids, vocab_size, device),
         )
 
 
@@ -310,14 +234,18 @@ class Sampler:
                 top_logprobs_num: int | Sequence[int] = 0) -> SampleOutput:
         """`logits` (B, V >= vocab_size) float32 is used as scratch and modified in place.
 
-        Order: columns >= vocab_size -> -inf; penalties; `vocab_mask`, then `apply_mask(logits)` (the
-        grammar's in-place mask); greedy rows take the argmax; sampled rows: temperature, top-k, top-p,
-        min-p, sample. Logprobs are those of the raw logits (before penalties, masks and temperature)."""
+        Order: columns >= vocab_size -> -inf; NaN -> -inf, +inf -> the largest float; penalties;
+        `vocab_mask`, then `apply_mask(logits)` (the grammar's in-place mask); a row with nothing left gets
+        token 0 and is listed in `failed_rows`; greedy rows take the argmax; sampled rows: temperature, top-k,
+        top-p, min-p, sample. Logprobs are those of the (sanitized) raw logits, before penalties, masks and
+        temperature."""
         b, width = self._check(logits, batch)
         top_nums = self._top_nums(top_logprobs_num, b, batch.vocab_size)
         max_top = max(top_nums, default=0)
         if width > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")
+        if b and not bool(torch.isfinite(logits.amax(dim=-1)).all()):  # amax is NaN / +inf where one is
+            saturate(logits)
         raw = None
         if return_logprob or max_top > 0:
             raw = torch.log_softmax(logits, dim=-1)  # (B, V), before anything below modifies logits
@@ -327,11 +255,12 @@ class Sampler:
             apply_vocab_mask(logits, vocab_mask)
         if apply_mask is not None:
             apply_mask(logits)
+        failed: list[int] = []
         if b:
-            dead = torch.isneginf(logits.amax(dim=-1))
+            dead = torch.isneginf(logits.amax(dim=-1))  # (B,) no allowed token left
             if bool(dead.any()):
-                rows = dead.nonzero().flatten().tolist()
-                raise ValueError(f"Sampler: every token is masked in row(s) {rows}")
+                failed = dead.nonzero().flatten().tolist()
+                logits[failed, 0] = 0.0  # token 0, the placeholder, is then the row's only choice
 
         if batch.is_all_greedy:
             next_ids = logits.argmax(dim=-1)
@@ -342,15 +271,21 @@ class Sampler:
             next_ids[batch.greedy_rows] = logits[batch.greedy_rows].argmax(dim=-1)
             next_ids[batch.sample_rows] = self._sample(logits[batch.sample_rows], batch)
 
+        outside = (next_ids < 0) | (next_ids >= batch.vocab_size)  # (B,) never expected: a last guard
+        if bool(outside.any()):
+            rows = outside.nonzero().flatten().tolist()
+            next_ids[rows] = 0
+            failed = sorted(set(failed) | set(rows))
+
         logprobs = top = None
         if raw is not None:
             if return_logprob:
-                logprobs = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+                logprobs = finite_logprobs(raw.gather(1, next_ids.unsqueeze(1)).squeeze(1))
             if max_top > 0:
                 values, ids = raw.topk(max_top, dim=-1)  # (B, kmax), descending
-                values, ids = values.tolist(), ids.tolist()
+                values, ids = finite_logprobs(values).tolist(), ids.tolist()
                 top = [TopLogprobs(values[i][:k], ids[i][:k]) for i, k in enumerate(top_nums)]
-        return SampleOutput(next_ids, logprobs, top)
+        return SampleOutput(next_ids, logprobs, top, tuple(failed))
 
     __call__ = forward
 
@@ -476,10 +411,13 @@ def prompt_logprobs(logits: Tensor, target_ids: Tensor, top_k: int = 0,
     chunk = max(1, _PROMPT_CHUNK_ELEMENTS // vocab)
     for start in range(0, t, chunk):
         end = min(start + chunk, t)
-        lp = torch.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)  # (chunk, vocab)
-        out[start:end] = lp.gather(1, targets[start:end].unsqueeze(1)).squeeze(1)
+        rows = logits[start:end]  # (chunk, vocab)
+        if not bool(torch.isfinite(rows.amax(dim=-1)).all()):  # a NaN / inf logit: sanitize a copy
+            rows = saturate(rows.to(torch.float32, copy=True))
+        lp = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+        out[start:end] = finite_logprobs(lp.gather(1, targets[start:end].unsqueeze(1)).squeeze(1))
         if top is not None:
             values, ids = lp.topk(top_k, dim=-1)
-            top.values[start:end] = values
+            top.values[start:end] = finite_logprobs(values)
             top.ids[start:end] = ids
     return PromptLogprobs(out, top)

@@ -17,7 +17,6 @@ from triton.runtime.jit import JITFunction
 import radixgen.kernels as K
 from radixgen.kernels import (
     _attention_triton,
-    _bitmask_triton,
     _norm_triton,
     _rotary_triton,
     _store_kv_triton,
@@ -65,7 +64,7 @@ class CompileInsteadOfLaunch:
 
 def intercept_launches() -> None:
     assert not _triton_env.INTERPRET, "run with TRITON_INTERPRET unset"
-    for module in (_attention_triton, _bitmask_triton, _norm_triton, _rotary_triton, _store_kv_triton):
+    for module in (_attention_triton, _norm_triton, _rotary_triton, _store_kv_triton):
         module.check_launchable = lambda *args: None  # CPU tensors only carry dtypes and strides here
         for name, obj in vars(module).copy().items():
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
@@ -87,10 +86,6 @@ def main() -> None:
             x = torch.zeros(2, hidden, dtype=dtype)
             K.fused_add_rmsnorm(x, x[0], 1e-6, x)
             K.fused_add_rmsnorm(x, x[0], 1e-6)
-        logits = torch.zeros(2, 1000, dtype=dtype)
-        K.apply_token_bitmask_(logits, torch.zeros(2, 32, dtype=torch.int32))
-        one_row = torch.zeros(1, dtype=torch.int64)
-        K.apply_token_bitmask_(logits, torch.zeros(1, 32, dtype=torch.int32), one_row)
     print(f"compiled {len(seen)} kernel variants for sm_90")
 
 

@@ -1,17 +1,12 @@
-"""Kernel tests run natively on CUDA when there is a GPU, else under the Triton interpreter on the CPU.
-
-TRITON_INTERPRET must be set before the kernel modules run their @triton.jit decorators, i.e. before the
-first kernel launch of the process; radixgen.kernels itself never imports triton at import time.
+"""Kernel tests run natively on CUDA when there is a GPU, else under the Triton interpreter on the CPU
+(tests/conftest.py sets TRITON_INTERPRET before anything imports triton; radixgen.kernels itself never
+imports triton at import time).
 """
 
-import os
 import zlib
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture

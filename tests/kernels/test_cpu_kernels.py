@@ -58,10 +58,11 @@ def test_decode_attention_splits_agree(batch, gen):
         assert splits >= 1
         out = torch.empty_like(q)
         part = torch.empty(batch * 2 * splits * 3 * 66)
-        kl.fn("decode_attention", torch.float32)(
-            q.data_ptr(), q.stride(0), pool.k_buffer.data_ptr(), pool.v_buffer.data_ptr(),
-            pool.req_to_slot.data_ptr(), pool.req_to_slot.stride(0), pool.req_indices.data_ptr(),
-            seq_lens.data_ptr(), out.data_ptr(), batch, 6, 2, 64, 0.125, splits, part.data_ptr())
+        kl.fn("decode_attention", "f32")(
+            q=q.data_ptr(), q_stride=q.stride(0), k_buf=pool.k_buffer.data_ptr(), v_buf=pool.v_buffer.data_ptr(),
+            table=pool.req_to_slot.data_ptr(), table_stride=pool.req_to_slot.stride(0),
+            rows=pool.req_indices.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=batch, H=6, Hkv=2,
+            D=64, scale=0.125, splits=splits, part=part.data_ptr())
         one = out if one is None else one
         assert rel_err(out, one) < 1e-6
     ref = decode_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.125)
@@ -200,9 +201,14 @@ def test_failed_build_falls_back_to_torch(tmp_path):
         "from radixgen.kernels import cpu\n"
         "assert not cpu.available()\n"
         "print(repr(cpu.unavailable_reason()))\n"
+        "from radixgen.runtime.layers.ops import TorchOps, ops_for\n"
+        "ops = ops_for('cpu')\n"
+        "assert ops.kl is None and type(ops.attention).__name__ == 'TorchAttentionBackend'\n"
         "from radixgen.runtime.layers.norm import RMSNorm\n"
         "import torch\n"
-        "print(RMSNorm(8, 1e-6)(torch.ones(2, 8)).sum().item())\n"
+        "norm = RMSNorm(8, 1e-6)\n"
+        "norm.ops = ops\n"
+        "print(norm(torch.ones(2, 8)).sum().item())\n"
     )
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "RADIXGEN_KERNEL_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -212,9 +218,27 @@ def test_failed_build_falls_back_to_torch(tmp_path):
     assert float(lines[1]) == pytest.approx(16.0)
 
 
-def test_disabled_context_switches_off():
-    assert cpu.lib() is not None
-    with cpu.disabled():
-        assert cpu.lib() is None and cpu.for_tensor(torch.ones(1)) is None
-    assert cpu.for_tensor(torch.ones(1)) is not None
-    assert cpu.for_tensor(torch.ones(1, dtype=torch.float16)) is None
+def test_arguments_are_passed_by_declared_name():
+    """Every C call names its arguments: one left out, misspelt or extra is a TypeError, not a corrupt call."""
+    f = cpu.lib().fn("store_kv", "f32")
+    good = dict(k=0, k_stride=0, v=0, v_stride=0, k_buf=0, v_buf=0, slots=0, n_tok=0, row_elems=0)
+    f(**good)  # n_tok 0: touches nothing
+    with pytest.raises(TypeError, match="rg_store_kv_f32.* missing .*'row_elems'"):
+        f(**{k: v for k, v in good.items() if k != "row_elems"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'n_tokens'"):
+        f(**{("n_tokens" if k == "n_tok" else k): v for k, v in good.items()})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stride'"):
+        f(**good, stride=1)
+    with pytest.raises(TypeError, match="positional"):
+        f(*good.values())
+
+
+def test_a_failing_kernel_raises():
+    """A kernel's failure status becomes an exception: the extend kernel refuses a head_dim it has no code for."""
+    kl = cpu.lib()
+    if not kl.has_decode_step:
+        pytest.skip("needs the AVX512-BF16 build")
+    with pytest.raises(cpu.CKernelError, match="rg_extend_attention_bf16 failed: not supported"):
+        kl.fn("rg_extend_attention_bf16")(q=0, q_stride=0, k_buf=0, v_buf=0, table=0, table_stride=0, rows=0,
+                                          prefix_lens=0, extend_lens=0, q_start=0, out=0, B=0, H=1, Hkv=1, D=48,
+                                          scale=1.0, pack=0)

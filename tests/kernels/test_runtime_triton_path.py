@@ -7,20 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testutil import rel_err
+from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.layers.ops import TritonOps
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 
 def run_steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> list[torch.Tensor]:
     """Prefill all prompts in one extend batch, then greedy decode steps; the logits of every step."""
-    rows = [runner.req_table.allocate() for _ in prompts]
+    rows = [kv_of(runner).table.allocate() for _ in prompts]
     lens = [len(p) for p in prompts]
     slots = []
     for row, n in zip(rows, lens, strict=True):
-        s = runner.allocator.allocate(n)
-        runner.req_table.write(row, 0, s)
+        s = kv_of(runner).allocator.allocate(n)
+        kv_of(runner).table.write(row, 0, s)
         slots.append(s)
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -29,9 +31,9 @@ def run_steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
                                        last))]
     for _ in range(decode_steps):
         nxt = out[-1].argmax(-1)
-        s = runner.allocator.allocate(len(rows))
+        s = kv_of(runner).allocator.allocate(len(rows))
         for i, row in enumerate(rows):
-            runner.req_table.write(row, lens[i], s[i:i + 1])
+            kv_of(runner).table.write(row, lens[i], s[i:i + 1])
         out.append(runner.forward(ForwardInput(nxt, torch.tensor(lens), s, torch.tensor(rows), list(lens),
                                                [1] * len(rows), torch.arange(len(rows)))))
         lens = [n + 1 for n in lens]
@@ -43,9 +45,11 @@ def test_triton_wired_runner_matches_cpu_runner(arch, triton):
     folder = tiny_model_dir(arch)
     cfg = RuntimeConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=4)
     cpu_runner, triton_runner = ModelRunner(cfg), ModelRunner(cfg)
-    triton_runner.use_triton_kernels()
-    assert triton_runner.model.layers[0].input_layernorm.use_triton
-    assert triton_runner.model.layers[0].self_attn.rotary.use_triton
+    triton_runner.set_ops(TritonOps())
+    layer = triton_runner.model.layers[0]
+    assert layer.input_layernorm.ops is triton_runner.ops and layer.self_attn.rotary.ops is triton_runner.ops
+    assert layer.mlp.act.ops is triton_runner.ops and triton_runner.fused_decode is None
+    assert layer.mlp.down_proj.packed is None  # dense weights, as on CUDA
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (7, 3, 12)]
     ours, ref = run_steps(triton_runner, prompts, 3), run_steps(cpu_runner, prompts, 3)

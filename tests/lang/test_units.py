@@ -62,7 +62,7 @@ def test_roles_and_gen_forms():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: sgl.gen("x", dtype=int, regex="[0-9]+"), "at most one of"),
+        (lambda: sgl.gen("x", regex="[0-9]+", json_schema={"type": "integer"}), "at most one of"),
         (lambda: sgl.gen("x", regex="(unclosed"), "gen.regex"),
         (lambda: sgl.gen("x", dtype=list), "gen.dtype"),
         (lambda: sgl.gen("", max_tokens=3), "gen.name"),
@@ -355,3 +355,57 @@ def test_notifier_wakes_threads_and_coroutines():
     threading.Timer(0.05, setter).start()
     n.wait(lambda: len(box) == 2)
     assert box == [1, 1]
+
+
+# ------------------------------------------------------------------------------ SGLang parity
+
+
+def test_regex_constants_mean_what_sglang_programs_expect():
+    import re
+
+    from radixgen.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    for pattern, good, bad in [
+        (REGEX_INT, [" 24", "-3", "0", "365"], ["2.5", "abc", "", "007", " "]),
+        (REGEX_FLOAT, [" 3.14", "-0.5", "2", "10.25"], ["3.", ".5", "pi", "1e5"]),
+        (REGEX_BOOL, ["True", " False"], ["true", "yes"]),
+        (REGEX_STR, ['"Paris"', ' "New York"', '""'], ["Paris", '"a"b"', '"line\nbreak"']),
+    ]:
+        assert all(re.fullmatch(pattern, g) for g in good), pattern
+        assert not any(re.fullmatch(pattern, b) for b in bad), pattern
+    for text in ['"Paris"', ' "a b"']:  # a generated string is valid JSON as it is
+        assert isinstance(__import__("json").loads(text), str)
+
+
+def test_gen_signature_follows_sglang():
+    g = sgl.gen("x", 8, 2, 3, "\n")  # name, max_tokens, min_tokens, n, stop
+    assert (g.max_new_tokens, g.min_new_tokens, g.n, g.stop) == (8, 2, 3, ("\n",))
+    i = sgl.gen_int("y", 4, 2, "\n")  # name, max_tokens, n, stop
+    assert (i.dtype, i.max_new_tokens, i.n, i.stop) == ("int", 4, 2, ("\n",))
+    assert sgl.gen("z", stop_regex=["a+", "b"]).stop_regex == "(?:a+)|(?:b)"
+    assert sgl.gen("z", stop_regex=[]).stop_regex is None
+
+
+def test_dtype_and_regex_warns_at_the_program_line():
+    with pytest.warns(UserWarning, match="both dtype and regex") as record:
+        g = sgl.gen("x", dtype=float, regex="[0-9]+")
+    assert record[0].filename == __file__ and g.dtype == "float"
+
+
+def test_run_defaults_take_sglang_list_forms():
+    d = SamplingDefaults(stop_regex=[], n=2)
+    assert d.stop_regex is None and d.n == 2
+    with pytest.raises(ValueError, match="run.n"):
+        SamplingDefaults(n=0)
+
+
+def test_global_config_is_the_default_backend_store(trace_backend):
+    saved = sgl.global_config.default_backend
+    try:
+        sgl.set_default_backend(trace_backend)
+        assert sgl.global_config.default_backend is trace_backend and sgl.get_default_backend() is trace_backend
+        sgl.global_config.default_backend = None
+        with pytest.raises(ValueError, match="no backend"):
+            sgl.function(lambda s: None).run()
+    finally:
+        sgl.global_config.default_backend = saved

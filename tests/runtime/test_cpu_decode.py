@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
-from radixgen.kernels import cpu
+from radixgen.kernels import cpu, cpu_fused
 from radixgen.runtime import cpu_decode
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
@@ -26,9 +27,9 @@ def drive(runner: ModelRunner, prompts: list[list[int]], steps: int, forced: lis
     `forced` tokens); the logits of every decode step and a copy of the pool."""
     b = len(prompts)
     rows, lens = list(range(b)), [len(p) for p in prompts]
-    slots = [runner.allocator.allocate(n) for n in lens]
+    slots = [kv_of(runner).allocator.allocate(n) for n in lens]
     for row, s in zip(rows, slots, strict=True):
-        runner.req_table.write(row, 0, s)
+        kv_of(runner).table.write(row, 0, s)
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.cat([torch.arange(n) for n in lens])
     out = runner.forward(ForwardInput(ids, pos, torch.cat(slots), torch.tensor(rows), [0] * b, lens,
@@ -36,9 +37,9 @@ def drive(runner: ModelRunner, prompts: list[list[int]], steps: int, forced: lis
     logits = []
     for step in range(steps):
         nxt = torch.tensor([forced[step]] * b) if forced else out.argmax(-1)
-        s = runner.allocator.allocate(b)
+        s = kv_of(runner).allocator.allocate(b)
         for i, row in enumerate(rows):
-            runner.req_table.write(row, lens[i], s[i:i + 1])
+            kv_of(runner).table.write(row, lens[i], s[i:i + 1])
         out = runner.forward(ForwardInput(nxt, torch.tensor(lens), s, torch.tensor(rows), list(lens), [1] * b,
                                           torch.arange(b)))
         logits.append(out)
@@ -67,12 +68,12 @@ def test_fused_step_matches_unfused_path(arch, batch):
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in torch.randint(1, 40, (batch,),
                                                                                             generator=gen).tolist()]
     calls = []
-    real = cpu.decode_step
-    cpu_decode.cpu_kernels.decode_step = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    real = cpu_fused.decode_step
+    cpu_decode.cpu_fused.decode_step = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         got, k_got, v_got = drive(fused, prompts, 6)
     finally:
-        cpu_decode.cpu_kernels.decode_step = real
+        cpu_decode.cpu_fused.decode_step = real
     want, k_want, v_want = drive(plain, prompts, 6)
     assert len(calls) == 6  # every decode step took the fused path
     assert rel(got, want) < 1e-2
@@ -94,22 +95,22 @@ def test_prefill_logits_on_the_packed_lm_head(arch):
     pos = torch.cat([torch.arange(n) for n in lens])
     last = torch.tensor(lens).cumsum(0) - 1
     calls = []
-    real = cpu.lm_head_logits
-    cpu_decode.cpu_kernels.lm_head_logits = lambda *a: calls.append(a[2].shape[0]) or real(*a)
+    real = cpu_fused.lm_head_logits
+    cpu_decode.cpu_fused.lm_head_logits = lambda *a: calls.append(a[2].shape[0]) or real(*a)
     try:
         outs = []
         for r in (fused, plain):
-            slots = [r.allocator.allocate(n) for n in lens]
+            slots = [kv_of(r).allocator.allocate(n) for n in lens]
             for row, s_ in enumerate(slots):
-                r.req_table.write(row, 0, s_)
+                kv_of(r).table.write(row, 0, s_)
             outs.append(r.forward(ForwardInput(ids, pos, torch.cat(slots), torch.arange(3), [0] * 3, lens, last)))
         every = torch.arange(sum(lens)).repeat(4)[:cpu_decode.MAX_BATCH + 1]  # too many rows: the oneDNN head
         r = fused
-        slots = r.allocator.allocate(sum(lens))
-        r.req_table.write(5, 0, slots)
+        slots = kv_of(r).allocator.allocate(sum(lens))
+        kv_of(r).table.write(5, 0, slots)
         wide = r.forward(ForwardInput(ids, torch.arange(sum(lens)), slots, torch.tensor([5]), [0], [sum(lens)], every))
     finally:
-        cpu_decode.cpu_kernels.lm_head_logits = real
+        cpu_decode.cpu_fused.lm_head_logits = real
     got, want = outs
     assert calls == [3]
     assert got.dtype == torch.float32 and got.shape == want.shape
@@ -133,9 +134,9 @@ def test_steps_compute_only_their_logit_rows_bit_exactly(arch):
         rows, lens, out = [0, 1], [0, 0], None
         for chunk_a, chunk_b, logit_rows in ((a[:6], b[:5], first_rows), (a[6:], b[5:], second_rows)):
             ext = [len(chunk_a), len(chunk_b)]
-            slots = [r.allocator.allocate(n) for n in ext]
+            slots = [kv_of(r).allocator.allocate(n) for n in ext]
             for row, p, s_ in zip(rows, lens, slots, strict=True):
-                r.req_table.write(row, p, s_)
+                kv_of(r).table.write(row, p, s_)
             pos = torch.cat([torch.arange(p, p + e) for p, e in zip(lens, ext, strict=True)])
             out = r.forward(ForwardInput(torch.cat([chunk_a, chunk_b]), pos, torch.cat(slots), torch.tensor(rows),
                                          list(lens), ext, torch.tensor(logit_rows, dtype=torch.int64)))
@@ -159,9 +160,9 @@ def test_lm_head_logits_checks_its_input():
     r = runner_for(str(tiny_model_dir("llama")))
     w = r.fused_decode.weights
     with pytest.raises(ValueError, match="hidden"):
-        cpu.lm_head_logits(r.fused_decode.kl, w, torch.ones(2, w.hidden + 2, dtype=torch.bfloat16))
+        cpu_fused.lm_head_logits(r.fused_decode.kl, w, torch.ones(2, w.hidden + 2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="hidden"):
-        cpu.lm_head_logits(r.fused_decode.kl, w, torch.ones(2, w.hidden))
+        cpu_fused.lm_head_logits(r.fused_decode.kl, w, torch.ones(2, w.hidden))
 
 
 def test_fused_step_is_as_accurate_as_unfused_on_default_model():
@@ -204,18 +205,18 @@ def test_decode_step_weights_check_their_tensors():
              "k_buf": torch.zeros(4, 1, 4, dtype=bf), "v_buf": torch.zeros(4, 1, 4, dtype=bf)}
     kw = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "intermediate": 6, "eps": 1e-6}
     kl = cpu.lib()
-    w = cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw)  # consistent: accepted
+    w = cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw)  # consistent: accepted
     assert [p.numel() for p in w.packed] == [16 * 8, 16 * 8, 16 * 8, 16 * 6]  # rows padded to blocks of 16
     with pytest.raises(ValueError, match="layer 0 qkv"):
-        cpu.DecodeStepWeights(kl, [{**layer, "qkv": torch.ones(15, 8, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
+        cpu_fused.DecodeStepWeights(kl, [{**layer, "qkv": torch.ones(15, 8, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
     with pytest.raises(ValueError, match="layer 0 down"):
-        cpu.DecodeStepWeights(kl, [{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)
+        cpu_fused.DecodeStepWeights(kl, [{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)
     with pytest.raises(ValueError, match="even"):
-        cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **{**kw, "intermediate": 5})
-    w = cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 8, dtype=bf))
+        cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **{**kw, "intermediate": 5})
+    w = cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 8, dtype=bf))
     assert w.vocab == 40 and w.lm_head.numel() == 48 * 8  # the LM head packed like the layers
     with pytest.raises(ValueError, match="lm_head"):
-        cpu.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 6, dtype=bf))
+        cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 6, dtype=bf))
 
 
 def test_kpair_packing_layout():
@@ -223,7 +224,7 @@ def test_kpair_packing_layout():
     kl = cpu.lib()
     w = torch.arange(20 * 6, dtype=torch.float32).reshape(20, 6).to(torch.bfloat16)
     out = torch.empty(32 * 6, dtype=torch.bfloat16)
-    kl.pack_kpairs_bf16(w.data_ptr(), 20, 6, out.data_ptr())
+    kl.fn("rg_pack_kpairs_bf16")(w=w.data_ptr(), N=20, K=6, out=out.data_ptr())
     view = out.view(2, 3, 16, 2)  # (blocks, pairs, rows, 2)
     padded = torch.cat([w, torch.zeros(12, 6, dtype=torch.bfloat16)]).view(2, 16, 3, 2).transpose(1, 2)
     assert torch.equal(view, padded)
@@ -242,15 +243,15 @@ def test_bf16_prefill_and_cached_prefix_extend_match_torch_path(arch, monkeypatc
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (37, 5, 70)]
     outs = []
     for r in (c_runner, torch_runner):
-        free = r.allocator.allocate(r.allocator.available())  # scatter the slots
-        r.allocator.free(free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(0))])
+        free = kv_of(r).allocator.allocate(kv_of(r).allocator.available())  # scatter the slots
+        kv_of(r).allocator.free(free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(0))])
         rows, steps = [0, 1, 2], []
         for lo, hi in ((0, 20), (20, None)):  # a prefill of the first 20 tokens, then an extend after them
             parts = [p[lo:hi] for p in prompts]
             ids, pos, slots, prefix, ext = [], [], [], [], []
             for row, p, part in zip(rows, prompts, parts, strict=True):
-                s = r.allocator.allocate(len(part))
-                r.req_table.write(row, min(lo, len(p)), s)
+                s = kv_of(r).allocator.allocate(len(part))
+                kv_of(r).table.write(row, min(lo, len(p)), s)
                 ids += part
                 pos += range(min(lo, len(p)), min(lo, len(p)) + len(part))
                 slots.append(s)
@@ -265,3 +266,20 @@ def test_bf16_prefill_and_cached_prefix_extend_match_torch_path(arch, monkeypatc
     assert len(calls) == (2 * c_runner.model_config.num_layers if head_dim % 32 == 0 else 0)
     assert rel(outs[0], outs[1]) < 2e-2
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.9
+
+
+def test_decode_step_reports_failure_instead_of_writing():
+    """The fused step allocates nothing: its caller's scratch is sized for the longest context it was told of, and
+    a step reading a longer one is refused with an exception before anything is written (never an overrun)."""
+    r = runner_for(str(tiny_model_dir("llama")))
+    fd = r.fused_decode
+    w = cpu_fused.DecodeStepWeights(fd.kl, [dict(ly) for ly in fd.weights.keep[0]], fd.weights.final_norm,
+                                    num_heads=fd.weights.num_heads, num_kv_heads=fd.weights.num_kv_heads,
+                                    head_dim=fd.weights.head_dim, intermediate=fd.weights.intermediate,
+                                    eps=fd.weights.eps)
+    one = torch.ones(1, dtype=torch.int64)
+    k_before = r.kv_pool.k_buffers[0].clone()
+    with pytest.raises(cpu.CKernelError, match="scratch buffer is too small"):
+        cpu_fused.decode_step(fd.kl, w, fd.embed, one, one * 300, fd.cos_sin_cache, one, r.req_to_slot, one * 0,
+                              1, fd.scale)  # position 300, but the longest context given as 1
+    assert torch.equal(r.kv_pool.k_buffers[0], k_before)

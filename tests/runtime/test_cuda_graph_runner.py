@@ -2,8 +2,8 @@
 
 Each mode runs the same requests through two runners with the same weights and the same slot placement: `eager`
 (ModelRunner.forward_eager) and `graphed` (ModelRunner.forward, which sends decode steps to its graph runner).
-- cpu-torch: the graph runner in eager mode (capture=False) with the torch attention backend;
-- cpu-triton: the same with the Triton backend under the interpreter, i.e. prepare_static's path of a graph;
+- cpu-torch: the graph runner in eager mode (capture=False) with the CPU ops (C kernels, no prepare_static);
+- cpu-triton: the same with the Triton ops under the interpreter, i.e. prepare_static's path of a graph;
 - cuda: real CUDA graphs (skipped without a GPU).
 Per decode step: logits of the real rows match, both pools hold the same K/V in every slot but the padding
 slot 0, no slot or table row is allocated by the graph path, padding rows hold the padding values.
@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
@@ -67,9 +68,10 @@ def build_pair(mode: str) -> tuple[ModelRunner, ModelRunner]:
     assert graphed.cuda_graph_runner is None  # never on the CPU: tests attach one in eager mode
     if mode == "cpu-triton":
         use_triton_interpreter()
-        from radixgen.runtime.layers.attention import TritonAttentionBackend
+        from radixgen.runtime.layers.ops import TritonOps
 
-        eager.attn_backend, graphed.attn_backend = TritonAttentionBackend(), TritonAttentionBackend()
+        eager.set_ops(TritonOps())
+        graphed.set_ops(TritonOps())
     graphed.cuda_graph_runner = CudaGraphRunner(graphed, capture=False)
     assert graphed.cuda_graph_runner.buckets == [1, 2, 4, 8]
     return eager, graphed
@@ -81,8 +83,8 @@ class Mirror:
     def __init__(self, eager: ModelRunner, graphed: ModelRunner, seed: int = 0) -> None:
         self.runners = (eager, graphed)
         for r in self.runners:
-            free = r.allocator.allocate(r.allocator.available())
-            r.allocator.free(free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(seed))])
+            free = kv_of(r).allocator.allocate(kv_of(r).allocator.available())
+            kv_of(r).allocator.free(free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(seed))])
         self.rows: list[dict[str, int]] = [{}, {}]
         self.lens: dict[str, int] = {}
 
@@ -93,10 +95,10 @@ class Mirror:
             ids, pos, slots, rows, prefix, ext = [], [], [], [], [], []
             for name, toks in new_tokens.items():
                 if name not in rows_of:
-                    rows_of[name] = r.req_table.allocate()
+                    rows_of[name] = kv_of(r).table.allocate()
                 p = self.lens.get(name, 0)
-                s = r.allocator.allocate(len(toks))
-                r.req_table.write(rows_of[name], p, s)
+                s = kv_of(r).allocator.allocate(len(toks))
+                kv_of(r).table.write(rows_of[name], p, s)
                 ids += toks
                 pos += range(p, p + len(toks))
                 slots.append(s)
@@ -142,8 +144,8 @@ def test_decode_steps_match_eager(mode):
         assert rel_err(lg, le) < tol
         last[name] = int(le[-1].argmax())
     assert g.replays == 0
-    free_slots = [r.allocator.available() for r in (eager, graphed)]
-    free_rows = [r.req_table.available() for r in (eager, graphed)]
+    free_slots = [kv_of(r).allocator.available() for r in (eager, graphed)]
+    free_rows = [kv_of(r).table.available() for r in (eager, graphed)]
     assert_same_kv(eager, graphed, tol)
 
     for step, bs in enumerate(batches):
@@ -159,14 +161,14 @@ def test_decode_steps_match_eager(mode):
         # padding: rows [bs, bucket) of the static inputs hold the padding values
         bucket = g.bucket_for(bs)
         pad = torch.stack([g.input_ids, g.positions, g.out_slots, g.req_indices, g.seq_lens])[:, bs:bucket].cpu()
-        expect = torch.tensor([0, 0, 0, graphed.req_table.padding_row, 1]).unsqueeze(1).expand_as(pad)
+        expect = torch.tensor([0, 0, 0, kv_of(graphed).table.padding_row, 1]).unsqueeze(1).expand_as(pad)
         assert torch.equal(pad, expect)
         assert torch.equal(g.seq_lens[:bs].cpu(), torch.tensor(fg.prefix_lens) + 1)
         free_slots = [f - bs for f in free_slots]
-        assert [r.allocator.available() for r in (eager, graphed)] == free_slots  # no slot taken or freed
-        assert [r.req_table.available() for r in (eager, graphed)] == free_rows
+        assert [kv_of(r).allocator.available() for r in (eager, graphed)] == free_slots  # no slot taken or freed
+        assert [kv_of(r).table.available() for r in (eager, graphed)] == free_rows
     # the padding row was never written; eager never touched slot 0, the padded steps did
-    assert not graphed.req_table.table[graphed.req_table.padding_row].any()
+    assert not kv_of(graphed).table.table[kv_of(graphed).table.padding_row].any()
     assert not eager.kv_pool.k_buffers[0][0].any()
     assert graphed.kv_pool.k_buffers[0][0].any()
 

@@ -10,6 +10,7 @@ import datetime
 import json
 import re
 import threading
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -22,9 +23,7 @@ from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.grammar import (
     ConstraintError,
     GrammarBackend,
-    Matcher,
     UnenforcedSchemaWarning,
-    allowed_token_ids,
     analyze_schema,
     check_constraint,
     jump_forward,
@@ -36,6 +35,31 @@ VOCAB = 49152
 PADDED = VOCAB + 64
 EOS_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
 SPECIAL_NON_STOP = [1, *range(3, 17)]  # <|im_start|>, <repo_name>, ... <empty_output>
+
+
+def wait(handle):
+    """Poll a compile handle until it is ready (compiled, failed, or past its time limit), then its result."""
+    while not handle.ready():
+        time.sleep(0.002)
+    return handle.result()
+
+
+def compile_now(backend, kind, text):
+    return wait(backend.submit(kind, text))
+
+
+def allowed_token_ids(bitmask_row: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """Ids allowed by one filled bitmask row (W,) int32: bit b of word w allows id 32 * w + b."""
+    bits = np.unpackbits(bitmask_row.numpy().view(np.uint8), bitorder="little")[:vocab_size]  # (32 * W,)
+    return np.flatnonzero(bits)
+
+
+def completes(backend, matcher) -> bool:
+    """The text so far is a complete match: the grammar allows a stop token now."""
+    bitmask = backend.allocate_bitmask(1)
+    if backend.fill_bitmask(bitmask, [matcher]) != [0]:
+        return False
+    return bool(set(backend.stop_token_ids) & set(allowed_token_ids(bitmask[0], VOCAB).tolist()))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +124,7 @@ def decode(token_bytes, ids):
 
 
 def run_walks(backend, closers, token_bytes, tokenizer, kind, text, seeds):
-    compiled = backend.compile(kind, text)
+    compiled = compile_now(backend, kind, text)
     texts = []
     for seed in seeds:
         ids = walk(backend, backend.new_matcher(compiled), closers, seed)
@@ -118,23 +142,23 @@ def test_compile_cache_hit(backend):
     before = backend.cache_info
     h1 = backend.submit("json_schema", schema)
     h2 = backend.submit("json_schema", schema)
-    assert h1.wait() is h2.wait()
+    assert wait(h1) is wait(h2)
     after = backend.cache_info
     assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
-    backend.compile("regex", "cache_probe")  # another kind/text is a miss
+    compile_now(backend, "regex", "cache_probe")  # another kind/text is a miss
     assert backend.cache_info.misses == after.misses + 1
 
 
 def test_cache_evicts_least_recently_used(tokenizer, backend):
     schemas = [json.dumps({"type": "object", "properties": {f"evict_{i}": {"type": "string"}}}) for i in range(3)]
-    sizes = [backend.compile("json_schema", sch).grammar.memory_size_bytes for sch in schemas]
+    sizes = [compile_now(backend, "json_schema", sch).grammar.memory_size_bytes for sch in schemas]
     small = GrammarBackend(tokenizer, VOCAB, stop_token_ids=EOS_IDS,
                            cache_limit_mb=0.9 * (sizes[0] + sizes[1]) / 2**20)
     try:
         for sch in schemas:
-            small.compile("json_schema", sch)  # the third submit finds the first two over the limit
+            compile_now(small, "json_schema", sch)  # the third submit finds the first two over the limit
         assert small.cache_info == (0, 3, 2)
-        small.compile("json_schema", schemas[0])  # evicted: compiled again
+        compile_now(small, "json_schema", schemas[0])  # evicted: compiled again
         assert small.cache_info.misses == 4
     finally:
         small.shutdown()
@@ -144,13 +168,13 @@ def test_handle_polls_without_blocking(tokenizer):
     be = GrammarBackend(tokenizer, VOCAB, stop_token_ids=EOS_IDS, num_threads=1)
     gate = threading.Event()
     try:
-        be._pool.submit(gate.wait)  # occupy the only compile thread so the compile below cannot start
+        be.compiles._pool.submit(gate.wait)  # occupy the only compile thread so the compile below cannot start
         handle = be.submit("ebnf", 'root ::= "x" [a-z]* "y"')
         assert not handle.ready()
         with pytest.raises(RuntimeError, match="poll ready"):
             handle.result()
         gate.set()
-        assert handle.wait().kind == "ebnf" and handle.ready()
+        assert wait(handle).kind == "ebnf" and handle.ready()
     finally:
         gate.set()
         be.shutdown()
@@ -166,10 +190,10 @@ def test_compile_timeout_fails_that_request(tokenizer, backend):
     try:
         handle = slow.submit("json_schema", heavy)
         with pytest.raises(ConstraintError, match="exceeded the time limit.*compile_timeout_s"):
-            handle.wait()
+            wait(handle)
     finally:
         slow.shutdown()
-    assert backend.compile("json_schema", heavy).kind == "json_schema"  # a normal limit compiles it
+    assert compile_now(backend, "json_schema", heavy).kind == "json_schema"  # a normal limit compiles it
 
 
 # ---------------------------------------------------------------- walks checked by oracles
@@ -293,14 +317,14 @@ factor ::= [1-9] [0-9]* | "(" expr ")"
 
 
 def test_ebnf_walks_parse(backend, closers, token_bytes, tokenizer):
-    compiled = backend.compile("ebnf", ARITH)
+    compiled = compile_now(backend, "ebnf", ARITH)
     for text in run_walks(backend, closers, token_bytes, tokenizer, "ebnf", ARITH, range(4)):
         assert re.fullmatch(r"[0-9+\-*/()]+", text), text
         tree = ast.parse(text, mode="eval")  # Python's parser agrees it is an arithmetic expression
         kinds = (ast.Expression, ast.BinOp, ast.Constant, ast.operator)
         assert all(isinstance(n, kinds) for n in ast.walk(tree))
         replay = backend.new_matcher(compiled)
-        assert replay.accept_tokens(tokenizer.encode(text)) and replay.is_completed()
+        assert replay.accept_tokens(tokenizer.encode(text)) and completes(backend, replay)
 
 
 def test_choices_exact_and_escaped(backend, closers, token_bytes, tokenizer):
@@ -308,10 +332,10 @@ def test_choices_exact_and_escaped(backend, closers, token_bytes, tokenizer):
     text = json.dumps(choices)
     outs = run_walks(backend, closers, token_bytes, tokenizer, "choices", text, range(8))
     assert set(outs) <= set(choices)
-    compiled = backend.compile("choices", text)
+    compiled = compile_now(backend, "choices", text)
     for c in choices:  # every choice is reachable, nothing longer
         m = backend.new_matcher(compiled)
-        assert m.accept_tokens(tokenizer.encode(c)) and m.is_completed()
+        assert m.accept_tokens(tokenizer.encode(c)) and completes(backend, m)
         assert not m.accept_tokens(tokenizer.encode("x"))
     assert not backend.new_matcher(compiled).accept_tokens(tokenizer.encode("maybe"))
 
@@ -320,12 +344,12 @@ def test_choices_exact_and_escaped(backend, closers, token_bytes, tokenizer):
 
 
 def test_stop_token_terminates(backend):
-    m = backend.new_matcher(backend.compile("regex", "abc"))
+    m = backend.new_matcher(compile_now(backend, "regex", "abc"))
     bitmask = backend.allocate_bitmask(1)
     backend.fill_bitmask(bitmask, [m])
     assert set(EOS_IDS).isdisjoint(allowed_token_ids(bitmask[0], VOCAB))  # not before the end
     assert m.accept_tokens([backend.tokenizer.convert_tokens_to_ids("abc")])
-    assert m.is_completed() and not m.is_terminated()
+    assert completes(backend, m) and not m.is_terminated()
     backend.fill_bitmask(bitmask, [m])
     assert sorted(allowed_token_ids(bitmask[0], VOCAB)) == sorted(EOS_IDS)
     assert m.accept_token(0) and m.is_terminated()
@@ -334,7 +358,7 @@ def test_stop_token_terminates(backend):
 
 
 def test_apply_bitmask_padded_and_unconstrained_rows(backend):
-    m = backend.new_matcher(backend.compile("regex", "[0-9]+"))
+    m = backend.new_matcher(compile_now(backend, "regex", "[0-9]+"))
     bitmask = backend.allocate_bitmask(3)
     assert bitmask.shape == (3, VOCAB // 32) and bitmask.dtype == torch.int32
     rows = backend.fill_bitmask(bitmask, [None, m, None])
@@ -356,8 +380,8 @@ def test_apply_bitmask_padded_and_unconstrained_rows(backend):
 def test_poll_and_mask_fn(backend):
     bad, good = backend.submit("regex", "["), backend.submit("regex", "[0-9]+")
     with pytest.raises(ConstraintError):
-        bad.wait()
-    good.wait()
+        wait(bad)
+    wait(good)
     assert isinstance(backend.poll(bad), ConstraintError)
     compiled = backend.poll(good)
     assert compiled is not None and compiled.kind == "regex"
@@ -374,7 +398,7 @@ def test_poll_and_mask_fn(backend):
 
 
 def test_special_tokens_never_allowed(backend):
-    m = backend.new_matcher(backend.compile("ebnf", 'root ::= [^"]*'))
+    m = backend.new_matcher(compile_now(backend, "ebnf", 'root ::= [^"]*'))
     bitmask = backend.allocate_bitmask(1)
     backend.fill_bitmask(bitmask, [m])
     allowed = set(allowed_token_ids(bitmask[0], VOCAB).tolist())
@@ -382,23 +406,23 @@ def test_special_tokens_never_allowed(backend):
     assert set(EOS_IDS) <= allowed and len(allowed) > 40000
 
 
-def test_rollback_and_reset_to(backend, tokenizer):
-    compiled = backend.compile("json_schema", json.dumps(SCHEMAS["person"]))
+def test_rollback(backend, tokenizer):
+    compiled = compile_now(backend, "json_schema", json.dumps(SCHEMAS["person"]))
     ids = tokenizer.encode('{"name":"Ada","age":3')
     m = backend.new_matcher(compiled)
     assert m.accept_tokens(ids) and m.num_accepted == len(ids)
-    bm_full, bm_back, bm_replay = (backend.allocate_bitmask(1) for _ in range(3))
-    m.fill_bitmask(bm_full, 0)
+    bm_full, bm_back, bm_fresh = (backend.allocate_bitmask(1) for _ in range(3))
+    backend.fill_bitmask(bm_full, [m])
     m.rollback(2)
-    m.fill_bitmask(bm_back, 0)
+    backend.fill_bitmask(bm_back, [m])
     assert not torch.equal(bm_full, bm_back)
     assert m.accept_tokens(ids[-2:])
-    m.fill_bitmask(bm_back, 0)
+    backend.fill_bitmask(bm_back, [m])
     assert torch.equal(bm_full, bm_back)
-    fresh = Matcher(compiled)
-    assert fresh.reset_to(ids)
-    fresh.fill_bitmask(bm_replay, 0)
-    assert torch.equal(bm_full, bm_replay)
+    fresh = backend.new_matcher(compiled)  # the same tokens from the start: the same state
+    assert fresh.accept_tokens(ids)
+    backend.fill_bitmask(bm_fresh, [fresh])
+    assert torch.equal(bm_full, bm_fresh)
     with pytest.raises(ValueError, match="rollback"):
         m.rollback(len(ids) + 1)
     assert not m.accept_tokens(tokenizer.encode(',"age":4'))  # refused as a whole: state unchanged
@@ -428,7 +452,7 @@ def test_invalid_constraints_explain(backend, kind, text, message):
         check_constraint(kind, text)
     handle = backend.submit(kind, text)  # the scheduler path: the error comes back from the handle
     with pytest.raises(ConstraintError, match=message):
-        handle.wait()
+        wait(handle)
     assert isinstance(ConstraintError("x"), ValueError)
 
 
@@ -476,11 +500,11 @@ ENFORCED = [
 @pytest.mark.parametrize("schema, good, bad", ENFORCED)
 def test_enforced_keywords(backend, tokenizer, schema, good, bad):
     assert unenforced_keywords(schema) == []
-    compiled = backend.compile("json_schema", json.dumps(schema))
+    compiled = compile_now(backend, "json_schema", json.dumps(schema))
     m = backend.new_matcher(compiled)
-    assert m.accept_tokens(tokenizer.encode(good)) and m.is_completed(), good
+    assert m.accept_tokens(tokenizer.encode(good)) and completes(backend, m), good
     m = backend.new_matcher(compiled)
-    assert not (m.accept_tokens(tokenizer.encode(bad)) and m.is_completed()), bad
+    assert not (m.accept_tokens(tokenizer.encode(bad)) and completes(backend, m)), bad
     jsonschema.validate(json.loads(good), schema, format_checker=FORMATS)
 
 
@@ -522,8 +546,8 @@ def test_unenforced_keywords_reported(backend, tokenizer, schema, why, slips_thr
             jsonschema.validate(json.loads(slips_through), schema)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnenforcedSchemaWarning)
-            m = backend.new_matcher(backend.compile("json_schema", json.dumps(schema)))
-        assert m.accept_tokens(tokenizer.encode(slips_through)) and m.is_completed()
+            m = backend.new_matcher(compile_now(backend, "json_schema", json.dumps(schema)))
+        assert m.accept_tokens(tokenizer.encode(slips_through)) and completes(backend, m)
 
 
 def test_oneof_with_discriminator_is_exclusive():
@@ -541,7 +565,7 @@ def test_strict_mode_errors_and_default_warns(tokenizer):
     try:
         assert strict.strict_json and strict.stop_token_ids == [0, 2]  # <|endoftext|>, <|im_end|>
         with pytest.raises(ConstraintError, match="strict_json=True.*uniqueItems"):
-            strict.compile("json_schema", schema)
+            compile_now(strict, "json_schema", schema)
     finally:
         strict.shutdown()
 
@@ -563,7 +587,7 @@ def test_flexible_whitespace_is_bounded(tokenizer, closers, token_bytes):
                           max_whitespace=3)
     try:
         schema = SCHEMAS["person"]
-        compiled = flex.compile("json_schema", json.dumps(schema))
+        compiled = compile_now(flex, "json_schema", json.dumps(schema))
         space = tokenizer.convert_tokens_to_ids("Ġ")
         m = flex.new_matcher(compiled)
         assert m.accept_tokens(tokenizer.encode("{"))
@@ -582,7 +606,7 @@ def test_flexible_whitespace_is_bounded(tokenizer, closers, token_bytes):
 
 
 def test_compact_whitespace_refused(backend, tokenizer):
-    m = backend.new_matcher(backend.compile("json_schema", json.dumps(SCHEMAS["person"])))
+    m = backend.new_matcher(compile_now(backend, "json_schema", json.dumps(SCHEMAS["person"])))
     assert m.accept_tokens(tokenizer.encode("{"))
     assert not m.accept_token(tokenizer.convert_tokens_to_ids("Ġ"))
 
@@ -601,7 +625,7 @@ LONG_KEYS = {
 
 
 def test_jump_forward_long_keys(backend, tokenizer):
-    m = backend.new_matcher(backend.compile("json_schema", json.dumps(LONG_KEYS)))
+    m = backend.new_matcher(compile_now(backend, "json_schema", json.dumps(LONG_KEYS)))
     prompt = tokenizer.encode("<|im_start|>assistant\n")
     ids = list(prompt)
 
@@ -631,7 +655,7 @@ def test_jump_forward_long_keys(backend, tokenizer):
     assert m.accept_tokens(tokenizer.encode("ending"))
     ids += tokenizer.encode("ending")
     assert step_jump() == "_manual_review"  # `"}` is left to the model
-    assert m.accept_tokens(tokenizer.encode('"}')) and m.is_completed()
+    assert m.accept_tokens(tokenizer.encode('"}')) and completes(backend, m)
     ids += tokenizer.encode('"}')
     text = tokenizer.decode(ids[len(prompt):])
     value = json.loads(text)
@@ -640,9 +664,9 @@ def test_jump_forward_long_keys(backend, tokenizer):
 
 
 def test_jump_forward_nothing_forced(backend, tokenizer):
-    m = backend.new_matcher(backend.compile("json_schema", json.dumps(LONG_KEYS)))
+    m = backend.new_matcher(compile_now(backend, "json_schema", json.dumps(LONG_KEYS)))
     assert m.accept_tokens(tokenizer.encode('{"customer_full_legal_name":"A'))
     assert m.find_jump_forward(tokenizer, []).token_ids == []
     assert jump_forward(m, tokenizer, []) == []
-    regex = backend.new_matcher(backend.compile("regex", "[ab]+"))
+    regex = backend.new_matcher(compile_now(backend, "regex", "[ab]+"))
     assert jump_forward(regex, tokenizer, []) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
@@ -24,8 +25,8 @@ class Driver:
         self.runner = runner
         gen = torch.Generator().manual_seed(seed)
         # scatter: hand out slots in a random order, so no request's tokens are contiguous
-        free = runner.allocator.allocate(runner.allocator.available())
-        runner.allocator.free(free[torch.randperm(free.numel(), generator=gen)])
+        free = kv_of(runner).allocator.allocate(kv_of(runner).allocator.available())
+        kv_of(runner).allocator.free(free[torch.randperm(free.numel(), generator=gen)])
         self.rows: dict[str, int] = {}
         self.lens: dict[str, int] = {}
 
@@ -35,10 +36,10 @@ class Driver:
         ids, pos, slots, rows, prefix, ext = [], [], [], [], [], []
         for name, toks in new_tokens.items():
             if name not in self.rows:
-                self.rows[name], self.lens[name] = self.runner.req_table.allocate(), 0
+                self.rows[name], self.lens[name] = kv_of(self.runner).table.allocate(), 0
             p = self.lens[name]
-            s = self.runner.allocator.allocate(len(toks))
-            self.runner.req_table.write(self.rows[name], p, s)
+            s = kv_of(self.runner).allocator.allocate(len(toks))
+            kv_of(self.runner).table.write(self.rows[name], p, s)
             ids += toks
             pos += range(p, p + len(toks))
             slots.append(s)
@@ -115,7 +116,7 @@ def test_only_the_rows_that_become_logits(pair):
         out = d.step({"a": a[6:], "b": b[5:]}, keep=[14, 2, 22, 15])  # a: last, 3rd new token; b: last, first
     finally:  # the module's runner is shared: give its request rows back
         for row in d.rows.values():
-            runner.req_table.free(row)
+            kv_of(runner).table.free(row)
     ra, rb = ref_logits(ref, a), ref_logits(ref, b)
     want = torch.stack([ra[20], ra[8], rb[12], rb[5]])
     assert rel_err(out["kept"], want) < TOL
@@ -144,7 +145,8 @@ def test_decode_steps_of_requests_started_at_different_times(pair):
 
 
 def test_each_path_runs_the_kernels_it_claims(pair, monkeypatch):
-    """The "c" runs really go through the C kernels and packed weights, the "torch" runs through neither."""
+    """The "c" runs really go through the C kernels and packed weights, the "torch" runs (TorchOps, the plain-torch
+    reference the other ops sets fall back to) through neither."""
     from radixgen.kernels import cpu
 
     runner, _ = pair
@@ -163,6 +165,8 @@ def test_each_path_runs_the_kernels_it_claims(pair, monkeypatch):
     d.step({"a": a})
     d.step({"a": [5]})  # one decode step
     layers = runner.model_config.num_layers
+    assert runner.ops.name == ("cpu" if c_path else "torch")
+    assert runner.model.layers[0].input_layernorm.ops is runner.ops
     if c_path:
         assert calls["_decode_attention"] == layers and calls["_store_kv"] == 2 * layers
         assert calls["_add_rmsnorm"] == 2 * (2 * layers + 1)

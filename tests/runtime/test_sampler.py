@@ -275,8 +275,12 @@ def test_vocab_masks_bool_packed_and_callable():
 
     ids = Sampler().forward(logits.clone(), batch, apply_mask=only_token_7).next_ids
     assert calls == [(64, vocab)] and ids.tolist() == [7] * 64
-    with pytest.raises(ValueError, match="every token is masked"):
-        Sampler().forward(logits.clone(), batch, vocab_mask=torch.zeros(64, vocab, dtype=torch.bool))
+    # a row with nothing allowed: token 0 as a placeholder, and the row is reported for the caller to fail
+    none_allowed = allowed.clone()
+    none_allowed[5] = False
+    out = Sampler().forward(logits.clone(), batch, vocab_mask=none_allowed)
+    assert out.failed_rows == (5,) and int(out.next_ids[5]) == 0
+    assert bool(allowed.gather(1, out.next_ids[:, None])[torch.arange(64) != 5].all())
 
 
 # --- logprobs --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from tiny_models import tiny_model_dir
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import AbortRequest, GenerateRequest, ReqOutput
+from radixgen.runtime.request import AbortRequest, FinishReason, GenerateRequest, ReqOutput
 from radixgen.runtime.sampling_params import SamplingParams
 from radixgen.runtime.scheduler import Scheduler
 
@@ -149,7 +149,7 @@ def test_abort_frees_slots(model_dir, tokenizer):
     assert sched.running
     sched.handle_message(AbortRequest("long"))
     res = run(sched, [])
-    assert res["long"]["finish"] == {"type": "abort", "message": "aborted by the client"}
+    assert res["long"]["finish"] == FinishReason.abort("aborted by the client")
     assert len(res["long"]["ids"]) < 200
     assert not sched.running and sched.invariant_holds()
 
@@ -162,7 +162,7 @@ def test_prefill_only_request_returns_prompt_logprobs(model_dir, tokenizer):
     warm = SamplingParams(max_new_tokens=0)
     run(sched, [GenerateRequest("warm", ids[:20], warm)])  # the first 20 tokens are now cached
     res = run(sched, [GenerateRequest("q", ids, warm, return_logprob=True, logprob_start_len=21)])["q"]
-    assert res["ids"] == [] and res["finish"] == {"type": "length", "length": 0}
+    assert res["ids"] == [] and res["finish"] == FinishReason.length_limit(0)
     assert res["cached"] == 20
     ref = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -182,19 +182,19 @@ def test_stop_conditions(model_dir, tokenizer):
     stop = t5[-2:] + t6[:2] if len(t5) >= 2 and len(t6) >= 2 else t5 + t6
     p = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
     res = run(sched, [GenerateRequest("s", ids, p)])["s"]
-    assert res["finish"] == {"type": "stop", "matched": stop}
+    assert res["finish"] == FinishReason.stop(stop)
     assert res["ids"] == toks[:len(res["ids"])] and len(res["ids"]) <= 7
     # a stop token id, and min_new_tokens holding it back
     p = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[toks[3]])
     res = run(sched, [GenerateRequest("t", ids, p)])["t"]
-    assert res["finish"] == {"type": "stop", "matched": toks[3]} and res["ids"] == toks[:4]
+    assert res["finish"] == FinishReason.stop(toks[3]) and res["ids"] == toks[:4]
     p = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[toks[3]], min_new_tokens=6)
     res = run(sched, [GenerateRequest("m", ids, p)])["m"]
     assert len(res["ids"]) >= 6
     # max_new_tokens
     res = run(sched, [GenerateRequest("l", ids, SamplingParams(max_new_tokens=5, temperature=0.0,
                                                                ignore_eos=True))])["l"]
-    assert res["finish"] == {"type": "length", "length": 5} and res["ids"] == toks[:5]
+    assert res["finish"] == FinishReason.length_limit(5) and res["ids"] == toks[:5]
 
 
 def test_ageing_bound_admits_an_unmatched_request(model_dir, tokenizer):

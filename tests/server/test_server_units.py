@@ -13,10 +13,10 @@ from pydantic import ValidationError
 
 from radixgen.runtime.server.errors import APIError, install_error_handlers, value_error_param
 from radixgen.runtime.server.metrics import Counter, Histogram, ServerMetrics
+from radixgen.runtime.server.native_protocol import GenerateRequest
 from radixgen.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     NamedToolChoice,
     Tool,
 )
@@ -268,3 +268,55 @@ def test_auto_tool_stream_holds_back_only_calls(split):
     sent = "".join(s.feed(text[i : i + split]) for i in range(0, len(text), split))
     rest = s.finish()
     assert sent + (rest.content or "") == text and rest.calls == []
+
+
+# ---------------------------------------------------------------- hardening (issue 12) and leniency (issue 14)
+
+
+def test_lone_surrogate_escapes():
+    from radixgen.runtime.server.middleware import lone_surrogate
+
+    assert lone_surrogate(b'{"a": "\\ud800"}') == "\\ud800"
+    assert lone_surrogate(b'{"a": "x\\uDC00y"}') == "\\udc00"
+    assert lone_surrogate(b'{"a": "\\ud83d\\ude00"}') is None  # a pair is one character
+    assert lone_surrogate(b'{"a": "\\ude00\\ud83d"}') == "\\ude00"  # a pair in the wrong order is not
+    assert lone_surrogate(b'{"a": "\\\\ud800"}') is None  # an escaped backslash, then text
+    assert lone_surrogate(b'{"a": "\\\\\\ud800"}') == "\\ud800"
+    assert lone_surrogate(b'{"a": "\\u00e9 plain"}') is None
+
+
+def test_public_message_never_carries_a_traceback():
+    from radixgen.runtime.server.errors import error_body, public_message
+
+    trace = (
+        "the scheduler process failed:\nTraceback (most recent call last):\n"
+        '  File "/work/main/python/runtime/scheduler/core.py", line 12, in step\n    x = y[3]\n'
+        "IndexError: list index out of range\n"
+    )
+    msg = public_message(trace, 503)
+    assert msg.startswith("the scheduler process failed: IndexError: list index out of range")
+    assert "core.py" not in msg and "Traceback" not in msg and "\n" not in msg
+    body = error_body(500, "internal error: OSError: cannot open /srv/data/model/file.bin")
+    assert "/srv/data" not in body["error"]["message"] and body["error"]["type"] == "server_error"
+    assert public_message("temperature: must be in [0, 2]", 400) == "temperature: must be in [0, 2]"
+
+
+def test_values_are_strict_and_legacy_functions_map_to_tools():
+    chat = [{"role": "user", "content": "x"}]
+    for bad in ({"max_tokens": "10"}, {"n": True}, {"temperature": float("nan")}, {"seed": 2**63}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"messages": chat, **bad})
+    with pytest.raises(ValidationError, match="seed"):
+        ChatCompletionRequest.model_validate({"messages": chat, "seed": 2**63 - 1, "n": 2})
+    req = ChatCompletionRequest.model_validate(
+        {"messages": chat, "functions": [{"name": "f"}], "function_call": {"name": "f"}, "store": True, "user": "u"}
+    )
+    assert req.legacy_functions and not req.parallel_calls
+    assert [t.function.name for t in req.tools] == ["f"]
+    assert isinstance(req.effective_tool_choice, NamedToolChoice)
+    assert req.no_effect_fields() == ["store", "user"]
+    req = ChatCompletionRequest.model_validate({"messages": chat, "reasoning_effort": "high"})
+    assert req.template_kwargs() == {"reasoning_effort": "high"}
+    for feature in ({"lora_path": "a"}, {"audio": {"voice": "x"}}, {"return_hidden_states": True}):
+        with pytest.raises(ValidationError, match="not supported"):
+            ChatCompletionRequest.model_validate({"messages": chat, **feature})

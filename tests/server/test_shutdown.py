@@ -32,6 +32,8 @@ def test_scheduler_gone_gives_503_and_still_exits_0():
         assert r.json()["error"]["code"] == "scheduler_gone"
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=deadline)
         assert r.status_code == 503 and r.json()["error"]["message"]
+        for body in (r.text, httpx.get(srv.url + "/health", timeout=deadline).text):  # named, not traced
+            assert "Traceback" not in body and ".py" not in body and "/radixgen/" not in body, body
         metrics = httpx.get(srv.url + "/metrics", timeout=deadline)  # the HTTP-side figures remain
         assert metrics.status_code == 200 and 'radixgen_request_errors_total{status="503"}' in metrics.text
     finally:

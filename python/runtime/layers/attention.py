@@ -1,7 +1,8 @@
 """Attention over the paged KV pool: store this step's K/V by slot, then attend through the slot table.
 
-Two backends behind one interface: `TorchAttentionBackend` (the CPU path, scaled_dot_product_attention
-on gathered slots) and `TritonAttentionBackend` (radixgen.kernels, picked on CUDA devices). Each has a
+Three backends behind one interface, one per ops set (layers/ops.py): `TorchAttentionBackend` (plain torch:
+gathered slots and scaled_dot_product_attention), `CpuAttentionBackend` (radixgen.kernels.cpu's C kernels,
+reading the pool in place) and `TritonAttentionBackend` (radixgen.kernels' Triton kernels). Each has a
 `prepare(ctx)` that derives per-step metadata once, not once per layer; the Triton backend also has
 `prepare_static(ctx, seq_lens)`, the decode metadata of a CUDA graph (cuda_graph_runner.py), taken from a
 device tensor instead of host lists.
@@ -41,42 +42,20 @@ class ExtendSpan(NamedTuple):
 
 
 class TorchAttentionBackend:
-    """The CPU path. With radixgen.kernels.cpu built (the usual case) KV stores and decode attention are
-    single C calls that read the pool through the slot table in place, and so is bf16 extend attention
-    where the CPU has AVX512-BF16 (a flash-style kernel, about 2x scaled_dot_product_attention's speed).
-    Otherwise decode gathers each request's slots and runs scaled_dot_product_attention, and extend runs it
-    per request over the gathered prefix plus the new tokens."""
+    """Plain torch: decode gathers each request's slots and runs scaled_dot_product_attention with the query heads
+    of a KV head as its rows; extend runs it per request over the gathered prefix plus the new tokens."""
 
     def prepare(self, ctx: ForwardContext) -> None:
-        ck = cpu_kernels.for_tensor(ctx.kv_pool.k_buffers[0])
-        self.ck = ck if ck is not None and ctx.kv_pool.k_buffers[0].shape[2] <= ck.d_max else None
-        if self.ck is not None:
-            ctx.out_slots = ctx.out_slots.to(torch.int64).contiguous()
+        ctx.keep_rows = None  # every row is computed (see CpuAttentionBackend.prepare)
         if ctx.is_decode:
-            ctx.keep_rows = None  # decode computes every row (see below)
             lens = ctx.seq_lens  # a list built on each access
             lmax = max(lens)
             seq_lens = torch.tensor(lens, dtype=torch.int64)
             req_indices = ctx.req_indices.to(torch.int64).contiguous()
-            if self.ck is not None:
-                ctx.attn_meta = DecodeMeta(None, lmax, None, seq_lens, req_indices)
-                return
             slot_matrix = ctx.req_to_slot[ctx.req_indices, :lmax]
             mask = (torch.arange(lmax).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
             ctx.attn_meta = DecodeMeta(slot_matrix.reshape(-1), lmax, mask, seq_lens, req_indices)
             return
-        k0 = ctx.kv_pool.k_buffers[0]
-        if cpu_kernels.extend_attention_supported(self.ck, k0.dtype, k0.shape[2]):
-            ctx.attn_meta = ExtendMeta(ctx.req_indices.to(torch.int64).contiguous(), list(ctx.prefix_lens),
-                                       list(ctx.extend_lens))
-            # Only this kernel computes a subset of the rows (ctx.keep_rows): each token is one vector lane
-            # there and lanes never mix, so a row comes out bit for bit as among all the others. The other
-            # paths would round differently, and a prompt's logprobs would depend on what else was asked of it.
-            if ctx.keep_rows is not None and ctx.keep_rows.numel():
-                req_rows, prefixes, lengths = ctx.kept_row_segments()
-                ctx.rows_meta = ExtendMeta(torch.tensor(req_rows, dtype=torch.int64), prefixes, lengths)
-            return
-        ctx.keep_rows = None
         spans, start = [], 0
         for row, p, e in zip(ctx.req_indices.tolist(), ctx.prefix_lens, ctx.extend_lens, strict=True):
             if p == 0:
@@ -93,54 +72,36 @@ class TorchAttentionBackend:
             start += e
         ctx.attn_meta = spans
 
-    def _store(self, k, v, k_buf, v_buf, ctx: ForwardContext) -> None:
-        ck = self.ck
-        if ck is not None and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
-            cpu_kernels._store_kv(ck, k_buf, v_buf, ctx.out_slots, k, v)
-        else:
-            k_buf.index_copy_(0, ctx.out_slots, k)
-            v_buf.index_copy_(0, ctx.out_slots, v)
-
-    def forward_rows(self, q_rows, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
-        """Stores k/v (T, Hkv, D) of all new tokens; returns the attention of q_rows (K, H, D), the queries of
-        ctx.keep_rows only, each over its request's positions up to its own -> (K, H, D)."""
-        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        self._store(k, v, k_buf, v_buf, ctx)
-        if q_rows.shape[0] == 0:
-            return q_rows.new_empty(q_rows.shape)
-        meta: ExtendMeta = ctx.rows_meta
-        return cpu_kernels._extend_attention(self.ck, q_rows, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
-                                             meta.prefix_lens, meta.extend_lens, scale)
+    def store(self, k, v, k_buf, v_buf, ctx: ForwardContext) -> None:
+        k_buf.index_copy_(0, ctx.out_slots, k)
+        v_buf.index_copy_(0, ctx.out_slots, v)
 
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) of the new tokens -> (T, H, D)."""
         k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        ck = self.ck
-        self._store(k, v, k_buf, v_buf, ctx)
+        self.store(k, v, k_buf, v_buf, ctx)
         if ctx.is_decode:
-            meta: DecodeMeta = ctx.attn_meta
-            if ck is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]:
-                return cpu_kernels._decode_attention(ck, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
-                                                     meta.seq_lens, scale, meta.lmax)
-            b, h, d = q.shape
-            hkv = k_buf.shape[1]
-            # index_select on dim 0 copies whole rows: several times faster than advanced indexing
-            # (B * Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
-            kk = k_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
-            vv = v_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
-            # the query heads sharing a KV head act as that head's query rows: one (G x Lmax) attention
-            # per (request, KV head) instead of H single-row ones (the CPU kernel is slow at one row)
-            out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kk, vv, attn_mask=meta.mask,
-                                                 scale=scale)
-            return out.reshape(b, h, d)
-        if isinstance(ctx.attn_meta, ExtendMeta):
-            meta: ExtendMeta = ctx.attn_meta
-            if not (q.stride(2) == 1 and q.stride(1) == q.shape[2]):
-                q = q.contiguous()
-            return cpu_kernels._extend_attention(ck, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
-                                                 meta.prefix_lens, meta.extend_lens, scale)
+            return self.decode(q, k_buf, v_buf, ctx.attn_meta, scale)
+        return self.extend(q, k, v, k_buf, v_buf, ctx.attn_meta, scale)
+
+    @staticmethod
+    def decode(q, k_buf, v_buf, meta: DecodeMeta, scale: float) -> torch.Tensor:
+        b, h, d = q.shape
+        hkv = k_buf.shape[1]
+        # index_select on dim 0 copies whole rows: several times faster than advanced indexing
+        # (B * Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
+        kk = k_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+        vv = v_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+        # the query heads sharing a KV head act as that head's query rows: one (G x Lmax) attention
+        # per (request, KV head) instead of H single-row ones (the CPU kernel is slow at one row)
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), kk, vv, attn_mask=meta.mask,
+                                             scale=scale)
+        return out.reshape(b, h, d)
+
+    @staticmethod
+    def extend(q, k, v, k_buf, v_buf, spans: list[ExtendSpan], scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
-        for span in ctx.attn_meta:
+        for span in spans:
             qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, E, D)
             ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
             if span.prefix_slots is not None:
@@ -153,6 +114,80 @@ class TorchAttentionBackend:
         return out
 
 
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The CPU path on radixgen.kernels.cpu's build `kl`: KV stores and decode attention are single C calls that
+    read the pool through the slot table in place, and so is bf16 extend attention where the CPU has
+    AVX512-BF16 (a flash-style kernel, about 2x scaled_dot_product_attention's speed); other extends, and pools
+    the kernels do not take (dtype, head_dim), use the torch backend's code."""
+
+    def __init__(self, kl: cpu_kernels.CKernels) -> None:
+        self.kl = kl
+        self.pool_ok: bool | None = None  # whether the kernels take the pool, decided at the first step
+
+    def prepare(self, ctx: ForwardContext) -> None:
+        k0 = ctx.kv_pool.k_buffers[0]
+        if self.pool_ok is None:
+            self.pool_ok = k0.is_cpu and k0.dtype in cpu_kernels.DTYPES and k0.shape[2] <= self.kl.d_max
+        if not self.pool_ok:
+            return super().prepare(ctx)
+        ctx.out_slots = ctx.out_slots.to(torch.int64).contiguous()
+        if ctx.is_decode:
+            ctx.keep_rows = None  # decode computes every row (see below)
+            lens = ctx.seq_lens
+            ctx.attn_meta = DecodeMeta(None, max(lens), None, torch.tensor(lens, dtype=torch.int64),
+                                       ctx.req_indices.to(torch.int64).contiguous())
+            return
+        if cpu_kernels.extend_attention_supported(self.kl, k0.dtype, k0.shape[2]):
+            ctx.attn_meta = ExtendMeta(ctx.req_indices.to(torch.int64).contiguous(), list(ctx.prefix_lens),
+                                       list(ctx.extend_lens))
+            # Only this kernel computes a subset of the rows (ctx.keep_rows): each token is one vector lane
+            # there and lanes never mix, so a row comes out bit for bit as among all the others. The other
+            # paths would round differently, and a prompt's logprobs would depend on what else was asked of it.
+            if ctx.keep_rows is not None and ctx.keep_rows.numel():
+                req_rows, prefixes, lengths = ctx.kept_row_segments()
+                ctx.rows_meta = ExtendMeta(torch.tensor(req_rows, dtype=torch.int64), prefixes, lengths)
+            return
+        super().prepare(ctx)
+
+    def store(self, k, v, k_buf, v_buf, ctx: ForwardContext) -> None:
+        if self.pool_ok and _heads_contiguous(k) and _heads_contiguous(v):
+            cpu_kernels._store_kv(self.kl, k_buf, v_buf, ctx.out_slots, k, v)
+        else:
+            super().store(k, v, k_buf, v_buf, ctx)
+
+    def forward_rows(self, q_rows, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
+        """Stores k/v (T, Hkv, D) of all new tokens; returns the attention of q_rows (K, H, D), the queries of
+        ctx.keep_rows only, each over its request's positions up to its own -> (K, H, D)."""
+        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
+        self.store(k, v, k_buf, v_buf, ctx)
+        if q_rows.shape[0] == 0:
+            return q_rows.new_empty(q_rows.shape)
+        meta: ExtendMeta = ctx.rows_meta
+        return cpu_kernels._extend_attention(self.kl, q_rows, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
+                                             meta.prefix_lens, meta.extend_lens, scale)
+
+    def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) of the new tokens -> (T, H, D)."""
+        if not self.pool_ok:
+            return super().forward(q, k, v, layer_id, scale, ctx)
+        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
+        self.store(k, v, k_buf, v_buf, ctx)
+        meta = ctx.attn_meta
+        if not isinstance(meta, (DecodeMeta, ExtendMeta)):  # an extend the C kernel does not take
+            return self.extend(q, k, v, k_buf, v_buf, meta, scale)
+        if not _heads_contiguous(q):
+            q = q.contiguous()
+        if ctx.is_decode:
+            return cpu_kernels._decode_attention(self.kl, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
+                                                 meta.seq_lens, scale, meta.lmax)
+        return cpu_kernels._extend_attention(self.kl, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
+                                             meta.prefix_lens, meta.extend_lens, scale)
+
+
 class TritonAttentionBackend:
     """The GPU path: radixgen.kernels' store_kv, decode and extend attention through the slot table."""
 
@@ -163,7 +198,7 @@ class TritonAttentionBackend:
             torch.tensor(ctx.extend_lens, dtype=torch.int64, device=dev),
             torch.tensor(ctx.seq_lens, dtype=torch.int64, device=dev),
         )
-        ctx.keep_rows = None  # every row, as the other steps compute them (see TorchAttentionBackend.prepare)
+        ctx.keep_rows = None  # every row, as the other steps compute them (see CpuAttentionBackend.prepare)
 
     def prepare_static(self, ctx: ForwardContext, seq_lens: torch.Tensor) -> None:
         """Decode metadata for a CUDA graph: `seq_lens` (B,) is a device tensor that stays where it is between
@@ -183,10 +218,6 @@ class TritonAttentionBackend:
             return kernels.decode_attention(q, k_buf, v_buf, ctx.req_to_slot, ctx.req_indices, seq_lens, scale)
         return kernels.extend_attention(q, k_buf, v_buf, ctx.req_to_slot, ctx.req_indices, prefix_lens,
                                         extend_lens, scale)
-
-
-def backend_for(device: torch.device | str):
-    return TritonAttentionBackend() if torch.device(device).type == "cuda" else TorchAttentionBackend()
 
 
 class Attention(nn.Module):

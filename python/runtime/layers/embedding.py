@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixgen.runtime.layers.linear import TPInfo, pack_weight, packed_linear
+from radixgen.runtime.layers.linear import DENSE, LinearMethod, TPInfo
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,16 +31,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> vocabulary logits; shares the embedding's weight when the model ties them."""
 
     packed: torch.Tensor | None = None
+    bias = None
+    method: LinearMethod = DENSE
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def pack_for_cpu(self) -> bool:
-        """A oneDNN-packed copy of the (possibly tied) weight for the matmul; see linear.pack_weight."""
-        self.packed = pack_weight(self.weight)
-        return self.packed is not None
+    def set_linear_method(self, method: LinearMethod) -> None:
+        """As LinearBase's: the (possibly tied) weight applied by `method`."""
+        self.method = method
+        method.process_weights(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(hidden, self.packed, None)
-        return F.linear(hidden, self.weight)
+        return self.method.apply(self, hidden)

@@ -29,6 +29,50 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class LinearMethod:
+    """How a linear layer keeps and applies its weight: one method per weight layout (quantized formats will be
+    more of them), chosen by the device's ops set and set on each layer once its weights are loaded."""
+
+    name = "?"
+
+    def process_weights(self, layer: nn.Module) -> None:
+        """After loading: derive what `apply` needs from layer.weight / layer.bias."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseLinear(LinearMethod):
+    """The weight as loaded, through F.linear."""
+
+    name = "dense"
+
+    def process_weights(self, layer):
+        layer.packed = None
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class OneDnnPackedLinear(LinearMethod):
+    """On the CPU, a oneDNN-packed copy of the weight for the matmul (see pack_weight); the dense weight stays
+    the parameter (the fused decode step repacks it, checkpoints and tests read it). Dense where packing does
+    not apply."""
+
+    name = "onednn-packed"
+
+    def process_weights(self, layer):
+        layer.packed = pack_weight(layer.weight)
+
+    def apply(self, layer, x):
+        if layer.packed is None:
+            return F.linear(x, layer.weight, layer.bias)
+        return packed_linear(x, layer.packed, layer.bias)
+
+
+DENSE, ONEDNN_PACKED = DenseLinear(), OneDnnPackedLinear()
+
+
 class TPInfo:
     rank: int = 0
     size: int = 1
@@ -42,6 +86,10 @@ def _shard(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class LinearBase(nn.Module):
+    """weight (out, in) [+ bias], applied by `method` (dense until the ops set installs its method)."""
+
+    method: LinearMethod = DENSE
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -51,21 +99,18 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # the oneDNN-packed method's copy of the weight
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def pack_for_cpu(self) -> bool:
-        """After the weights are loaded: keep a oneDNN-packed copy for the matmul (the dense weight stays
-        the parameter, so checkpoints and tests read it unchanged). Returns whether it packed."""
-        self.packed = pack_weight(self.weight)
-        return self.packed is not None
+    def set_linear_method(self, method: LinearMethod) -> None:
+        """After the weights are loaded (the method may derive its layout from them)."""
+        self.method = method
+        method.process_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:

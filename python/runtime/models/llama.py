@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from radixgen.runtime.config import ModelConfig
-from radixgen.runtime.layers.activation import silu_and_mul
+from radixgen.runtime.layers.activation import SiluAndMul
 from radixgen.runtime.layers.attention import Attention
 from radixgen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixgen.runtime.layers.linear import (
@@ -26,9 +26,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

@@ -3,67 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixgen.runtime.server.errors import APIError, JSONResponse, error_response, install_error_handlers
+from radixgen.runtime.server.errors import APIError, JSONResponse, install_error_handlers
 from radixgen.runtime.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
-from radixgen.runtime.server.native_api import NativeServing
+from radixgen.runtime.server.middleware import APIKeyMiddleware, RequestBodyMiddleware
+from radixgen.runtime.server.native_api import NativeServing, native_router
+from radixgen.runtime.server.native_protocol import AbortRequest
 from radixgen.runtime.server.openai_api import OpenAIServing
-from radixgen.runtime.server.protocol import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    GenerateRequest,
-    TokenizeRequest,
-)
-from radixgen.runtime.server.serving import ClientGone, Dispatcher, new_rid
+from radixgen.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixgen.runtime.server.serving import ClientGone, Dispatcher, KeyScopedEngine, new_rid
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
-OPEN_PATHS = frozenset({"/health"})  # answer without the API key: liveness probes carry no secrets
-
-
-class APIKeyMiddleware:
-    """401 (OpenAI shape) unless `Authorization: Bearer <key>`; plain ASGI so streams are untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = b"Bearer " + api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401,
-                    "Incorrect or missing API key (send Authorization: Bearer <key>).",
-                    None,
-                    "invalid_api_key",
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class JSONBodyMiddleware:
-    """Every POST body of this API is JSON: read it as such whatever the Content-Type says (curl -d
-    sends application/x-www-form-urlencoded)."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+CACHE_ISOLATION = ("shared", "per-key")
 
 
 def create_app(
@@ -71,21 +30,41 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     server_args: dict | None = None,
+    *,
+    api_keys: tuple[str, ...] | list[str] = (),
+    cache_isolation: str = "shared",
+    strict_model_name: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
+    """The app over `engine`. Clients must send one of `api_key` / `api_keys` when any is given; with
+    cache_isolation "per-key" each key's requests share cached prefixes only among themselves (see
+    docs/security.md). `server_args` is what /get_server_info shows (no keys in it)."""
+    keys = list(dict.fromkeys([*([api_key] if api_key else []), *api_keys]))
+    if cache_isolation not in CACHE_ISOLATION:
+        raise ValueError(f"cache_isolation must be one of {list(CACHE_ISOLATION)}, got {cache_isolation!r}")
+    if cache_isolation == "per-key" and not keys:
+        raise ValueError("cache_isolation 'per-key' needs API keys (--api-key or --api-key-file)")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     metrics = ServerMetrics()
+    if cache_isolation == "per-key":  # every generation request is salted with its key's namespace
+        engine = KeyScopedEngine(engine)
     dispatcher = Dispatcher(engine, metrics)
     name = served_model_name or Path(str(engine.model_info.get("model_name") or "default")).name
-    openai = OpenAIServing(engine, dispatcher, name)
+    openai = OpenAIServing(engine, dispatcher, name, strict_model_name)
     native = NativeServing(engine, dispatcher, openai)
 
     app = FastAPI(title="radixgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.dispatcher = dispatcher
     app.state.metrics = metrics
-    install_error_handlers(app, on_error=lambda status: metrics.errors.inc(status=str(status)))
-    app.add_middleware(JSONBodyMiddleware)
-    if api_key:  # added last: runs first
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    def count_error(status: int) -> None:
+        metrics.errors.inc(status=str(status))
+
+    install_error_handlers(app, on_error=count_error)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes, on_error=count_error)
+    if keys:  # added last: runs first (an unauthenticated body is not even read)
+        app.add_middleware(APIKeyMiddleware, api_keys=keys, per_key=cache_isolation == "per-key", on_error=count_error)
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone):
@@ -119,38 +98,21 @@ def create_app(
             raise APIError(503, f"generation failed: {str(e) or 'timed out'}", None, "unhealthy") from e
         return JSONResponse({"status": "ok"})
 
-    @app.get("/get_model_info")
-    async def get_model_info():
-        return JSONResponse(engine.model_info)
-
-    @app.get("/get_server_info")
-    async def get_server_info():
+    async def server_info_doc() -> dict:
         info = await server_info()
         info["http"] = {"served_model_name": name, "active_requests": len(dispatcher.active)}
-        return JSONResponse({**info, "server_args": server_args or {}})
+        # SGLang's clients read the scheduler state from `internal_states`
+        return {**info, "server_args": server_args or {}, "internal_states": [dict(info)],
+                "version": version("radixgen")}
 
-    @app.post("/flush_cache")
-    async def flush_cache():
-        if not await asyncio.to_thread(engine.flush_cache):
-            raise APIError(400, "the cache can only be flushed while no request is running", None, "busy")
-        return JSONResponse({"success": True})
+    # /generate, /tokenize, /detokenize, /get_model_info, /server_info, /get_load, /flush_cache...
+    app.include_router(native_router(native, server_info_doc))
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest):
+        if req.abort_all:
+            return JSONResponse({"rid": req.rid, "aborted": dispatcher.abort_all() > 0})
         return JSONResponse({"rid": req.rid, "aborted": dispatcher.abort(req.rid)})
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request):
-        metrics.requests.inc(api="generate")
-        return await native.generate(req, request)
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        return JSONResponse(native.tokenize(req))
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        return JSONResponse(native.detokenize(req))
 
     @app.get("/metrics")
     async def get_metrics():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+logger = logging.getLogger("radixgen.server")
+
 # OpenAI's error `type` strings by status class.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s*File \"", re.M)
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.+-]+){2,}")
 
 
 class JSONResponse(Response):
@@ -38,7 +44,24 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def public_message(message: str, status: int) -> str:
+    """What of an error message a client may see: never a traceback or a source path (those go to the
+    log). A traceback is reduced to its last line (the exception), and a 5xx message to one line."""
+    cut = _TRACEBACK.search(message)
+    hidden = cut is not None or status == 500  # something for the log only
+    if cut is not None:
+        head = message[: cut.start()].strip().rstrip(":").strip()
+        tail = [line.strip() for line in message[cut.start() :].splitlines() if line.strip()]
+        last = tail[-1] if tail and not tail[-1].startswith(("File ", "Traceback ")) else ""
+        message = ": ".join(x for x in (head, last) if x)
+    if status >= 500:
+        message = _PATH.sub("<path>", message.strip().split("\n", 1)[0])
+        message = (message or "internal error") + (" (details are in the server log)" if hidden else "")
+    return message.strip() or "invalid request"
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    message = public_message(message, status)
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -65,10 +88,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip(), None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if param is None and loc:
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if not loc:  # a check across fields: its message names the field first ("seed: ...")
+            param = param or value_error_param(msg)
+            parts.append(msg)
+            continue
+        if param is None:
             param = loc[0]
-        where = ".".join(loc) or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        parts.append(f"{'.'.join(loc)}: {msg}")
     return "; ".join(parts) or "invalid request", param
 
 
@@ -76,12 +103,17 @@ def error_of(exc: BaseException) -> APIError:
     """The API error an exception stands for: ValueError (bad input, also from the Engine) -> 400,
     RuntimeError (the scheduler died or the engine is shut down) -> 503, anything else -> 500."""
     if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), value_error_param(str(exc)))
-    if isinstance(exc, RuntimeError):
-        return APIError(503, str(exc), None, "engine_unavailable")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        err = exc
+    elif isinstance(exc, ValueError):
+        err = APIError(400, str(exc), value_error_param(str(exc)))
+    elif isinstance(exc, RuntimeError):
+        err = APIError(503, str(exc), None, "engine_unavailable")
+    else:
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+    if err.status >= 500:  # the whole story goes to the log; the client gets public_message's summary
+        level = logging.ERROR if err.status == 500 else logging.WARNING
+        logger.log(level, "HTTP %d: %s", err.status, err.message, exc_info=exc if err is not exc else None)
+    return err
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda status: None) -> None:

@@ -12,69 +12,95 @@ from typing import Any
 
 import uvicorn
 
+from radixgen.runtime.config import RuntimeConfig, check_choice, option
+from radixgen.runtime.flags import add_dataclass_flags, values_of
+
 SHUTDOWN_GRACE_S = 30.0  # in-flight requests may finish this long after SIGTERM; the rest are aborted
+STREAM_CUTOFF_MARGIN_S = 1.0  # what still runs this long before the grace ends gets a final error event
+SERVE_DESCRIPTION = "Serve a model over HTTP: the native API (/generate) and the OpenAI API (/v1)."
 logger = logging.getLogger("radixgen.server")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+CACHE_ISOLATION = ("shared", "per-key")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server's own options (the Engine's are RuntimeConfig's); each field is a `radixgen serve` flag."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(30000, "port to listen on")
+    api_keys: tuple[str, ...] = option((), "require `Authorization: Bearer <key>` with one of these keys",
+                                       flags=("--api-key",))
+    api_key_file: str | None = option(None, "a file of API keys, one per line (blank lines and # comments skipped)")
+    cache_isolation: str = option("shared", "shared: one radix cache for every client; per-key: each API key "
+                                  "reuses only its own prefixes (no cross-user cache probing)",
+                                  choices=CACHE_ISOLATION)
+    served_model_name: str | None = option(None, "the model id of the OpenAI API (default: the model's folder name)")
+    strict_model_name: bool = option(False, "OpenAI API: 404 for a `model` other than the served one "
+                                     "(default: any name is accepted)")
+    max_request_bytes: int = option(32 * 2**20, "larger request bodies get 413")
+    shutdown_grace_s: float = option(SHUTDOWN_GRACE_S, "after SIGTERM, requests in flight may finish for this "
+                                     "long; what still runs then ends with an error event")
+    log_level: str = option("info", "log level of the server", choices=LOG_LEVELS)
+    dp_size: int = option(1, "data parallelism: this many worker servers behind a cache-aware router")
+
+    def __post_init__(self) -> None:
+        check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
+        check_choice("log_level", self.log_level, LOG_LEVELS)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if any(not k or k != k.strip() for k in self.api_keys):
+            raise ValueError("api_keys: a key must be non-empty, without surrounding whitespace")
+
+    def all_api_keys(self) -> tuple[str, ...]:
+        """--api-key values, then the keys of --api-key-file. Raises ValueError naming an unreadable file."""
+        if self.api_key_file is None:
+            return self.api_keys
+        try:
+            with open(self.api_key_file) as f:
+                lines = [line.strip() for line in f]
+        except OSError as e:
+            raise ValueError(f"api_key_file: cannot read {self.api_key_file!r}: {e.strerror}") from e
+        keys = [k for k in lines if k and not k.startswith("#")]
+        if not keys:
+            raise ValueError(f"api_key_file: {self.api_key_file!r} holds no key")
+        return tuple(dict.fromkeys((*self.api_keys, *keys)))
 
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    log_level: str = "info"
-    engine: dict[str, Any] = field(default_factory=dict)  # Engine config keys (RuntimeConfig fields)
+    """What `radixgen serve` was asked for."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: dict[str, Any] = field(default_factory=dict)  # the RuntimeConfig fields given; the rest: defaults
+    api_keys: tuple[str, ...] = ()  # server.all_api_keys(), read once at start
 
     def public(self) -> dict[str, Any]:
-        """For /get_server_info: everything but the key."""
-        d = asdict(self)
-        d["api_key"] = "<set>" if self.api_key else None
-        return d
-
-
-# flag -> (Engine config key, argparse options); each flag is exactly one Engine option
-_ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--dtype": ("dtype", {"choices": ["auto", "bfloat16", "float32", "float16"]}),
-    "--max-total-tokens": ("max_total_tokens", {"type": int, "help": "KV cache slots"}),
-    "--chunked-prefill-size": ("chunked_prefill_size", {"type": int}),
-    "--schedule-policy": ("schedule_policy", {"choices": ["lpm", "dfs-weight", "fcfs"]}),
-    "--disable-radix-cache": ("disable_radix_cache", {"action": "store_true", "default": None}),
-    "--disable-cpu-kernels": ("disable_cpu_kernels", {"action": "store_true", "default": None}),
-    "--disable-cuda-graph": ("disable_cuda_graph", {"action": "store_true", "default": None}),
-    "--cuda-graph-max-bs": (
-        "cuda_graph_max_bs",
-        {"type": int, "help": "largest decode batch replayed from a CUDA graph (default 160)"},
-    ),
-    "--num-threads": (
-        "num_threads",
-        {"type": int, "help": "torch threads of the scheduler (0: torch's default)"},
-    ),
-}
+        """For /get_server_info: everything but the keys."""
+        d = asdict(self.server)
+        del d["api_keys"], d["api_key_file"]
+        return {"model": self.engine.get("model"), **d, "api_key": "<set>" if self.api_keys else None,
+                "num_api_keys": len(self.api_keys), "engine": dict(self.engine)}
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M)"
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
-    parser.add_argument("--served-model-name", default=None, help="the model id of the OpenAI API")
-    parser.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
-    )
-    for flag, (_, opts) in _ENGINE_FLAGS.items():
-        parser.add_argument(flag, **opts)
+    """Every ServerConfig and RuntimeConfig field as a flag (see radixgen.runtime.flags)."""
+    add_dataclass_flags(parser.add_argument_group("server"), ServerConfig)
+    add_dataclass_flags(parser.add_argument_group("engine"), RuntimeConfig)
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    engine = {}
-    for flag, (key, _) in _ENGINE_FLAGS.items():
-        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            engine[key] = value
-    return ServerArgs(ns.model, ns.host, ns.port, ns.api_key, ns.served_model_name, ns.log_level, engine)
+    """Raises ValueError naming the option for a value the configs refuse."""
+    server = ServerConfig(**values_of(ServerConfig, ns))
+    engine = values_of(RuntimeConfig, ns)
+    RuntimeConfig(**engine)  # validated here, before a model is loaded
+    return ServerArgs(server, engine, server.all_api_keys())
 
 
 class _Server(uvicorn.Server):
@@ -97,21 +123,35 @@ class _Server(uvicorn.Server):
 
 
 def run_server(args: ServerArgs) -> int:
+    if args.server.dp_size > 1:  # N workers and a router: radixgen.router.launch_dp
+        from radixgen.router.launch_dp import run_dp
+
+        return run_dp(args)
     # a SIGTERM while the model loads: unwind (the Engine stops its scheduler process) and exit 0
     signal.signal(signal.SIGTERM, _exit_now)
     from radixgen.runtime.engine import Engine
     from radixgen.runtime.server.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = Engine(args.model, **args.engine)
+    server = args.server
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = Engine(**args.engine)
     try:
-        app = create_app(engine, args.served_model_name, args.api_key, args.public())
+        app = create_app(
+            engine,
+            server.served_model_name,
+            None,
+            args.public(),
+            api_keys=args.api_keys,
+            cache_isolation=server.cache_isolation,
+            strict_model_name=server.strict_model_name,
+            max_request_bytes=server.max_request_bytes,
+        )
         config = uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            host=server.host,
+            port=server.port,
+            log_level=server.log_level,
+            timeout_graceful_shutdown=server.shutdown_grace_s,
             lifespan="off",
         )
         asyncio.run(_serve(_Server(config), app.state.dispatcher, engine))
@@ -125,9 +165,11 @@ def _exit_now(sig: int, frame: Any) -> None:
 
 
 async def _serve(server: uvicorn.Server, dispatcher: Any, engine: Any) -> None:
+    cutter = asyncio.ensure_future(_cut_off_after_grace(server, dispatcher))
     try:
         await server.serve()
     finally:
+        cutter.cancel()
         aborted = dispatcher.abort_all()  # whatever outlived the grace period
         if aborted:
             logger.info("aborted %d request(s) at shutdown", aborted)
@@ -135,7 +177,27 @@ async def _serve(server: uvicorn.Server, dispatcher: Any, engine: Any) -> None:
         await asyncio.to_thread(engine.shutdown)
 
 
+async def _cut_off_after_grace(server: uvicorn.Server, dispatcher: Any) -> None:
+    """Shortly before uvicorn drops the connections still open past the grace period, end what still
+    runs with an error event (then [DONE]), so that no stream is cut without a word."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    grace = server.config.timeout_graceful_shutdown or 0.0
+    await asyncio.sleep(max(0.0, grace - STREAM_CUTOFF_MARGIN_S))
+    cut = dispatcher.cut_off(f"the server is shutting down: the request was still running {grace:g} s after SIGTERM")
+    if cut:
+        logger.info("cut off %d request(s) still running at the end of the shutdown grace period", cut)
+
+
+def parse_server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
+    """server_args_from, with a refused value reported as the parser's usage error (exit status 2)."""
+    try:
+        return server_args_from(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixgen serve", description="Serve a model over HTTP.")
+    parser = argparse.ArgumentParser(prog="radixgen serve", description=SERVE_DESCRIPTION)
     add_server_args(parser)
-    return run_server(server_args_from(parser.parse_args(argv)))
+    return run_server(parse_server_args(parser, parser.parse_args(argv)))

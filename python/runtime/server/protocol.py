@@ -1,4 +1,10 @@
-"""Request bodies of the native and OpenAI-compatible APIs. Unknown fields are rejected, never ignored."""
+"""Request bodies of the OpenAI-compatible API (the native API's are in native_protocol.py).
+
+Every field of the OpenAI spec (and the extra-body fields SGLang accepts on /v1) is accepted, so that a
+client written for either works unchanged; values are strict: a wrong type is a 400 (no coercion of
+"10" to 10, no NaN or infinity). A field that changes nothing here is listed in NO_EFFECT (it is logged
+at debug level when given); a field naming a feature radixgen lacks is accepted only when empty
+(null / false / []), and otherwise refused with a 400 that names the feature. Unknown fields are 400."""
 
 from __future__ import annotations
 
@@ -6,58 +12,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+INT64_MAX = 2**63 - 1
+
+# field -> why it changes nothing here (logged at debug level when a request sets it)
+NO_EFFECT = {
+    "store": "no completions are stored",
+    "metadata": "only for stored completions",
+    "service_tier": "one tier",
+    "user": "an end-user id for the caller's own logs",
+    "safety_identifier": "an end-user id for the caller's own logs",
+    "prompt_cache_key": "prefix caching is automatic (cache_salt partitions it)",
+    "prediction": "no predicted-output speculation; the output is the same without it",
+    "modalities": "text only",
+    "separate_reasoning": "the served model has no reasoning format to separate",
+    "stream_reasoning": "the served model has no reasoning format to separate",
+}
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-# ---------------------------------------------------------------- native API
-
-
-class GenerateRequest(_Strict):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(0, ge=0, le=100)
-    return_text_in_logprobs: bool = False
-    rid: str | None = None  # a batch or n > 1 gets one rid per output, derived from this one
-    cache_salt: str | None = None  # requests share cached prefixes only with the same salt
-    stream: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerateRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("exactly one of text and input_ids must be given")
-        return self
-
-    @property
-    def is_batch(self) -> bool:
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
-
-
-class TokenizeRequest(_Strict):
-    text: str | list[str] | None = None
-    messages: list[dict[str, Any]] | None = None  # tokenized through the chat template
-    add_special_tokens: bool = True
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.text is None) == (self.messages is None):
-            raise ValueError("exactly one of text and messages must be given")
-        return self
-
-
-class DetokenizeRequest(_Strict):
-    tokens: list[int] | list[list[int]]
-    skip_special_tokens: bool = False
-
-
-class AbortRequest(_Strict):
-    rid: str
+def _refuse_if_set(req: BaseModel, features: dict[str, str]) -> None:
+    """`features`: field -> the missing feature it asks for; a set (truthy) value is a 400."""
+    for name, feature in features.items():
+        if getattr(req, name):
+            raise ValueError(f"{name}: {feature} is not supported by this server (only null/false/empty)")
 
 
 # ---------------------------------------------------------------- OpenAI API
@@ -66,6 +46,7 @@ class AbortRequest(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = False  # no effect: no padding is added to chunks
 
 
 class SamplingFields(_Strict):
@@ -78,12 +59,19 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for the caller's own logs; carries no semantics here
-    # extra body
+    cache_salt: str | None = Field(None, max_length=256)  # prefixes are shared only with the same salt
+    # no effect (NO_EFFECT)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # SGLang's extra body
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -96,14 +84,30 @@ class SamplingFields(_Strict):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     rid: str | None = None
+    lora_path: str | list[str | None] | None = None
+    session_params: dict[str, Any] | None = None
+    return_hidden_states: bool = False
 
     @model_validator(mode="after")
-    def _unsupported(self):
+    def _sampling_checks(self):
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise ValueError("logit_bias: not supported (only null or {})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError("seed: seed + n - 1 must fit in 64 bits (choice j is sampled with seed + j)")
+        _refuse_if_set(
+            self,
+            {
+                "lora_path": "LoRA adapters",
+                "session_params": "sessions",
+                "return_hidden_states": "returning hidden states",
+            },
+        )
         return self
+
+    def no_effect_fields(self) -> list[str]:
+        return [f for f in NO_EFFECT if f in self.model_fields_set]
 
 
 class CompletionRequest(SamplingFields):
@@ -160,11 +164,14 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     # extra fields (e.g. "refusal", "audio" echoed back by clients) are tolerated on messages: they
     # are history, not instructions to the sampler.
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    model_config = ConfigDict(strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: ToolCallFunction | None = None  # the legacy form of one tool call
 
 
 class JsonSchemaFormat(_Strict):
@@ -195,9 +202,39 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    functions: list[FunctionDef] | None = None  # the legacy form of tools
+    function_call: Literal["none", "auto"] | NamedToolChoiceFunction | None = None
+    # passed to the chat template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    # no effect, or refused when set
+    modalities: list[Literal["text"]] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_functions(cls, data: Any) -> Any:
+        """`functions` / `function_call` are the legacy spelling of `tools` / `tool_choice`."""
+        if not isinstance(data, dict) or ("functions" not in data and "function_call" not in data):
+            return data
+        if data.get("tools") is not None or data.get("tool_choice") is not None:
+            raise ValueError("give either tools/tool_choice or the legacy functions/function_call, not both")
+        return data
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
+        _refuse_if_set(self, {"audio": "audio output", "web_search_options": "web search"})
+        if self.functions is not None:
+            self.tools = [Tool(function=f) for f in self.functions]
+        if isinstance(self.function_call, NamedToolChoiceFunction):
+            self.tool_choice = NamedToolChoice(function=self.function_call)
+        elif self.function_call is not None:
+            self.tool_choice = self.function_call
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
@@ -208,7 +245,14 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError(
                     f"tool_choice names function {self.tool_choice.function.name!r}, not in tools"
                 )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message requires the last message to be from the assistant")
         return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Answer in the legacy `function_call` message shape."""
+        return self.functions is not None
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
@@ -216,3 +260,14 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
         return self.tool_choice
+
+    @property
+    def parallel_calls(self) -> bool:
+        return self.parallel_tool_calls and not self.legacy_functions  # the legacy form has one call
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs

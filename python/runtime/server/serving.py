@@ -11,8 +11,12 @@ from typing import Any
 
 from starlette.requests import Request
 
+from radixgen.runtime.request_state import RequestError
 from radixgen.runtime.server.errors import APIError
 from radixgen.runtime.server.metrics import ServerMetrics
+from radixgen.runtime.server.middleware import scoped_cache_salt
+
+SHUTDOWN_CODE = "server_shutting_down"
 
 
 def new_rid(prefix: str = "") -> str:
@@ -21,6 +25,21 @@ def new_rid(prefix: str = "") -> str:
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its (non-streamed) response was ready."""
+
+
+class KeyScopedEngine:
+    """The Engine as the HTTP handlers see it when API keys are isolated (--cache-isolation per-key):
+    every generation request runs in its key's cache namespace (combined with its own cache_salt), so
+    one key's prompts never share cached prefixes with another's. Everything else is the Engine's."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def async_generate(self, *args: Any, cache_salt: str | None = None, **kwargs: Any) -> Any:
+        return await self._engine.async_generate(*args, cache_salt=scoped_cache_salt(cache_salt), **kwargs)
 
 
 class Dispatcher:
@@ -32,11 +51,32 @@ class Dispatcher:
         self.metrics = metrics
         self.active: set[str] = set()  # rids submitted and not finished
         self.groups: dict[str, list[str]] = {}  # an API request id -> its engine rids (n > 1, batches)
+        self.cut_reason: str | None = None  # set at shutdown, when what still runs is cut off
+
+    def refuse_taken(self, rids: list[str]) -> None:
+        """400 for a rid (or request group id) that a running request already uses. Refused here, before
+        anything is sent, so that the refusal cannot touch the running request."""
+        taken = [r for r in rids if r in self.active or r in self.groups]
+        if taken:
+            raise APIError(400, f"request id {taken[0]!r} is already in use by a running request", "rid",
+                           "duplicate_rid")
 
     def check_alive(self) -> None:
         """503 at once when the scheduler is gone (a message to a dead scheduler may never be taken)."""
+        if self.cut_reason is not None:
+            raise APIError(503, self.cut_reason, None, SHUTDOWN_CODE)
         if not self.engine.is_alive:
             raise APIError(503, "the scheduler process is not running", None, "scheduler_gone")
+
+    def cut_off(self, reason: str) -> int:
+        """At shutdown, past the grace period: abort every running request; each ends with an error
+        (`reason`, 503) instead of a result, so that its stream gets a final error event."""
+        self.cut_reason = reason
+        return self.abort_all()
+
+    def _check_cut(self, meta: dict) -> None:
+        if self.cut_reason is not None and (meta.get("finish_reason") or {}).get("type") == "abort":
+            raise APIError(503, self.cut_reason, None, SHUTDOWN_CODE)
 
     # ------------------------------------------------------------ abort
 
@@ -71,6 +111,7 @@ class Dispatcher:
         the first chunk of each is awaited too, so that what the scheduler rejects (a grammar that does
         not compile) also raises here, before a streamed response has sent its status line."""
         self.check_alive()
+        self.refuse_taken([rid for rid, _ in jobs])
         opened: list[str] = []
         streams = []
         try:
@@ -110,6 +151,7 @@ class Dispatcher:
                     last, seen_tokens = now, tokens
                 if meta.get("finish_reason") is not None:
                     finished = True
+                    self._check_cut(meta)
                     self.metrics.observe_finished(meta)
                     self.metrics.e2e.observe(now - arrived)
                 yield chunk
@@ -123,6 +165,7 @@ class Dispatcher:
         """Await a non-streamed engine call for `rids`, aborting them if it is cancelled or fails."""
         try:
             self.check_alive()
+            self.refuse_taken(rids)
         except APIError:
             coro.close()  # type: ignore[attr-defined] - never started: nothing to abort
             raise
@@ -131,6 +174,9 @@ class Dispatcher:
         try:
             result = await coro
             done = True
+        except RequestError:  # refused before anything was sent: there is nothing of ours to abort
+            done = True
+            raise
         finally:
             self.active.difference_update(rids)
             if not done:
@@ -138,6 +184,7 @@ class Dispatcher:
                     self.engine.abort(r)
                 self.metrics.finished.inc(len(rids), reason="client_abort")
         for out in result if isinstance(result, list) else [result]:
+            self._check_cut(out["meta_info"])
             self.metrics.observe_finished(out["meta_info"])
         self.metrics.e2e.observe(time.perf_counter() - arrived)
         return result

@@ -169,3 +169,46 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+class ChatToolMode:
+    """How a chat choice's text becomes content and tool_calls, for its tool_choice."""
+
+    def __init__(self, tools: list[Tool], choice: str | NamedToolChoice, parallel: bool):
+        self.tools = tools
+        self.choice = choice
+        self.parallel = parallel
+
+    def parse(self, text: str) -> ParsedCalls:
+        if self.choice == "none":
+            return ParsedCalls(text, [])
+        if self.choice == "auto":
+            return parse_auto(text, self.tools)
+        parsed = parse_constrained(text, self.tools, self.choice, self.parallel)
+        return parsed if parsed is not None else ParsedCalls(text, [])
+
+    def stream_filter(self) -> ToolStreamFilter:
+        return ToolStreamFilter(self)
+
+
+class ToolStreamFilter:
+    """Per-choice streaming of content: everything passes without tools; with tool_choice auto, text
+    that may be a call is held back; with a forced call, everything is held and parsed at the end."""
+
+    def __init__(self, mode: ChatToolMode):
+        self.mode = mode
+        self.auto = AutoToolStream(mode.tools) if mode.choice == "auto" else None
+        self.held = mode.choice not in ("none", "auto")
+
+    def feed(self, delta: str) -> str:
+        if self.auto is not None:
+            return self.auto.feed(delta)
+        return "" if self.held else delta
+
+    def finish(self, text: str) -> ParsedCalls:
+        """What is left to send at the end: content not yet sent, and the calls."""
+        if self.auto is not None:
+            return self.auto.finish()
+        if self.held:
+            return self.mode.parse(text)
+        return ParsedCalls(None, [])

@@ -1,0 +1,145 @@
+"""The C kernels' entry points, each declared once: name -> (C return type, [(argument name, C type)]).
+
+The ctypes argtypes and restype of every function come from this table, and every call passes its arguments
+by name (`bind` makes each a keyword-only Python function, so an argument left out, misspelt or given twice is
+a TypeError instead of memory silently read at the wrong place). tests/kernels/test_cpu_bindings.py parses the
+prototypes of csrc/cpu_kernels.c, preprocessed for each instruction set (stubs included), and checks this
+table against them: name, arity, and the C type and name of every argument.
+
+Kernels that can fail return `rg_status` (0: success); a call that gets anything else raises CKernelError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+# the element type of the dtype-generic kernels (csrc/cpu_kernels_impl.h's T), by name suffix
+ELEMENT_TYPES = {"f32": "float", "bf16": "uint16_t"}
+
+_TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being that suffix's element type
+    "rg_d_max": ("int", []),
+    "rg_has_decode_step": ("int", []),
+    "rg_store_kv_{T}": ("void", [
+        ("k", "const T *"), ("k_stride", "int64_t"), ("v", "const T *"), ("v_stride", "int64_t"),
+        ("k_buf", "T *"), ("v_buf", "T *"), ("slots", "const int64_t *"), ("n_tok", "int64_t"),
+        ("row_elems", "int64_t")]),
+    "rg_decode_attention_{T}": ("rg_status", [
+        ("q", "const T *"), ("q_stride", "int64_t"), ("k_buf", "const T *"), ("v_buf", "const T *"),
+        ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
+        ("seq_lens", "const int64_t *"), ("out", "T *"), ("B", "int64_t"), ("H", "int64_t"), ("Hkv", "int64_t"),
+        ("D", "int64_t"), ("scale", "float"), ("splits", "int64_t"), ("part", "float *")]),
+    "rg_add_rmsnorm_{T}": ("void", [
+        ("x", "const T *"), ("x_stride", "int64_t"), ("residual", "T *"), ("weight", "const T *"), ("out", "T *"),
+        ("n_rows", "int64_t"), ("N", "int64_t"), ("eps", "float")]),
+    "rg_rotary_{T}": ("void", [
+        ("positions", "const int64_t *"), ("q", "T *"), ("q_stride", "int64_t"), ("Hq", "int64_t"), ("k", "T *"),
+        ("k_stride", "int64_t"), ("Hk", "int64_t"), ("cos_sin", "const float *"), ("D", "int64_t"),
+        ("n_tok", "int64_t")]),
+    # bfloat16 only, AVX512-BF16 (elsewhere stubs returning RG_ERR_UNSUPPORTED)
+    "rg_pack_kpairs_bf16": ("rg_status", [
+        ("w", "const uint16_t *"), ("N", "int64_t"), ("K", "int64_t"), ("out", "uint16_t *")]),
+    "rg_gemv_kpairs_bf16": ("rg_status", [
+        ("x", "const uint16_t *"), ("M", "int64_t"), ("K", "int64_t"), ("wp", "const uint16_t *"),
+        ("yf", "float *"), ("N", "int64_t")]),
+    "rg_silu_and_mul_bf16": ("rg_status", [
+        ("gu", "const uint16_t *"), ("out", "uint16_t *"), ("M", "int64_t"), ("I", "int64_t")]),
+    "rg_decode_step_scratch_bytes_bf16": ("int64_t", [
+        ("M", "int64_t"), ("hidden", "int64_t"), ("H", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"),
+        ("inter", "int64_t"), ("max_piece", "int64_t"), ("threads", "int64_t")]),
+    "rg_decode_step_bf16": ("rg_status", [
+        ("layers", "const rg_layer_bf16 *"), ("n_layers", "int64_t"), ("final_norm", "const uint16_t *"),
+        ("lm_head", "const uint16_t *"), ("vocab", "int64_t"), ("logits", "float *"), ("embed", "const uint16_t *"),
+        ("ids", "const int64_t *"), ("M", "int64_t"), ("hidden", "int64_t"), ("H", "int64_t"), ("Hkv", "int64_t"),
+        ("D", "int64_t"), ("inter", "int64_t"), ("eps", "float"), ("scale", "float"),
+        ("positions", "const int64_t *"), ("cos_sin", "const float *"), ("out_slots", "const int64_t *"),
+        ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
+        ("splits", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"), ("res_a", "uint16_t *"),
+        ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
+        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t")]),
+    "rg_extend_attention_bf16": ("rg_status", [
+        ("q", "const uint16_t *"), ("q_stride", "int64_t"), ("k_buf", "const uint16_t *"),
+        ("v_buf", "const uint16_t *"), ("table", "const int64_t *"), ("table_stride", "int64_t"),
+        ("rows", "const int64_t *"), ("prefix_lens", "const int64_t *"), ("extend_lens", "const int64_t *"),
+        ("q_start", "const int64_t *"), ("out", "uint16_t *"), ("B", "int64_t"), ("H", "int64_t"),
+        ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("pack", "uint16_t *")]),
+}
+
+
+def _expand(table) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    out = {}
+    for name, (restype, args) in table.items():
+        if "{T}" not in name:
+            out[name] = (restype, list(args))
+            continue
+        for suffix, elem in ELEMENT_TYPES.items():
+            out[name.format(T=suffix)] = (restype, [(a, " ".join(elem if w == "T" else w for w in t.split()))
+                                                   for a, t in args])
+    return out
+
+
+DECLARATIONS = _expand(_TABLE)  # every exported C function, dtype-generic ones once per element type
+
+STATUS = {0: "ok", 1: "a memory allocation failed", 2: "not supported by this build or these arguments",
+          3: "the scratch buffer is too small"}
+
+
+class CKernelError(RuntimeError):
+    """A C kernel returned a failure status."""
+
+
+class LayerBF16(ctypes.Structure):
+    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
+                                                     "down", "k_buf", "v_buf", "q_norm", "k_norm")]
+
+
+_SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "rg_status": ctypes.c_int}
+
+
+def ctype_of(c_type: str):
+    """The ctypes type passing a value of C type `c_type`; None for void."""
+    if c_type == "void":
+        return None
+    if c_type.endswith("*"):
+        return ctypes.POINTER(LayerBF16) if "rg_layer_bf16" in c_type else ctypes.c_void_p
+    return _SCALARS[c_type]
+
+
+def bind(cdll: ctypes.CDLL, name: str):
+    """The C function `name` of `cdll`, its ctypes types set from DECLARATIONS, as a Python function that takes
+    exactly the declared arguments, by keyword only (and raises CKernelError on a failure status). The
+    function is generated so that Python itself checks the names: these are hot-path calls. Its `argnames` are
+    the declared names, `c_function` the ctypes function."""
+    restype, args = DECLARATIONS[name]
+    fn = getattr(cdll, name)
+    fn.argtypes = [ctype_of(t) for _, t in args]
+    fn.restype = ctype_of(restype)
+    params = ", ".join(a for a, _ in args)
+    if restype == "rg_status":
+        body = (f"    status = fn({params})\n"
+                f"    if status:\n"
+                f"        raise CKernelError('{name} failed: ' + STATUS.get(status, f'status {{status}}'))\n"
+                f"    return status\n")
+    else:
+        body = f"    return fn({params})\n"
+    scope = {"fn": fn, "CKernelError": CKernelError, "STATUS": STATUS}
+    exec(f"def {name}({'*, ' + params if params else ''}):\n{body}", scope)  # noqa: S102
+    call = scope[name]
+    call.argnames, call.c_function = tuple(a for a, _ in args), fn
+    return call
+
+
+class CKernels:
+    """A loaded build of the kernels: `fn(name, dtype_suffix)` / `fn(full_name)` is a bound entry point."""
+
+    def __init__(self, path: Path, isa: str = "native") -> None:
+        self.path, self.isa = path, isa
+        self.cdll = ctypes.CDLL(str(path))
+        self._fns = {name: bind(self.cdll, name) for name in DECLARATIONS}
+        self.d_max = int(self._fns["rg_d_max"]())
+        self.has_decode_step = bool(self._fns["rg_has_decode_step"]())
+
+    def fn(self, name: str, suffix: str | None = None):
+        return self._fns[f"rg_{name}_{suffix}" if suffix else name]

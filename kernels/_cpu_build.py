@@ -1,0 +1,101 @@
+"""Building csrc/cpu_kernels.c with the system C compiler, for this CPU or for a named instruction set.
+
+`native` (-march=native) is what the runtime loads. The others are the CPUs that lack AVX512-BF16, for which
+the tests build and check a variant too: `x86-64-v3` (AVX2, FMA) and `skylake-avx512` (AVX512F, no BF16).
+Builds are cached under ~/.cache/radixgen/kernels (RADIXGEN_KERNEL_CACHE overrides), keyed by the sources,
+the compiler, the flags and, for native, the CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SRC_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h")
+ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512"}
+_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc/gcc); set CC")
+    return cc
+
+
+def flags(isa: str) -> tuple[str, ...]:
+    if isa not in ISAS:
+        raise ValueError(f"unknown instruction set {isa!r}; known: {sorted(ISAS)}")
+    return (*_FLAGS, ISAS[isa])
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RADIXGEN_KERNEL_CACHE") or Path.home() / ".cache" / "radixgen" / "kernels")
+
+
+def _build_key(cc: str, isa: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((SRC_DIR / name).read_bytes())
+    h.update(" ".join((cc, *flags(isa))).encode())
+    h.update(platform.machine().encode())
+    if isa == "native":  # -march=native: a different CPU needs a different build
+        try:
+            h.update(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("flags")).encode())
+        except (OSError, StopIteration):
+            pass
+    return h.hexdigest()[:16]
+
+
+def _run(cmd: list[str]) -> str | None:
+    """The compiler's complaint, or None when it succeeded."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        return str(exc)
+    return proc.stderr[-2000:] if proc.returncode != 0 else None
+
+
+def build(isa: str = "native", out_dir: Path | None = None) -> Path:
+    """The shared library for `isa`, compiled unless the cache (or out_dir) already holds it."""
+    cc = compiler()
+    out = (out_dir or cache_dir()) / f"cpu_kernels-{isa}-{_build_key(cc, isa)}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build into a temporary name and rename: concurrent builders (test workers, server processes) never
+    # load a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *flags(isa), "-shared", "-fPIC", "-o", tmp, str(SRC_DIR / "cpu_kernels.c")]
+    error = _run(cmd)
+    if error is not None:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{error}")
+    os.replace(tmp, out)
+    return out
+
+
+def preprocess(isa: str) -> str:
+    """cpu_kernels.c after the preprocessor with `isa`'s flags, only the lines that come from csrc's own files
+    (the prototypes a build of that instruction set exports, stubs included)."""
+    cmd = [compiler(), *flags(isa), "-E", str(SRC_DIR / "cpu_kernels.c")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"preprocessing failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    keep, ours = [], False
+    for line in proc.stdout.splitlines():
+        if line.startswith("# "):  # a line marker: `# <line> "<file>" <flags>`
+            parts = line.split('"')
+            ours = len(parts) > 1 and Path(parts[1]).name in SOURCES
+            continue
+        if ours:
+            keep.append(line)
+    return "\n".join(keep)

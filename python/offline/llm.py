@@ -1,0 +1,244 @@
+"""`radixgen.LLM`: the offline batch API in vLLM's shape, over an in-process `Engine`.
+
+    from radixgen.offline import LLM, SamplingParams     # was: from vllm import LLM, SamplingParams
+    llm = LLM()                                           # the bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(outs[0].outputs[0].text)
+
+Every prompt of a call is sent at once (the scheduler batches them and shares their prefixes
+through the radix cache); results come back in prompt order. Requests run on the Engine's asyncio
+API in a private event-loop thread, so `generate` works from any thread, a notebook included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from radixgen.offline.outputs import RequestOutput, request_output
+from radixgen.offline.params import SamplingParams
+
+# vLLM engine arguments with a radixgen equivalent (name -> Engine option); the rest go to the Engine as they are.
+_RENAMED = {
+    "max_model_len": "context_length",
+    "max_num_seqs": "max_running_requests",
+    "max_num_batched_tokens": "max_prefill_tokens",
+}
+
+
+def engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in options.items():
+        if name == "tensor_parallel_size":
+            if value != 1:
+                raise ValueError(f"LLM.tensor_parallel_size: radixgen runs on one device (got {value!r})")
+        elif name == "enforce_eager":
+            out["disable_cuda_graph"] = bool(value)
+        elif name == "enable_prefix_caching":
+            out["disable_radix_cache"] = not value
+        elif name == "trust_remote_code":
+            pass  # radixgen never runs a checkpoint's own code: its models are in radixgen.runtime.models
+        else:
+            out[_RENAMED.get(name, name)] = value
+    return out
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, seed: int | None = None,
+                 **options: Any):
+        """`model`: a model folder, GGUF file or hub name known locally (None: the bundled default);
+        `options`: Engine options (RuntimeConfig fields) or their vLLM names (max_model_len...).
+        `seed`: requests without a seed of their own get seed, seed+1, ... in the order they are sent."""
+        from radixgen.runtime.engine import Engine
+
+        if tokenizer is not None and tokenizer != model:
+            raise ValueError("LLM.tokenizer: radixgen uses the model's own tokenizer (pass only model=...)")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"LLM.seed: must be an integer (got {seed!r})")
+        self.engine = Engine(model, **engine_options(options))
+        self._seeds = None if seed is None else itertools.count(seed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- the API
+    def generate(
+        self,
+        prompts: Any = None,
+        sampling_params: Any = None,
+        *,
+        prompt_token_ids: list[list[int]] | list[int] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. `prompts`: a string, a list of strings, a
+        `{"prompt": str}` / `{"prompt_token_ids": [...]}` dict or a list of them (or token ids through
+        `prompt_token_ids`). `sampling_params`: one for all prompts or a list with one per prompt; each
+        a radixgen.offline.SamplingParams, the runtime's radixgen.SamplingParams or a dict of its fields
+        (None: SamplingParams())."""
+        if lora_request is not None:
+            raise ValueError("LLM.generate.lora_request: radixgen serves no LoRA adapters yet")
+        items = self._prompts(prompts, prompt_token_ids)
+        return self._run(items, self._params(sampling_params, len(items)), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: Any = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: Any = None,
+    ) -> list[RequestOutput]:
+        """Generate the next assistant turn of one conversation (a list of messages) or of each of a
+        list of conversations, rendered with the model's chat template (or `chat_template`)."""
+        if lora_request is not None:
+            raise ValueError("LLM.chat.lora_request: radixgen serves no LoRA adapters yet")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("LLM.chat: messages must be a non-empty list of messages (or of conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        items = []
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise ValueError("LLM.chat: a conversation is a list of {'role': ..., 'content': ...} dicts")
+            text = tok.apply_chat_template(
+                list(conv),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            # the template already holds any special tokens the model wants
+            items.append((text, tok(text, add_special_tokens=False).input_ids))
+        return self._run(items, self._params(sampling_params, len(items)), use_tqdm)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- inputs
+    def _prompts(self, prompts: Any, token_ids: Any) -> list[tuple[str | None, list[int]]]:
+        if (prompts is None) == (token_ids is None):
+            raise ValueError("LLM.generate: pass prompts or prompt_token_ids (one of them)")
+        if token_ids is not None:
+            batch = token_ids if token_ids and isinstance(token_ids[0], (list, tuple)) else [token_ids]
+            return [(None, list(ids)) for ids in batch]
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+            prompts = [{"prompt_token_ids": list(prompts)}]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("LLM.generate: prompts must be a string, a dict or a non-empty list of them")
+        tok = self.engine.tokenizer
+        items = []
+        for p in prompts:
+            if isinstance(p, str):
+                items.append((p, tok(p).input_ids))  # tokenized as Engine.generate tokenizes a text prompt
+            elif isinstance(p, dict):
+                extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+                if extra:
+                    raise ValueError(f"LLM.generate: prompt field(s) {extra} are not supported (text-only models)")
+                if "prompt_token_ids" in p:
+                    items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+                elif "prompt" in p:
+                    items.append((p["prompt"], tok(p["prompt"]).input_ids))
+                else:
+                    raise ValueError("LLM.generate: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            elif isinstance(p, (list, tuple)):
+                items.append((None, list(p)))
+            else:
+                raise ValueError(f"LLM.generate: a prompt is a string, a dict or token ids, not {type(p).__name__}")
+        return items
+
+    @staticmethod
+    def _params(sampling_params: Any, count: int) -> list[Any]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != count:
+                raise ValueError(f"LLM.generate: {len(sampling_params)} sampling_params for {count} prompts")
+            return list(sampling_params)
+        return [sampling_params] * count
+
+    def _request(self, ids: list[int], params: Any) -> tuple[list[int], dict[str, Any]]:
+        """(prompt ids, Engine.async_generate keyword arguments) of one prompt."""
+        kwargs: dict[str, Any] = {}
+        if isinstance(params, SamplingParams):
+            if params.truncate_prompt_tokens is not None:
+                ids = ids[len(ids) - params.truncate_prompt_tokens :] if params.truncate_prompt_tokens else []
+            native = params.native(len(ids), self.engine.model_info["context_length"])
+            if params.logprobs is not None or params.prompt_logprobs is not None:
+                kwargs.update(return_logprob=True, top_logprobs_num=params.top_logprobs_num,
+                              return_text_in_logprobs=True)
+                if params.prompt_logprobs is not None:
+                    kwargs["logprob_start_len"] = 0
+        elif isinstance(params, dict):
+            native = dict(params)
+        elif hasattr(params, "to_dict"):  # the runtime's own SamplingParams
+            native = params.to_dict()
+        else:
+            raise ValueError(f"LLM.generate: sampling_params must be a SamplingParams or a dict, not {params!r}")
+        if self._seeds is not None and native.get("seed") is None:
+            native["seed"] = next(self._seeds)
+        return ids, {"input_ids": ids, "sampling_params": native, **kwargs}
+
+    # ---- running
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, daemon=True, name="radixgen-llm").start()
+            return self._loop
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params: list[Any], use_tqdm: bool) -> list[RequestOutput]:
+        requests = [self._request(ids, p) for (_, ids), p in zip(items, params, strict=True)]
+        eos = set(self.engine.model_info.get("eos_token_ids") or [])
+
+        async def one(kwargs: dict[str, Any]) -> list[dict]:
+            result = await self.engine.async_generate(**kwargs)
+            return result if isinstance(result, list) else [result]
+
+        loop = self._event_loop()
+        futures = [asyncio.run_coroutine_threadsafe(one(kwargs), loop) for _, kwargs in requests]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(futures), desc="Processed prompts")
+            for f in futures:
+                f.add_done_callback(lambda _: bar.update(1))
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:  # a request that failed (or an interrupt): the others are aborted, not left running
+                f.cancel()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [
+            request_output(uuid.uuid4().hex, text, ids, res, p, eos)
+            for (text, _), (ids, _), res, p in zip(items, requests, results, params, strict=True)
+        ]

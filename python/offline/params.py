@@ -1,0 +1,157 @@
+"""vLLM-shaped request parameters for `radixgen.LLM`: `SamplingParams` and `GuidedDecodingParams`.
+
+These are the offline API's own classes (vLLM's names and defaults, e.g. max_tokens=16); the
+runtime's native `radixgen.SamplingParams` (max_new_tokens...) is a different class, and
+`LLM.generate` takes either (or a dict of native fields). Each maps onto the native parameters in
+`native()`; a vLLM option radixgen has no implementation for is refused when set, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Structured output: exactly one of json (a JSON schema: dict, str or pydantic model class),
+    regex, choice (a list of strings), grammar (EBNF, xgrammar's dialect), json_object=True."""
+
+    json: dict | str | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"GuidedDecodingParams: set exactly one of {', '.join(kinds)} (got {given})")
+        if self.backend not in (None, "auto", "xgrammar"):
+            raise ValueError(f"GuidedDecodingParams.backend: radixgen uses xgrammar only (got {self.backend!r})")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "GuidedDecodingParams.whitespace_pattern: not supported (the Engine option grammar_json_whitespace "
+                "chooses compact or flexible JSON)"
+            )
+        if self.choice is not None and (isinstance(self.choice, str) or not list(self.choice)):
+            raise ValueError("GuidedDecodingParams.choice: must be a non-empty list of strings")
+
+    def native(self) -> dict[str, Any]:
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model
+                schema = schema.model_json_schema()
+            return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+        if self.json_object:
+            return {"json_schema": json.dumps({"type": "object"})}
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.choice is not None:
+            return {"choices": list(self.choice)}
+        return {"ebnf": self.grammar}
+
+
+# vLLM options with no implementation here: refused unless left at these defaults.
+_UNSUPPORTED = {
+    "best_of": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "detokenize": True,
+}
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's sampling parameters (names, meanings and defaults), for `LLM.generate` / `LLM.chat`."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: the whole vocabulary
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top logprobs per output token (0: the sampled token's only)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    guided_decoding: GuidedDecodingParams | dict | None = None
+    structured_outputs: GuidedDecodingParams | dict | None = None  # vLLM's newer name for guided_decoding
+    best_of: int | None = None
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    detokenize: bool = True
+    extra_args: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, default in _UNSUPPORTED.items():
+            value = getattr(self, name)
+            if name == "best_of" and value in (None, self.n):
+                continue
+            if value != default:
+                raise ValueError(f"SamplingParams.{name}: not supported by radixgen (got {value!r})")
+        if self.extra_args:
+            raise ValueError(f"SamplingParams.extra_args: radixgen takes no extra arguments (got {self.extra_args!r})")
+        if self.guided_decoding is not None and self.structured_outputs is not None:
+            raise ValueError("SamplingParams: set guided_decoding or structured_outputs, not both")
+        guided = self.guided_decoding if self.guided_decoding is not None else self.structured_outputs
+        if isinstance(guided, dict):
+            guided = GuidedDecodingParams(**guided)
+        if guided is not None and not isinstance(guided, GuidedDecodingParams):
+            raise ValueError(f"SamplingParams.guided_decoding: a GuidedDecodingParams, not {type(guided).__name__}")
+        self.guided_decoding, self.structured_outputs = guided, None
+        for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"SamplingParams.{name}: must be None or an integer >= 0 (got {value!r})")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"SamplingParams.max_tokens: must be None or an integer >= 1 (got {self.max_tokens!r})")
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
+    def native(self, prompt_len: int, context_length: int) -> dict[str, Any]:
+        """The runtime's sampling_params dict (its validation names any bad value)."""
+        max_new = context_length - prompt_len if self.max_tokens is None else self.max_tokens
+        out: dict[str, Any] = {
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": -1 if self.top_k == 0 else self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop or [],
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "max_new_tokens": max_new,
+            "min_new_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.include_stop_str_in_output,
+        }
+        if not self.spaces_between_special_tokens:  # sent only when it differs from the runtime's default
+            out["spaces_between_special_tokens"] = False
+        if self.guided_decoding is not None:
+            out.update(self.guided_decoding.native())
+        return out

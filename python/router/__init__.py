@@ -1,0 +1,1 @@
+"""The data-parallel router: one public endpoint over many radixgen servers (`radixgen router`)."""

@@ -1,0 +1,170 @@
+"""The device's ops: one set chosen once at start (`ops_for`), installed on the model's layers, which call
+`ops.rms_norm`, `ops.add_rms_norm`, `ops.rotary`, `ops.silu_and_mul`; attention goes through `ops.attention`
+(the backend the runner puts in each step's ForwardContext) and linear layers through `ops.linear_method`.
+
+- `TorchOps`: plain torch, any device. The reference the others are tested against (disable_cpu_kernels
+  selects it for a whole model), and what their ops fall back to for a shape or stride they do not cover.
+- `CpuOps`: radixgen.kernels.cpu's C kernels (where the build exists and the shape and strides fit), the CPU
+  attention backend, oneDNN-packed linear weights.
+- `TritonOps`: radixgen.kernels' Triton kernels; on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixgen.kernels import cpu as cpu_kernels
+from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
+from radixgen.runtime.layers.embedding import ParallelLMHead
+from radixgen.runtime.layers.linear import DENSE, ONEDNN_PACKED, LinearBase, LinearMethod
+
+
+class TorchOps:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.attention = TorchAttentionBackend()
+        self.linear_method: LinearMethod = DENSE
+        self._rotary_lookup: tuple = (None, None, None, None)  # (positions, dtype, table, (cos, sin))
+
+    def install(self, model: nn.Module) -> None:
+        """Make this the ops of every layer of `model` (once, after its weights are loaded: linear methods may
+        re-lay-out the weights)."""
+        for m in model.modules():
+            if isinstance(m, OpsLayer):
+                m.ops = self
+            if isinstance(m, (LinearBase, ParallelLMHead)):
+                m.set_linear_method(self.linear_method)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, computed in float32, rounded once to x's dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.float() * xf).to(x.dtype) if weight.dtype != torch.float32 else (weight * xf).to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); the sum is rounded to the dtype before the norm."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half rotary embedding of q (T, Hq, D), k (T, Hk, D) at `positions`; cos_sin_cache (P, D) float32
+        holds cos in its first D/2 columns, sin in the rest. Returns the rotated q, k (in place or new)."""
+        # every layer of a step passes the same positions tensor: look the table up once per step
+        last_pos, last_dtype, last_table, cos_sin = self._rotary_lookup
+        if positions is not last_pos or q.dtype != last_dtype or cos_sin_cache is not last_table:
+            cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # (T, D/2) each
+            cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
+            self._rotary_lookup = (positions, q.dtype, cos_sin_cache, cos_sin)
+        cos, sin = cos_sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., 2N) gate|up -> (..., N) silu(gate) * up."""
+        return cpu_kernels.silu_and_mul_ref(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _heads_contiguous(t: torch.Tensor, head_dim: int) -> bool:
+    return t.stride(2) == 1 and t.stride(1) == head_dim
+
+
+class CpuOps(TorchOps):
+    """The C kernels of `kl` (None: no build, torch throughout) where they apply, else the torch op; oneDNN-packed
+    linear weights either way."""
+
+    name = "cpu"
+
+    def __init__(self, kl: cpu_kernels.CKernels | None) -> None:
+        super().__init__()
+        self.kl = kl
+        self.attention = CpuAttentionBackend(kl) if kl is not None else TorchAttentionBackend()
+        self.linear_method = ONEDNN_PACKED
+
+    def _c_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the C RMSNorm takes x: (T, N) rows of unit stride, float32 or bfloat16, weight alike."""
+        return (self.kl is not None and x.dim() == 2 and x.stride(1) == 1 and x.is_cpu
+                and x.dtype in cpu_kernels.DTYPES and weight.dtype == x.dtype)
+
+    def rms_norm(self, x, weight, eps):
+        if self._c_rows(x, weight):
+            return cpu_kernels._add_rmsnorm(self.kl, x, weight, eps, None)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self._c_rows(x, weight) and residual.dtype == x.dtype:
+            residual = residual.contiguous()  # one C call: the residual add happens in place on it
+            return cpu_kernels._add_rmsnorm(self.kl, x, weight, eps, residual), residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        d = q.shape[2]
+        if (self.kl is not None and q.is_cpu and q.dtype in cpu_kernels.DTYPES and k.dtype == q.dtype
+                and positions.dtype == torch.int64 and positions.is_contiguous()
+                and _heads_contiguous(q, d) and _heads_contiguous(k, d)):
+            cpu_kernels._rotary(self.kl, positions, q, k, cos_sin_cache)
+            return q, k
+        return super().rotary(positions, q, k, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        # one C call for bf16 on AVX512-BF16 CPUs, the same bits as torch's
+        if (self.kl is not None and self.kl.has_decode_step and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.is_contiguous() and x.is_cpu):
+            return cpu_kernels._silu_and_mul(self.kl, x)
+        return super().silu_and_mul(x)
+
+
+class TritonOps(TorchOps):
+    """radixgen.kernels' Triton kernels: attention, fused add-RMSNorm over (T, N) rows, rotary in place; the
+    SiLU and per-head norms stay torch ops."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = TritonAttentionBackend()
+
+    def rms_norm(self, x, weight, eps):
+        if x.dim() == 2:
+            from radixgen import kernels
+
+            return kernels.fused_add_rmsnorm(x, weight, eps).out
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.dim() == 2:
+            from radixgen import kernels
+
+            out, residual = kernels.fused_add_rmsnorm(x, weight, eps, residual)
+            return out, residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, positions, q, k, cos_sin_cache):
+        from radixgen import kernels
+
+        kernels.rotary_embedding_(positions, q, k, cos_sin_cache, q.shape[2])
+        return q, k
+
+
+def ops_for(device: torch.device | str, disable_cpu_kernels: bool = False) -> TorchOps:
+    """The ops set of a device, chosen once: Triton on CUDA; on the CPU the C kernels (when they build) unless
+    disable_cpu_kernels asks for plain torch."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return TritonOps()
+    if device.type != "cpu" or disable_cpu_kernels:
+        return TorchOps()
+    return CpuOps(cpu_kernels.lib())
+
+
+class OpsLayer(nn.Module):
+    """A layer whose math goes through `self.ops`: plain torch until `ops.install(model)` sets the device's set."""
+
+    ops: TorchOps = TorchOps()

@@ -1,0 +1,146 @@
+"""The messages between the Engine and the scheduler process (pickled over zmq): small typed records only.
+
+Engine -> scheduler: `GenerateRequest`, `AbortRequest`, `ControlRequest`.
+Scheduler -> Engine: `ReadySignal` (once, at start), `ReqOutput` (per step and request), `ControlReply`,
+`FatalError` (the scheduler cannot go on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from radixgen.runtime.sampling_params import SamplingParams
+
+FinishKind = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended.
+
+    stop: `matched` is the stop token id, the stop string or the text the stop regex matched (None when a
+    grammar terminated). length: `length` tokens were generated. abort: `message` says why; `status_code` is
+    set when the request itself was at fault (400) and `fatal` when the runtime can no longer serve.
+    """
+
+    kind: FinishKind
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    fatal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("stop", "length", "abort"):
+            raise ValueError(f"unknown finish kind {self.kind!r}")
+
+    @classmethod
+    def stop(cls, matched: int | str | None) -> FinishReason:
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def length_limit(cls, length: int) -> FinishReason:
+        return cls("length", length=length)
+
+    @classmethod
+    def abort(cls, message: str, status_code: int | None = None, fatal: bool = False) -> FinishReason:
+        return cls("abort", message=message, status_code=status_code, fatal=fatal)
+
+    @property
+    def is_request_error(self) -> bool:
+        """An abort caused by the request itself (the caller gets a 400 / RequestError)."""
+        return self.kind == "abort" and self.status_code == 400
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire shape (native API `meta_info.finish_reason`): {"type": kind, ...}; the one place it is built."""
+        if self.kind == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.kind == "length":
+            return {"type": "length", "length": self.length}
+        out: dict[str, Any] = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        if self.fatal:
+            out["fatal"] = True
+        return out
+
+
+# ---------------------------------------------------------------- Engine -> scheduler
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+class ControlKind(str, Enum):
+    FLUSH_CACHE = "flush_cache"  # reply: True, or False when requests are running
+    SERVER_INFO = "server_info"  # reply: a dict (cache usage, queue lengths, stats)
+    SHUTDOWN = "shutdown"  # reply: True, then the process exits
+
+
+@dataclass
+class ControlRequest:
+    """A request answered by a `ControlReply` with the same id. `kind` may be given as its string value."""
+
+    reply_id: int
+    kind: ControlKind
+
+    def __post_init__(self) -> None:
+        self.kind = ControlKind(self.kind)  # ValueError names an unknown kind
+
+
+# ---------------------------------------------------------------- scheduler -> Engine
+
+
+@dataclass
+class ReadySignal:
+    """Sent once when the scheduler process has built everything."""
+
+    num_slots: int  # KV pool capacity in tokens
+    context_length: int
+    vocab_size: int
+    dtype: str
+    max_running_requests: int
+    grammar: bool  # constrained decoding available
+
+
+@dataclass
+class ControlReply:
+    reply_id: int
+    payload: Any
+
+
+@dataclass
+class ReqOutput:
+    """What one step produced for one request (only the new part)."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[tuple[list[float], list[int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None  # sent once, when complete
+    input_top: list[tuple[list[float], list[int]] | None] | None = None
+    # the refusal of a second request under a rid already in flight: it is not about the request in flight
+    duplicate: bool = False
+
+
+@dataclass
+class FatalError:
+    message: str

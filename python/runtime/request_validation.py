@@ -1,0 +1,165 @@
+"""The Engine's front-end checks: everything about a generate call that can be judged before it is sent to the
+scheduler. Each failure is a RequestError (a ValueError) naming the field and the limit it breaks."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, NamedTuple
+
+from radixgen.runtime.messages import GenerateRequest
+from radixgen.runtime.request_state import RequestError
+from radixgen.runtime.sampling_params import SamplingParams, check_text, choice_seeds, is_int
+
+MAX_TOP_LOGPROBS = 100
+
+
+class ModelLimits(NamedTuple):
+    """What the running model and scheduler can take (from the ready signal)."""
+
+    vocab_size: int
+    context_length: int
+    num_kv_slots: int  # KV pool capacity in tokens
+    supports_constraints: bool
+    strict_json: bool
+
+
+class Prepared(NamedTuple):
+    batched: bool  # the caller gets a list of results
+    base_rid: str  # the caller's rid (or a fresh one); derived rids are f"{base}-{prompt}-{choice}"
+    requests: list[GenerateRequest]
+
+
+def _reject(message: str) -> RequestError:
+    return RequestError(message)
+
+
+def check_unicode(name: str, text: str) -> None:
+    """RequestError when `text` is not valid Unicode (a lone surrogate such as "\\ud800")."""
+    try:
+        check_text(name, text)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def prompt_texts(prompt: Any) -> tuple[bool, list[str]]:
+    """(batched, texts) of a `prompt` argument: a string or a non-empty list of strings of valid Unicode."""
+    batched = isinstance(prompt, (list, tuple))
+    texts = list(prompt) if batched else [prompt]
+    if not all(isinstance(t, str) for t in texts):
+        raise _reject("prompt: must be a string or a list of strings")
+    if batched and not texts:
+        raise _reject("prompt: the prompt list is empty")
+    for t in texts:
+        check_unicode("prompt", t)
+    return batched, texts
+
+
+def prompt_ids(input_ids: Any, vocab_size: int) -> tuple[bool, list[list[int]]]:
+    """(batched, ids) of an `input_ids` argument: a list of token ids or a non-empty list of such lists;
+    ids are ints (not bools) in [0, vocab_size)."""
+    if not isinstance(input_ids, (list, tuple)):
+        raise _reject("input_ids: must be a list of token ids or a list of such lists")
+    batched = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
+    seqs = list(input_ids) if batched else [input_ids]
+    out = []
+    for seq in seqs:
+        if not isinstance(seq, (list, tuple)):
+            raise _reject("input_ids: must be a list of token ids or a list of such lists")
+        for t in seq:
+            if not is_int(t):
+                raise _reject(f"input_ids: token ids must be integers, got {t!r}")
+            if not 0 <= t < vocab_size:
+                raise _reject(f"input_ids: token id {t} is out of the vocabulary [0, {vocab_size})")
+        out.append(list(seq))
+    return batched, out
+
+
+def kv_slots_needed(prompt_len: int, max_new_tokens: int) -> int:
+    """KV slots a request holds at its largest: the prompt, then one per generated token except the last
+    (a finished request never computes the KV of its last token)."""
+    return prompt_len + max(max_new_tokens - 1, 0)
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, limits: ModelLimits) -> None:
+    """The request fits the context length and, even alone, the KV pool (a request the pool can never hold
+    would otherwise wait or be cut short): a RequestError naming both sizes."""
+    if not prompt_len:
+        raise _reject("prompt: the prompt is empty (no tokens)")
+    if prompt_len + max_new_tokens > limits.context_length:
+        raise _reject(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                      f"context length ({limits.context_length} tokens)")
+    need = kv_slots_needed(prompt_len, max_new_tokens)
+    if need > limits.num_kv_slots:
+        raise _reject(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) needs {need} "
+                      f"KV cache slots, more than the KV pool holds ({limits.num_kv_slots} tokens)")
+
+
+def check_params(params: SamplingParams, limits: ModelLimits) -> None:
+    """What SamplingParams cannot check alone: token ids against the vocabulary, constraints compile."""
+    bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise _reject(f"sampling_params.stop_token_ids: token id {bad[0]} is out of the vocabulary "
+                      f"[0, {limits.vocab_size})")
+    if params.constraint is not None:
+        if not limits.supports_constraints:
+            raise _reject("constrained decoding (regex / json_schema / ebnf / choices) is not available")
+        from radixgen.runtime.grammar import check_constraint
+
+        check_constraint(*params.constraint, strict_json=limits.strict_json)
+
+
+def sampling_params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a dict (or SamplingParams, or None) for all, or a list with one each."""
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != count:
+            raise _reject(f"sampling_params: got {len(sampling_params)} for {count} prompts")
+        return [SamplingParams.from_dict(p) for p in sampling_params]
+    return [SamplingParams.from_dict(sampling_params)] * count
+
+
+def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: Any, limits: ModelLimits,
+                   **kw: Any) -> Prepared:
+    """Validate one generate call and build its scheduler requests (one per prompt and choice); nothing is
+    sent. A request with n > 1 becomes n requests with n=1, choice k seeded with seed + k. Keyword arguments:
+    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt (as Engine.generate)."""
+    try:
+        return _build(batched, ids_list, sampling_params, limits, **kw)
+    except RequestError:
+        raise
+    except ValueError as e:  # from SamplingParams, choice_seeds, the grammar check: all the request's fault
+        raise RequestError(str(e)) from None
+
+
+def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limits: ModelLimits, *,
+           return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+           rid: str | None = None, cache_salt: str | None = None) -> Prepared:
+    params_list = sampling_params_list(sampling_params, len(ids_list))
+    if not isinstance(return_logprob, bool):
+        raise _reject(f"return_logprob: must be a boolean, got {return_logprob!r}")
+    if not is_int(logprob_start_len) or logprob_start_len < -1:
+        raise _reject(f"logprob_start_len: must be an integer >= -1, got {logprob_start_len!r}")
+    if not is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise _reject(f"top_logprobs_num: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise _reject("cache_salt: must be a string")
+        check_unicode("cache_salt", cache_salt)
+    if rid is not None:
+        if not isinstance(rid, str):
+            raise _reject(f"rid: must be a string, got {rid!r}")
+        check_unicode("rid", rid)
+    base = rid or uuid.uuid4().hex
+    reqs = []
+    single = len(ids_list) == 1 and params_list[0].n == 1
+    for i, (ids, params) in enumerate(zip(ids_list, params_list, strict=True)):
+        check_fits(len(ids), params.max_new_tokens, limits)
+        if logprob_start_len > len(ids):
+            raise _reject(f"logprob_start_len: {logprob_start_len} is past the prompt ({len(ids)} tokens)")
+        check_params(params, limits)
+        seeds = choice_seeds(params.seed, params.n)
+        for k, seed in enumerate(seeds):
+            p = params if params.n == 1 else SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
+            sub = base if single else f"{base}-{i}-{k}"
+            reqs.append(GenerateRequest(sub, ids, p, return_logprob, logprob_start_len, top_logprobs_num,
+                                        cache_salt))
+    return Prepared(batched or len(reqs) > 1, base, reqs)

@@ -1,0 +1,382 @@
+"""The scheduler: continuous batching over the KV pool with a radix-tree prefix cache.
+
+Runs in its own process (process.py). Each step: take new messages, build one batch (extend work for waiting
+requests under a token budget, or one decode token for every running request), run it, process the outputs.
+Extend and decode steps alternate while both have work, so a long chunked prefill never stalls the running
+requests. KV slots belong to the KV cache manager (kv_manager.py); the order of admission to the policy
+(policy.py); stop conditions, logprobs and the records sent back to output.py.
+
+One request never takes the scheduler down: an exception while taking in, admitting or processing one request
+fails that request alone (an abort with a message and status code 400 for a ValueError, else 500); a failed
+forward fails the requests of its batch. `finish` is the one way a request ends, and it always reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from radixgen.runtime.batch import Batch
+from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.model_runner import ModelRunner
+from radixgen.runtime.request import (
+    AbortRequest,
+    ControlKind,
+    ControlReply,
+    ControlRequest,
+    FinishReason,
+    GenerateRequest,
+    Req,
+    ReqOutput,
+)
+from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
+from radixgen.runtime.scheduler.policy import AdmissionPolicy
+from radixgen.runtime.special_tokens import eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, cfg: RuntimeConfig, runner: ModelRunner, tokenizer, grammar_backend=None) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.grammar = grammar_backend
+        self.kv = KVCacheManager.for_runner(runner, cfg.page_size, cfg.disable_radix_cache)
+        self.policy = AdmissionPolicy(cfg, self.kv)
+        eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
+        self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,
+                             forward_passes=0, extend_passes=0, decode_passes=0, retractions=0,
+                             jump_forward_tokens=0, failed_requests=0)
+        self.output = OutputProcessor(cfg, tokenizer, grammar_backend, runner.vocab_size, eos_ids,
+                                      runner.context_length, self.counters)
+        self.waiting: deque[Req] = deque()
+        self.grammar_wait: list[Req] = []
+        self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
+        self.running: list[Req] = []  # decoding, in admission order (the newest is retracted first)
+        self.rids: dict[str, Req] = {}
+        self.outbox: list = []
+        self.step_no = 0
+        self.last_was_extend = False
+
+    @property
+    def stats(self) -> dict:
+        return {**self.counters, "evicted_tokens": self.kv.evicted_tokens}
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> bool:
+        """One scheduling step; False when there was nothing to run."""
+        self.step_no += 1
+        self.handle_aborts()
+        batch = self.schedule()
+        if batch is None:
+            return False
+        logits = self.run_batch(batch)
+        if logits is not None:
+            self.process_output(batch, logits)
+        return True
+
+    def schedule(self) -> Batch | None:
+        self.poll_grammars()
+        if self.last_was_extend and self.running:
+            self.last_was_extend = False
+            return self.schedule_decode()
+        batch = self.schedule_extend()
+        self.last_was_extend = batch is not None
+        return batch if batch is not None else self.schedule_decode()
+
+    def run_batch(self, batch: Batch) -> torch.Tensor | None:
+        """The step's logits; None when the forward failed (its requests are failed, their KV given back)."""
+        try:
+            return self.runner.forward(batch.forward_input(self.kv.table.table))
+        except Exception as e:  # noqa: BLE001 - fails this batch's requests, the scheduler goes on
+            logger.exception("the forward of a batch of %d requests failed", len(batch.reqs))
+            for i, req in enumerate(batch.reqs):
+                self.kv.free_tail(req, batch.extend_lens[i])  # never computed: not for the tree
+                self.fail(req, "running the model on", e, log=False)
+            return None
+
+    # ------------------------------------------------------------------ messages in
+
+    def handle_message(self, msg) -> None:
+        match msg:
+            case GenerateRequest():
+                self.add_request(msg)
+            case AbortRequest(rid=rid):
+                req = self.rids.get(rid)
+                if req is not None:
+                    req.to_abort = "aborted by the client"
+            case ControlRequest(reply_id=reply_id, kind=kind):
+                self.outbox.append(ControlReply(reply_id, self.control(kind)))
+            case _:
+                raise TypeError(f"unknown message {type(msg).__name__}")
+
+    def add_request(self, msg: GenerateRequest) -> None:
+        if msg.rid in self.rids:  # refused without touching the request in flight under that id
+            reason = FinishReason.abort(f"request id {msg.rid!r} is already in use by a request in flight", 400)
+            self.outbox.append(ReqOutput(msg.rid, [], reason, len(msg.input_ids), 0, duplicate=True))
+            return
+        try:
+            req = Req(msg, self.step_no)
+        except Exception as e:  # noqa: BLE001 - a request that cannot even be recorded
+            self.counters["failed_requests"] += 1
+            reason = _failure("taking in", e)
+            self.outbox.append(ReqOutput(msg.rid, [], reason, len(msg.input_ids), 0))
+            return
+        self.rids[req.rid] = req
+        self.counters["num_requests"] += 1
+        try:
+            self.take_in(req)
+        except Exception as e:  # noqa: BLE001
+            self.fail(req, "taking in", e)
+
+    def take_in(self, req: Req) -> None:
+        p = req.params
+        need = len(req.input_ids) + max(p.max_new_tokens - 1, 0)  # the last token's K/V is never computed
+        if need > self.kv.capacity:
+            self.finish(req, FinishReason.abort(
+                f"the prompt ({len(req.input_ids)} tokens) plus max_new_tokens ({p.max_new_tokens}) needs {need} "
+                f"KV cache slots, more than the KV cache holds ({self.kv.capacity} tokens)", 400))
+            return
+        if p.stop_regex is not None:
+            req.regex_stop = RegexStop(p.stop_regex, self.tokenizer, p.skip_special_tokens)
+        if p.constraint is None:
+            self.waiting.append(req)
+            return
+        if self.grammar is None:
+            self.finish(req, FinishReason.abort("constrained decoding is not available in this runtime", 400))
+            return
+        req.grammar_future = self.grammar.submit(*p.constraint)
+        self.grammar_wait.append(req)
+
+    def poll_grammars(self) -> None:
+        """Requests whose grammar finished compiling join the queue; a failed compile fails only them."""
+        for req in list(self.grammar_wait):
+            try:
+                if req.to_abort:
+                    self.finish(req, FinishReason.abort(req.to_abort))
+                    continue
+                state = self.grammar.poll(req.grammar_future)
+                if state is None:
+                    continue
+                if isinstance(state, Exception):
+                    self.finish(req, FinishReason.abort(str(state), 400))
+                    continue
+                req.grammar = self.grammar.new_matcher(state)
+                self.grammar_wait.remove(req)
+                self.waiting.append(req)
+            except Exception as e:  # noqa: BLE001
+                self.fail(req, "compiling the grammar of", e)
+
+    def control(self, kind: ControlKind):
+        if kind == ControlKind.SERVER_INFO:
+            return self.server_info()
+        if kind == ControlKind.FLUSH_CACHE:
+            if not self.is_idle():
+                return False
+            self.kv.flush()
+            return True
+        raise ValueError(f"unknown control request {kind!r}")
+
+    def server_info(self) -> dict:
+        stats = self.stats
+        return {
+            "cache": self.kv.usage(),
+            "num_running": len(self.running) + len(self.prefilling),
+            "num_waiting": len(self.waiting) + len(self.grammar_wait),
+            "stats": stats,
+            "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
+            "invariant_ok": self.invariant_holds() if self.is_idle() else None,
+            "cuda_graph": self.runner.cuda_graph_info(),
+        }
+
+    # ------------------------------------------------------------------ admission (extend)
+
+    def schedule_extend(self) -> Batch | None:
+        budget = self.cfg.max_prefill_tokens
+        chunk = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else None
+        reqs, prefix_lens, extend_lens = [], [], []
+
+        def take(req: Req, n: int) -> None:
+            prefix_lens.append(req.kv_len)
+            self.kv.extend(req, n)
+            reqs.append(req)
+            extend_lens.append(n)
+
+        for req in list(self.prefilling):  # chunked requests continue first
+            n = min(req.remaining_prefill, budget, chunk or budget)
+            if n <= 0 or not self.kv.can_allocate(n):
+                break
+            take(req, n)
+            budget -= n
+        order, cached_lens = self.policy.order(list(self.waiting), self.step_no)
+        for req in order:
+            if budget <= 0 or self.num_active + len(reqs) >= self.cfg.max_running_requests:
+                break
+            if self.policy.shares_uncached_prefix(req, reqs, cached_lens.get(id(req))):
+                continue
+            try:
+                if not self.admit(req):
+                    break
+            except Exception as e:  # noqa: BLE001
+                self.fail(req, "admitting", e)
+                continue
+            n = req.remaining_prefill
+            if chunk is not None:
+                n = min(n, chunk, budget)
+            elif n > budget and reqs:
+                self.kv.unadmit(req)
+                break
+            # keep a slot per running request free for their next decode step
+            if not self.kv.can_allocate(n + len(self.running)):
+                self.kv.unadmit(req)
+                break
+            self.waiting.remove(req)
+            take(req, n)
+            budget -= n
+        if not reqs:
+            return None
+        return Batch(reqs, is_decode=False, prefix_lens=prefix_lens, extend_lens=extend_lens)
+
+    def admit(self, req: Req) -> bool:
+        """Lock the request's cached prefix and give it a table row (kv manager); False when no row is free."""
+        if not self.kv.admit(req):
+            return False
+        if req.reported_cached < 0:
+            req.reported_cached = req.cached_len
+            self.counters["prompt_tokens"] += len(req.input_ids)
+            self.counters["cached_tokens"] += req.cached_len
+        return True
+
+    # ------------------------------------------------------------------ decode and retraction
+
+    def schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        while not self.kv.can_allocate(len(self.running)):
+            if len(self.running) > 1:
+                self.retract(self.running.pop())
+            elif self.prefilling:  # a partly computed prompt holds the slots the last decoder needs
+                self.retract(self.prefilling.pop())
+            else:
+                self.finish(self.running[0], FinishReason.abort("the KV cache is too small for this request", 400))
+                return None
+        reqs = list(self.running)
+        prefix_lens = [r.kv_len for r in reqs]
+        self.kv.extend_by_one(reqs)
+        return Batch(reqs, is_decode=True, prefix_lens=prefix_lens, extend_lens=[1] * len(reqs))
+
+    def retract(self, req: Req) -> None:
+        """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
+        self.counters["retractions"] += 1
+        self.kv.release(req)
+        self.waiting.appendleft(req)
+        logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    # ------------------------------------------------------------------ outputs
+
+    def process_output(self, batch: Batch, logits: torch.Tensor) -> None:
+        self.counters["forward_passes"] += 1
+        self.counters["decode_passes" if batch.is_decode else "extend_passes"] += 1
+        sampled, failed = self.output.sample(batch, logits)
+        for i, req in enumerate(batch.reqs):
+            try:
+                if i in failed:
+                    raise failed[i]
+                self.advance(batch, i, logits, sampled.get(i))
+            except Exception as e:  # noqa: BLE001 - fails this request alone
+                self.fail(req, "processing the output of", e)
+        self.emit(batch.reqs)
+
+    def advance(self, batch: Batch, i: int, logits: torch.Tensor, sampled) -> None:
+        """One request after its step: prompt logprobs, cache the computed prompt, append the token, stop checks."""
+        req = batch.reqs[i]
+        if batch.prompt_lp_rows[i]:
+            self.output.collect_prompt_logprobs(req, batch, i, logits)
+        if not batch.is_decode:
+            if req in self.prefilling:
+                self.prefilling.remove(req)
+            self.kv.cache_computed(req)
+            if not batch.completes_prefill(i):
+                self.prefilling.append(req)
+                return
+            if req.wants_prompt_logprobs:
+                self.output.finalize_prompt_logprobs(req)
+        reason = self.output.append_token(req, sampled) if sampled is not None else None
+        reason = reason or self.output.check_finished(req)
+        if reason is not None:
+            self.finish(req, reason)
+        elif req.remaining_prefill > 1:  # jump-forward appended tokens: they go through extend
+            if req in self.running:
+                self.running.remove(req)
+            self.prefilling.append(req)
+        elif not batch.is_decode:
+            self.running.append(req)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End a request wherever it is: out of every queue, KV back to the tree, and the Engine is told (always)."""
+        if req.finished:
+            return
+        self._end(req, reason)
+        self.emit([req])
+
+    def _end(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        for queue in (self.running, self.prefilling, self.grammar_wait, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        try:
+            self.kv.release(req)
+        except Exception:  # noqa: BLE001 - a bug; the idle invariant check will report the slots
+            logger.exception("releasing the KV of %s failed", req.rid)
+        if self.rids.get(req.rid) is req:
+            del self.rids[req.rid]
+
+    def fail(self, req: Req, stage: str, exc: BaseException, log: bool = True) -> None:
+        """Fail one request after an exception in its processing; the scheduler goes on."""
+        self.counters["failed_requests"] += 1
+        if log:
+            logger.error("request %s failed while %s it", req.rid, stage, exc_info=exc)
+        self.finish(req, _failure(stage, exc))
+
+    def handle_aborts(self) -> None:
+        for queue in (self.waiting, self.running, self.prefilling):
+            for req in [r for r in queue if r.to_abort]:
+                self.finish(req, FinishReason.abort(req.to_abort))
+
+    def emit(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            try:
+                out = self.output.output_of(req)
+            except Exception as e:  # noqa: BLE001 - the request still gets a final record
+                logger.exception("building the output of %s failed", req.rid)
+                out = ReqOutput(req.rid, [], _failure("reporting", e), len(req.input_ids), 0)
+                if not req.finished:
+                    self.counters["failed_requests"] += 1
+                    self._end(req, out.finish_reason)
+                req.final_sent = True
+            if out is not None:
+                self.outbox.append(out)
+
+    # ------------------------------------------------------------------ idle checks
+
+    def is_idle(self) -> bool:
+        return not (self.running or self.prefilling or self.waiting or self.grammar_wait)
+
+    def invariant_holds(self) -> bool:
+        return self.kv.invariant_holds()
+
+
+def _failure(stage: str, exc: BaseException) -> FinishReason:
+    """The abort reason of a request that failed: a ValueError is the request's fault (400), else 500."""
+    status = 400 if isinstance(exc, ValueError) else 500
+    what = "invalid request" if status == 400 else "internal error"
+    return FinishReason.abort(f"{what} while {stage} this request: {type(exc).__name__}: {exc}", status)

@@ -1,0 +1,193 @@
+"""The KV cache manager: the one owner of KV slots.
+
+It owns the radix tree (cached prefixes), the free-slot allocator and the request->slot table's rows, and
+checks the idle invariant: free + evictable + protected == total slots. The model runner only holds the K/V
+buffers and the table tensor; everything that takes, gives back or records a slot goes through here.
+
+A request's KV, as recorded on its `Req`:
+    [0, cached_len)          slots held by the tree under `last_node` (locked while the request holds them)
+    [cached_len, kv_len)     slots the request owns (allocated by `extend`, including the positions the step
+                             being run computes)
+All of [0, kv_len) are listed in its table row. `cache_computed` moves the computed part into the tree,
+`release` gives everything back, `free_tail` drops owned positions from the end (rejected speculative tokens,
+or a step that failed before computing them).
+
+Namespaces: a request's `namespace` (its cache salt; per-adapter LoRA later) keys its own subtree: requests
+in different namespaces never share slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from radixgen.runtime.kv_pool import ReqToSlotTable, SlotAllocator
+from radixgen.runtime.radix_cache import MatchResult, RadixCache, TreeNode
+from radixgen.runtime.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheManager:
+    def __init__(self, num_slots: int, table: torch.Tensor, page_size: int = 1, disable_cache: bool = False) -> None:
+        """`num_slots`: the pool's slots including the padding slot 0; `table`: the request->slot table tensor
+        (see kv_pool.new_req_to_slot_table), shared with the model runner."""
+        self.allocator = SlotAllocator(num_slots, table.device)
+        self.table = ReqToSlotTable(table)
+        self.tree = RadixCache(page_size=page_size, disable=disable_cache)
+        self.evicted_tokens = 0
+
+    @classmethod
+    def for_runner(cls, runner, page_size: int = 1, disable_cache: bool = False) -> KVCacheManager:
+        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def page_size(self) -> int:
+        return self.tree.page_size
+
+    @property
+    def cache_disabled(self) -> bool:
+        return self.tree.disable
+
+    # ------------------------------------------------------------------ the tree: match / insert, lock / unlock
+
+    def match(self, tokens: Sequence[int], namespace: str | None = None) -> MatchResult:
+        """The longest cached prefix; lock `last_node` before using its slots (an unlocked match may be evicted)."""
+        return self.tree.match_prefix(tokens, namespace)
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:
+        """Give `slots` of `tokens` to the tree; returns how many leading tokens it already held (RadixCache.insert)."""
+        return self.tree.insert(tokens, slots, namespace)
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    def cached_prefix_len(self, req: Req) -> int:
+        """How much of the request's prefix the tree holds now (for ordering; admission matches again)."""
+        return len(self.tree.match_prefix(req.fill_ids[:req.max_cacheable()], req.namespace).slots)
+
+    # ------------------------------------------------------------------ slots: can_allocate / allocate, free
+
+    def available(self) -> int:
+        """Slots that can be handed out now: free ones and the tree's unlocked ones (evicted on demand)."""
+        return self.allocator.available() + self.tree.evictable_size()
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.available()
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """n free slots, evicting least-recently-used cached prefixes when needed (check can_allocate first)."""
+        if not self.allocator.can_allocate(n):
+            freed = self.tree.evict(n - self.allocator.available())
+            self.evicted_tokens += freed.numel()
+            self.allocator.free(freed)
+        return self.allocator.allocate(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    # ------------------------------------------------------------------ a request: admit / release
+
+    def admit(self, req: Req) -> bool:
+        """Match the longest cached prefix, lock it and give the request a table row; False when no row is free."""
+        if self.table.available() == 0:
+            return False
+        m = self.tree.match_prefix(req.fill_ids[:req.max_cacheable()], req.namespace)
+        self.tree.lock(m.last_node)
+        req.last_node = m.last_node
+        req.cached_len = req.kv_len = len(m.slots)
+        req.table_row = self.table.allocate()
+        self.table.write(req.table_row, 0, m.slots)
+        return True
+
+    def unadmit(self, req: Req) -> None:
+        """Undo `admit` of a request that got no slots of its own."""
+        if req.kv_len != req.cached_len:
+            raise RuntimeError(f"unadmit of {req.rid!r}, which owns {req.kv_len - req.cached_len} slots")
+        self.tree.unlock(req.last_node)
+        self.table.free(req.table_row)
+        req.table_row, req.last_node, req.cached_len, req.kv_len = None, None, 0, 0
+
+    def extend(self, req: Req, n: int) -> None:
+        """Allocate slots for the request's positions [kv_len, kv_len + n) (the step about to run computes them)."""
+        slots = self.allocate(n)
+        self.table.write(req.table_row, req.kv_len, slots)
+        req.kv_len += n
+
+    def extend_by_one(self, reqs: list[Req]) -> None:
+        """`extend(req, 1)` for every request of a decode step, as one allocation and one table write."""
+        slots = self.allocate(len(reqs))
+        rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        self.table.table[rows.to(slots.device), cols.to(slots.device)] = slots
+        for r in reqs:
+            r.kv_len += 1
+
+    def free_tail(self, req: Req, n: int) -> None:
+        """Give back the slots of the request's last n positions (rejected draft tokens, or positions a failed
+        step never computed). Only slots the request owns can go: n <= kv_len - cached_len."""
+        if not 0 <= n <= req.kv_len - req.cached_len:
+            raise ValueError(f"free_tail({req.rid!r}, {n}): the request owns {req.kv_len - req.cached_len} slots")
+        if n:
+            self.allocator.free(self.table.read(req.table_row, req.kv_len - n, req.kv_len))
+            req.kv_len -= n
+
+    def cache_computed(self, req: Req) -> None:
+        """Insert the computed part of a running request into the tree and move its lock there."""
+        if self.tree.disable:
+            return
+        tokens = req.fill_ids[:req.kv_len]
+        slots = self.table.read(req.table_row, 0, req.kv_len)
+        already = self.tree.insert(tokens, slots, req.namespace)
+        if already > req.cached_len:  # another request inserted the same tokens meanwhile
+            self.allocator.free(slots[req.cached_len:already])
+        m = self.tree.match_prefix(tokens, req.namespace)
+        self.table.write(req.table_row, 0, m.slots)
+        self.tree.lock(m.last_node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.cached_len = m.last_node, len(m.slots)
+
+    def release(self, req: Req) -> None:
+        """Give everything computed to the tree (or free it), unlock, and free the table row. Idempotent."""
+        if req.table_row is None:
+            return
+        slots = self.table.read(req.table_row, 0, req.kv_len)
+        already = self.tree.insert(req.fill_ids[:req.kv_len], slots, req.namespace)
+        stored = 0 if self.tree.disable else req.kv_len // self.page_size * self.page_size
+        if already > req.cached_len:
+            self.allocator.free(slots[req.cached_len:already])  # duplicates of what the tree holds
+        self.allocator.free(slots[max(stored, req.cached_len):req.kv_len])  # not taken by the tree
+        self.tree.unlock(req.last_node)
+        self.table.free(req.table_row)
+        req.table_row, req.last_node, req.cached_len, req.kv_len = None, None, 0, 0
+
+    # ------------------------------------------------------------------ the whole cache
+
+    def flush(self) -> None:
+        """Drop every cached prefix. Only when no request holds slots (nothing may be locked)."""
+        self.allocator.free(self.tree.evict(self.tree.evictable_size()))
+        self.tree.reset()
+
+    def usage(self) -> dict:
+        return {"free": self.allocator.available(), "evictable": self.tree.evictable_size(),
+                "protected": self.tree.protected_size(), "total": self.capacity, "page_size": self.page_size}
+
+    def invariant_holds(self) -> bool:
+        """With no request holding slots: free + evictable + protected == total, nothing locked, every row free."""
+        u = self.usage()
+        ok = (u["free"] + u["evictable"] + u["protected"] == u["total"] and u["protected"] == 0
+              and self.table.available() == self.table.max_reqs)
+        if not ok:
+            logger.error("KV slot leak: free %d + evictable %d + protected %d != total %d (or %d table rows "
+                         "of %d held)", u["free"], u["evictable"], u["protected"], u["total"],
+                         self.table.max_reqs - self.table.available(), self.table.max_reqs)
+        return ok

@@ -1,0 +1,268 @@
+"""/v1/chat/completions: messages through the chat template, response_format, tools (and their legacy
+form, functions / function_call, answered in the legacy `function_call` shape), logprobs, streaming."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixgen.runtime.server.errors import JSONResponse, bad_request, error_of
+from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
+from radixgen.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
+from radixgen.runtime.server.serving import merge
+from radixgen.runtime.server.tools import ChatToolMode, format_call, tool_choice_schema, tools_system_prompt
+
+if TYPE_CHECKING:
+    from radixgen.runtime.server.openai_api import OpenAIServing
+
+# Arguments of apply_chat_template that the server sets itself: not for chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def calls_message(calls: list[dict], legacy: bool) -> tuple[dict, str]:
+    """The message fields and finish_reason of a choice that made calls; the legacy shape has one call."""
+    if legacy:
+        return {"function_call": calls[0]["function"]}, "function_call"
+    return {"tool_calls": calls}, "tool_calls"
+
+
+def calls_delta(calls: list[dict], legacy: bool) -> tuple[dict, str]:
+    if legacy:
+        return {"function_call": calls[0]["function"]}, "function_call"
+    return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, "tool_calls"
+
+
+class ChatServing:
+    def __init__(self, api: OpenAIServing):
+        self.api = api
+        self.tokenizer = api.tokenizer
+        template = self.tokenizer.chat_template or ""
+        self.template_renders_tools = "tools" in template  # else tools go into a system message
+
+    # ------------------------------------------------------------ the prompt
+
+    def template_messages(self, req: ChatCompletionRequest, with_tools: bool) -> list[dict]:
+        msgs = []
+        for i, m in enumerate(req.messages):
+            content = self.message_text(m, i)
+            role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+            d: dict[str, Any] = {"role": role, "content": content}
+            if m.name is not None:
+                d["name"] = m.name
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            calls = list(m.tool_calls or []) + ([ToolCall(function=m.function_call)] if m.function_call else [])
+            if calls:
+                if self.template_renders_tools:
+                    d["tool_calls"] = [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                        }
+                        for c in calls
+                    ]
+                else:  # the template cannot render calls: write them in the format the model was told
+                    text = "".join(format_call(c.function.name, _json_or_text(c.function.arguments)) for c in calls)
+                    d["content"] = content + text
+            msgs.append(d)
+        if with_tools and not self.template_renders_tools:
+            note = tools_system_prompt(req.tools or [])
+            if msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
+            else:
+                msgs.insert(0, {"role": "system", "content": note})
+        return msgs
+
+    @staticmethod
+    def message_text(m: ChatMessage, i: int) -> str:
+        if m.content is None:
+            if m.role == "assistant" and (m.tool_calls or m.function_call):
+                return ""
+            raise bad_request(f"messages[{i}].content: required for role {m.role!r}", "messages")
+        if isinstance(m.content, str):
+            return m.content
+        parts = []
+        for part in m.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
+                    "messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+    async def prompt(self, req: ChatCompletionRequest, with_tools: bool) -> list[int]:
+        """The prompt's token ids; the template is rendered and the text tokenized off the event loop."""
+        text = await self.api.off_loop("messages", self.render, req, with_tools)
+        return await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
+
+    def render(self, req: ChatCompletionRequest, with_tools: bool) -> str:
+        """The prompt text through the chat template."""
+        msgs = self.template_messages(req, with_tools)
+        kwargs = req.template_kwargs()
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs: {reserved} are set by the server", "chat_template_kwargs")
+        if with_tools and self.template_renders_tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        cont = req.continue_final_message  # the last (assistant) message is continued, not closed
+        try:
+            return self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=not cont, continue_final_message=cont, tokenize=False, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - jinja raises its own kinds for bad message shapes
+            raise bad_request(f"messages: the chat template could not be applied: {e}", "messages") from e
+
+    # ------------------------------------------------------------ the request
+
+    async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        arrived = time.perf_counter()
+        api = self.api
+        api.admit(req)
+        choice = req.effective_tool_choice
+        with_tools = bool(req.tools) and choice != "none"
+        ids = await self.prompt(req, with_tools)
+        fmt = None
+        if req.response_format is not None and req.response_format.type != "text":
+            if req.response_format.type == "json_object":
+                fmt = {"type": "object"}
+            else:
+                fmt = req.response_format.json_schema.schema_  # type: ignore[union-attr]
+        tool_schema = tool_choice_schema(req.tools or [], choice, req.parallel_calls) if with_tools else None
+        constraint = api.constraint(req, response_format=fmt, tool_choice=tool_schema)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        sp = api.sampling(req, api.budget(len(ids), requested, param, "messages"), constraint)
+        rid = api.request_id(req, "chatcmpl-")
+        jobs = api.jobs(
+            [ids],
+            req,
+            [sp],
+            rid,
+            return_logprob=req.logprobs,
+            top_logprobs_num=req.top_logprobs or 0,
+            logprob_start_len=-1,
+        )
+        mode = ChatToolMode(req.tools or [], choice if with_tools else "none", req.parallel_calls)
+        if req.stream:
+            streams = await api.start_stream(jobs, rid, arrived)
+            return EventStream(self.stream(req, jobs, streams, mode, rid), lambda: api.dispatcher.end_group(rid))
+        outs = await api.run(request, jobs, rid, arrived)
+        choices = []
+        for job, out in zip(jobs, outs, strict=True):
+            meta = out["meta_info"]
+            finish = finish_reason_of(meta)
+            parsed = mode.parse(out["text"])
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+            if parsed.calls:
+                fields, finish = calls_message(parsed.calls, req.legacy_functions)
+                message.update(fields)
+            lp = {"content": self.logprobs(meta), "refusal": None} if req.logprobs else None
+            choices.append({"index": job.index, "message": message, "logprobs": lp, "finish_reason": finish})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": api.model_name,
+                "choices": choices,
+                "usage": api.usage(outs, req.n),
+            }
+        )
+
+    def logprobs(self, meta: dict, start: int = 0) -> list[dict]:
+        token_text = self.api.token_text
+        outp = (meta.get("output_token_logprobs") or [])[start:]
+        tops = (meta.get("output_top_logprobs") or [None] * (start + len(outp)))[start:]
+        entries = []
+        for (lp, tid, *_), top in zip(outp, tops, strict=True):
+            s = token_text(tid)
+            entries.append(
+                {
+                    "token": s,
+                    "logprob": json_logprob(lp),
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": token_text(t), "logprob": json_logprob(x), "bytes": list(token_text(t).encode())}
+                        for x, t, *_ in top or []
+                    ],
+                }
+            )
+        return entries
+
+    async def stream(
+        self, req: ChatCompletionRequest, jobs: list[Job], streams: list, mode: ChatToolMode, rid: str
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.api.model_name}
+
+        def chunk(index: int, delta: dict, lp: list | None = None, finish: str | None = None) -> bytes:
+            logprobs = None if lp is None else {"content": lp, "refusal": None}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+
+        finals: list[dict | None] = [None] * len(jobs)
+        sent_lp = [0] * len(jobs)
+        filters = [mode.stream_filter() for _ in jobs]
+        try:
+            for job in jobs:  # the first delta of each choice carries the role
+                yield chunk(job.index, {"role": "assistant", "content": ""})
+            async with aclosing(merge(streams)) as events:
+                async for i, out in events:
+                    job, meta = jobs[i], out["meta_info"]
+                    lp = None
+                    if req.logprobs:
+                        lp = self.logprobs(meta, sent_lp[i])
+                        sent_lp[i] += len(lp)
+                    text = filters[i].feed(out.get("delta", ""))
+                    if text or lp:
+                        yield chunk(job.index, {"content": text} if text else {}, lp)
+                    if meta.get("finish_reason") is None:
+                        continue
+                    finals[i] = out
+                    finish = finish_reason_of(meta)
+                    rest = filters[i].finish(out["text"])
+                    if rest.content:
+                        yield chunk(job.index, {"content": rest.content})
+                    if rest.calls:
+                        delta, finish = calls_delta(rest.calls, req.legacy_functions)
+                        yield chunk(job.index, delta)
+                    yield chunk(job.index, {}, None, finish)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": self.api.usage(finals, req.n)})  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
+            yield sse(error_of(e).body())
+        yield SSE_DONE

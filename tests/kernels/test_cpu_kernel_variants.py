@@ -1,0 +1,148 @@
+"""Every instruction-set build of the C kernels (_cpu_build.ISAS: native, x86-64-v3 = AVX2, skylake-avx512 =
+AVX512F without BF16) against the torch references: each variant is compiled once per session into a temp
+dir and loaded as its own library, then every kernel it has runs on small random inputs. The bf16-only kernels
+of a build without AVX512-BF16 are stubs that must refuse with an error; where the build has them, they are
+checked like the others (test_cpu_kernels.py and tests/runtime/test_cpu_decode.py test the runtime's own
+build in depth). Variants this CPU cannot execute are skipped."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testutil import TOL, make_pool, rel_err
+
+from radixgen.kernels import (
+    _cpu_build,
+    cpu,
+    cpu_fused,
+    decode_attention_ref,
+    extend_attention_ref,
+    fused_add_rmsnorm_ref,
+    rotary_embedding_ref_,
+    store_kv_ref,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+CTOL = {torch.float32: 1e-5, torch.bfloat16: TOL[torch.bfloat16]}
+DTYPES = [torch.float32, torch.bfloat16]
+# the CPU flags each instruction set needs to run here
+NEEDS = {"native": set(), "x86-64-v3": {"avx2", "fma", "bmi2"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512vl"}}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.fixture(scope="session", params=sorted(_cpu_build.ISAS))
+def kl(request, tmp_path_factory) -> cpu.CKernels:
+    isa = request.param
+    missing = NEEDS[isa] - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)} for {isa}")
+    return cpu.load(isa, tmp_path_factory.mktemp(f"kernels-{isa}"))
+
+
+def test_each_variant_is_its_own_library(kl):
+    assert kl.path.name.startswith(f"cpu_kernels-{kl.isa}-") and kl.path.parent != _cpu_build.cache_dir()
+    if kl.isa != "native":  # neither x86-64-v3 nor skylake-avx512 has AVX512-BF16
+        assert not kl.has_decode_step
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(kl, dtype, gen):
+    k_buf, v_buf = (torch.randn(30, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    slots = torch.randperm(29, generator=gen)[:5] + 1
+    wide = torch.randn(5, 2 * 32 + 8, generator=gen).to(dtype)
+    k, v = wide[:, :32].view(5, 2, 16), wide[:, 32:64].view(5, 2, 16)
+    cpu.store_kv(k_buf, v_buf, slots, k, v, kl=kl)
+    store_kv_ref(k_ref, v_ref, slots, k, v)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "lens"), [(9, 3, 64, [5, 70, 1]),
+                                                                            (4, 2, 128, [200]), (3, 1, 40, [33, 2])])
+def test_decode_attention(kl, dtype, num_heads, num_kv_heads, head_dim, lens, gen):
+    pool = make_pool(lens, num_kv_heads, head_dim, dtype, max_context_len=224, gen=gen)
+    wide = torch.randn(len(lens), num_heads * head_dim + 8, generator=gen).to(dtype)
+    q = wide[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    seq_lens = torch.tensor(lens)
+    args = (q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.3)
+    assert rel_err(cpu.decode_attention(*args, kl=kl), decode_attention_ref(*args)) < CTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 100])  # a multiple of 16 (vector rows) and a tail
+def test_add_rmsnorm(kl, dtype, hidden, gen):
+    x = torch.randn(3, hidden, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    res = torch.randn(3, hidden, generator=gen).to(dtype)
+    assert rel_err(cpu.add_rmsnorm(x, w, 1e-5, kl=kl), fused_add_rmsnorm_ref(x, w, 1e-5).out) < CTOL[dtype]
+    ref = fused_add_rmsnorm_ref(x, w, 1e-5, res.clone())
+    out = cpu.add_rmsnorm(x, w, 1e-5, res, kl=kl)
+    assert rel_err(out, ref.out) < CTOL[dtype] and torch.equal(res, ref.residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(kl, dtype, gen):
+    from radixgen.runtime.layers.rotary import RotaryEmbedding
+
+    cache = RotaryEmbedding(32, 64, 10000.0).cos_sin_cache
+    qkv = torch.randn(6, 4 * 32, generator=gen).to(dtype)
+    q, k = qkv[:, :96].view(6, 3, 32), qkv[:, 96:].view(6, 1, 32)
+    positions = torch.randint(0, 64, (6,), generator=gen)
+    q_ref, k_ref = q.clone(), k.clone()
+    cpu.rotary_(positions, q, k, cache, kl=kl)
+    rotary_embedding_ref_(positions, q_ref, k_ref, cache, 32)
+    assert rel_err(q, q_ref) < CTOL[dtype] and rel_err(k, k_ref) < CTOL[dtype]
+
+
+def test_bf16_kernels(kl, gen):
+    """Extend attention, SiLU, the K-pair matmul: checked where the build has them, refused where it has not."""
+    pool = make_pool([19, 40], 2, 64, torch.bfloat16, max_context_len=64, gen=gen)
+    q = torch.randn(24, 6, 64, generator=gen).to(torch.bfloat16)
+    args = (q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, torch.tensor([11, 24]),
+            torch.tensor([8, 16]), 0.2)
+    x = (3 * torch.randn(5, 2 * 40, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(37, 24, generator=gen).to(torch.bfloat16)
+    h = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
+    if not kl.has_decode_step:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            cpu.extend_attention(*args, kl=kl)
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            cpu.silu_and_mul(x, kl=kl)
+        return
+    assert rel_err(cpu.extend_attention(*args, kl=kl), extend_attention_ref(*args)) < TOL[torch.bfloat16]
+    assert torch.equal(cpu.silu_and_mul(x, kl=kl), cpu.silu_and_mul_ref(x))
+    packed = torch.empty(48 * 24, dtype=torch.bfloat16)
+    kl.fn("rg_pack_kpairs_bf16")(w=w.data_ptr(), N=37, K=24, out=packed.data_ptr())
+    out = torch.empty(3, 37)
+    kl.fn("rg_gemv_kpairs_bf16")(x=h.data_ptr(), M=3, K=24, wp=packed.data_ptr(), yf=out.data_ptr(), N=37)
+    assert rel_err(out, (h.float() @ w.float().t()).to(torch.bfloat16).float()) < TOL[torch.bfloat16]
+
+
+def test_stubs_refuse(kl):
+    """Without AVX512-BF16 every bf16-only entry point exists with its real signature and reports that it is
+    not supported: an exception, never a silent no-op."""
+    if kl.has_decode_step:
+        pytest.skip("this build has the bf16 kernels")
+    for name, kw in (("rg_pack_kpairs_bf16", dict(w=0, N=1, K=2, out=0)),
+                     ("rg_gemv_kpairs_bf16", dict(x=0, M=1, K=2, wp=0, yf=0, N=1)),
+                     ("rg_silu_and_mul_bf16", dict(gu=0, out=0, M=1, I=1))):
+        with pytest.raises(cpu.CKernelError, match=f"{name} failed: not supported"):
+            kl.fn(name)(**kw)
+    step = {a: 0 for a in kl.fn("rg_decode_step_bf16").argnames}
+    with pytest.raises(cpu.CKernelError, match="not supported"):
+        kl.fn("rg_decode_step_bf16")(**{**step, "layers": None})
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        cpu_fused.DecodeStepWeights(kl, [], torch.ones(8, dtype=torch.bfloat16), num_heads=1, num_kv_heads=1,
+                                    head_dim=8, intermediate=8, eps=1e-6)

@@ -1,0 +1,109 @@
+"""The KV cache manager on its own: paired verbs, request-level admit / extend / cache / release, free_tail
+(speculative rollback), namespaces, eviction, and the idle invariant after every sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixgen.runtime.kv_pool import new_req_to_slot_table
+from radixgen.runtime.request import GenerateRequest, Req
+from radixgen.runtime.sampling_params import SamplingParams
+from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+
+
+def manager(slots: int = 64, rows: int = 4, page_size: int = 1) -> KVCacheManager:
+    return KVCacheManager(slots + 1, new_req_to_slot_table(rows, 128), page_size=page_size)
+
+
+def req(rid: str, ids: list[int], namespace: str | None = None) -> Req:
+    return Req(GenerateRequest(rid, ids, SamplingParams(max_new_tokens=8), cache_salt=namespace), 0)
+
+
+def compute(kv: KVCacheManager, r: Req) -> None:
+    """What a step does to the KV bookkeeping: slots for the rest of the sequence, then cache them."""
+    kv.extend(r, r.remaining_prefill)
+    kv.cache_computed(r)
+
+
+def test_admit_extend_cache_release_and_the_shared_prefix():
+    kv = manager()
+    a = req("a", list(range(10, 30)))
+    assert kv.admit(a) and a.cached_len == 0
+    compute(kv, a)
+    assert a.cached_len == 20 and kv.usage()["protected"] == 20
+    # the table the runner reads holds a's slots
+    row = kv.table.table[a.table_row, :20]
+    assert row.unique().numel() == 20 and (row > 0).all()
+    b = req("b", list(range(10, 25)) + [99, 98])
+    assert kv.admit(b)
+    assert b.cached_len == 15  # shares a's first 15 tokens
+    assert torch.equal(kv.table.table[b.table_row, :15], row[:15])
+    compute(kv, b)
+    for r in (a, b):
+        kv.release(r)
+        kv.release(r)  # idempotent
+    assert kv.invariant_holds()
+    assert kv.usage()["evictable"] == 22 and kv.usage()["free"] == 64 - 22
+
+
+def test_free_tail_gives_back_only_owned_slots():
+    kv = manager()
+    a = req("a", list(range(10, 30)))
+    kv.admit(a)
+    compute(kv, a)  # [0, 20) in the tree
+    a.output_ids += [1, 2, 3, 4]
+    kv.extend(a, 4)  # four draft positions
+    free_before = kv.allocator.available()
+    kv.free_tail(a, 3)  # three of them rejected
+    assert a.kv_len == 21 and kv.allocator.available() == free_before + 3
+    with pytest.raises(ValueError, match="owns 1 slots"):
+        kv.free_tail(a, 2)  # cannot reach into the cached prefix
+    a.output_ids[1:] = []
+    kv.release(a)
+    assert kv.invariant_holds()
+    assert kv.usage()["evictable"] == 21  # the prompt and the accepted token
+
+
+def test_unadmit_and_rows():
+    kv = manager(rows=2)
+    a, b, c = (req(x, [1, 2, 3]) for x in "abc")
+    assert kv.admit(a) and kv.admit(b)
+    assert not kv.admit(c)  # no free row
+    kv.unadmit(b)
+    assert kv.admit(c)
+    kv.extend(c, 3)
+    with pytest.raises(RuntimeError, match="owns 3 slots"):
+        kv.unadmit(c)
+    kv.release(c)
+    kv.unadmit(a)
+    assert kv.invariant_holds()
+
+
+def test_namespaces_do_not_share_and_eviction_frees_lru():
+    kv = manager(slots=40)
+    a = req("a", list(range(100, 130)), namespace="alice")
+    kv.admit(a)
+    compute(kv, a)
+    kv.release(a)
+    b = req("b", list(range(100, 130)), namespace="bob")
+    kv.admit(b)
+    assert b.cached_len == 0  # alice's prefix is not bob's
+    assert kv.can_allocate(30) and kv.allocator.available() == 10
+    kv.extend(b, 30)  # evicts alice's cached tokens to make room
+    assert kv.evicted_tokens >= 20
+    kv.cache_computed(b)
+    kv.release(b)
+    assert kv.invariant_holds()
+    kv.flush()
+    assert kv.usage()["free"] == 40 and kv.invariant_holds()
+
+
+def test_invariant_reports_a_leak():
+    kv = manager()
+    a = req("a", [5, 6, 7])
+    kv.admit(a)
+    kv.extend(a, 3)
+    assert not kv.invariant_holds()  # a holds a row and 3 slots
+    kv.release(a)
+    assert kv.invariant_holds()

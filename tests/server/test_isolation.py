@@ -1,0 +1,122 @@
+"""A server with several API keys, each its own cache namespace (--cache-isolation per-key), a strict model
+name, a small body limit and a short shutdown grace (issue 12 items 4, 10, 11; issue 14 item 4). Its last
+test sends SIGTERM with streams running past the grace period: each gets a final error event."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import uuid
+
+import httpx
+import pytest
+from checks import assert_still_serves
+from server_proc import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+KEY_A, KEY_B = "key-alice-1", "key-bob-2"
+LIMIT = 200_000
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server(
+        "--api-key", KEY_B, "--cache-isolation", "per-key", "--strict-model-name",
+        "--max-request-bytes", str(LIMIT), "--shutdown-grace-s", "2",
+        api_key=KEY_A,
+    )  # fmt: skip
+    yield s
+    stop_server(s)
+
+
+def _client(srv, key: str) -> httpx.Client:
+    return httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def test_each_key_has_its_own_cache_namespace(srv):
+    prompt = f"[{uuid.uuid4().hex}] The shared context of a long system prompt about tides. " * 8
+    a, b = _client(srv, KEY_A), _client(srv, KEY_B)
+
+    def cached(c: httpx.Client, path: str = "/v1/completions", **extra) -> int:
+        if path == "/generate":
+            r = c.post(path, json={"text": prompt, "sampling_params": {"max_new_tokens": 1}, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]["cached_tokens"]
+        r = c.post(path, json={"prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with a, b:
+        assert cached(a) == 0
+        assert cached(a) > 40  # a key reuses its own prefixes
+        assert cached(b) == 0  # but never another key's: no cross-user probing through cached_tokens
+        assert cached(b, "/generate") > 40  # the native API is in the key's namespace too
+        assert cached(a, cache_salt="s1") == 0  # a salt partitions a key's namespace further
+        assert cached(a, cache_salt="s1") > 40
+        assert cached(b, cache_salt="s1") == 0
+        assert a.get("/v1/models").status_code == b.get("/v1/models").status_code == 200
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer other"}).status_code == 401
+        assert_still_serves(a)
+
+
+def test_strict_model_name(srv):
+    with _client(srv, KEY_A) as c:
+        r = c.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.json()["error"]["param"] == "model"
+        r = c.post("/v1/completions", json={"model": srv.model, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def test_small_body_limit(srv):
+    with _client(srv, KEY_B) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * LIMIT, "max_tokens": 1})
+        assert r.status_code == 413 and str(LIMIT) in r.json()["error"]["message"]
+        r = c.post("/generate", content=iter([b'{"text": "', b"y" * LIMIT, b'"}']))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = c.post("/v1/completions", json={"prompt": "x " * (LIMIT // 4), "max_tokens": 1})
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+        assert_still_serves(c)
+
+
+def test_sigterm_past_the_grace_period_ends_streams_with_an_error_event(srv):
+    """Last: ends this module's server. Streams still running 2 s after SIGTERM get `data: {"error": ...}`
+    then `data: [DONE]` (/v1 and /generate alike), and the server exits 0."""
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    bodies = {
+        "/v1/chat/completions": {
+            "model": srv.model,
+            "messages": [{"role": "user", "content": "Count to a million."}],
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        "/generate": {"text": "1, 2,", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}, "stream": True},
+    }
+    events: dict[str, list[str]] = {path: [] for path in bodies}
+    started = {path: threading.Event() for path in bodies}
+
+    def consume(path: str) -> None:
+        with httpx.stream("POST", srv.url + path, json=bodies[path], headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events[path].append(line[6:])
+                    started[path].set()
+        started[path].set()
+
+    threads = [threading.Thread(target=consume, args=(p,)) for p in bodies]
+    for t in threads:
+        t.start()
+    for e in started.values():
+        assert e.wait(120)
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert srv.proc.wait(60) == 0, srv.log_tail()
+    for path, evs in events.items():
+        assert evs[-1] == "[DONE]", (path, evs[-3:])
+        err = json.loads(evs[-2])["error"]
+        assert err["code"] == "server_shutting_down" and "shutting down" in err["message"], err
+        assert len(evs) > 3  # tokens were streamed before the cut

@@ -5,6 +5,8 @@ and stop regexes matched in linear time."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tiny_models import tiny_model_dir
@@ -40,12 +42,14 @@ def make_scheduler(model_dir, tokenizer, grammar: bool = False, **kw) -> Schedul
     return Scheduler(cfg, runner, tokenizer, backend)
 
 
-def run(sched: Scheduler, reqs: list[GenerateRequest], max_steps: int = 3000) -> dict[str, dict]:
-    """Submit all, step until idle; per rid: the output ids and every finish reason received (exactly one)."""
+def run(sched: Scheduler, reqs: list[GenerateRequest], deadline_s: float = 120.0) -> dict[str, dict]:
+    """Submit all, step until idle; per rid: the output ids and every finish reason received (exactly one).
+    Bounded by time, not steps: while a grammar compiles in its thread, steps run nothing (and take no time)."""
     for r in reqs:
         sched.handle_message(r)
     out: dict[str, dict] = {}
-    for _ in range(max_steps):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
         ran = sched.step()
         for msg in sched.outbox:
             if isinstance(msg, ReqOutput):
@@ -56,6 +60,8 @@ def run(sched: Scheduler, reqs: list[GenerateRequest], max_steps: int = 3000) ->
         sched.outbox.clear()
         if not ran and sched.is_idle():
             break
+        if not ran:
+            time.sleep(0.002)
     assert sched.is_idle(), "the scheduler did not finish its work"
     assert sched.invariant_holds(), sched.server_info()
     for rid, o in out.items():

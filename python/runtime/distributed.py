@@ -155,6 +155,15 @@ def tp_rank() -> int:
     return _state.tp_rank
 
 
+def rank_device(device: str) -> torch.device:
+    """This rank's device: with several ranks on a node, "cuda" (or cuda:N) is the node's GPU of the rank's local
+    index (counted from N); the CPU is shared."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or _state.world_size == 1:
+        return dev
+    return torch.device("cuda", (dev.index or 0) + _state.world_rank % _state.ranks_per_node)
+
+
 def fingerprint(cfg, model_config) -> str:
     """What every rank of a group must agree on: the layout and everything that sizes the shared KV slot table
     and the shards. `cfg` a RuntimeConfig, `model_config` the model's ModelConfig (a node may keep the same
@@ -201,7 +210,11 @@ def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelSt
         store.set(ERROR_KEY, message)
         raise GroupError(message)
     store.set(joined_key(world_rank), "1")
-    backend = "cpu:gloo,cuda:nccl" if cfg.device.startswith("cuda") else "gloo"
+    backend = "gloo"
+    if cfg.device.startswith("cuda"):  # NCCL for device tensors, gloo for the host-side step descriptions
+        backend = "cpu:gloo,cuda:nccl"
+        _state = ParallelState(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes)
+        torch.cuda.set_device(rank_device(cfg.device))
     dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX + "pg/", store), rank=world_rank,
                             world_size=cfg.tp_size * cfg.pp_size, timeout=timeout)
     tp_group = None

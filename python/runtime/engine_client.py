@@ -134,9 +134,9 @@ class SchedulerClient:
         return not self.closed and self.fatal is None and first_dead(self._procs) is None
 
     @property
-    def rank_pids(self) -> dict[int, int]:
-        """This node's rank processes (rank -> pid)."""
-        return {p.rank: p.pid for p in self._procs}
+    def rank_pids(self) -> dict[str, int]:
+        """This node's rank processes (rank, as a JSON key -> pid)."""
+        return {str(p.rank): p.pid for p in self._procs}
 
     # ------------------------------------------------------------------ receiving
 

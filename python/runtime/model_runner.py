@@ -50,7 +50,7 @@ class ModelRunner:
     def __init__(self, cfg: RuntimeConfig, model_path=None) -> None:
         self.runtime_config = cfg
         self.parallel = par = distributed.state()
-        self.device = rank_device(cfg.device, par)
+        self.device = distributed.rank_device(cfg.device)
         self.dtype = cfg.torch_dtype
         self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model)
         self.hf_config = read_hf_config(self.model_path)
@@ -189,11 +189,3 @@ class ModelRunner:
             return self.fused_decode.logits(rows)
         return self.model.compute_logits(rows)
 
-
-def rank_device(device: str, par: distributed.ParallelState) -> torch.device:
-    """A rank's device: with several ranks on a node, "cuda" (or cuda:N) is the node's GPU of the rank's local
-    index (counted from N); the CPU is shared."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or par.world_size == 1:
-        return dev
-    return torch.device("cuda", (dev.index or 0) + par.world_rank % par.ranks_per_node)

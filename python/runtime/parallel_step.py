@@ -60,9 +60,16 @@ class StepGroup:
     # ------------------------------------------------------------------ rank 0
 
     def launch(self, fi: ForwardInput) -> InFlight:
-        """Send step `fi` on its way and run stage 0's part of it."""
+        """Send step `fi` on its way and run stage 0's part of it. Any failure is the group's (GroupError): the
+        other ranks are already in the step, which cannot be taken back."""
         desc = StepDescription(StepKind.FORWARD, fi, self.runner.table_log.take())
-        out = self._run_stage0(desc)
+        try:
+            out = self._run_stage0(desc)
+        except distributed.GroupError:
+            raise
+        except Exception as e:
+            raise distributed.GroupError(f"rank 0 failed in a step the other ranks run too: "
+                                         f"{type(e).__name__}: {e}") from e
         if self.par.pp_size == 1:
             return InFlight(out, None)
         logits = torch.empty((fi.logit_rows.numel(), self.runner.vocab_size), dtype=torch.float32,

@@ -108,13 +108,16 @@ class GroupHost:
         self.started = time.monotonic()
 
     def check(self) -> None:
-        """While the group starts: RuntimeError with the first rank's reported failure, or naming the ranks
-        that have not joined once dist_timeout has passed."""
+        """While the group starts: RuntimeError with the first rank's reported failure, or naming the ranks of
+        other nodes that have not joined once dist_timeout has passed (this node's are processes the Engine
+        watches: one that dies is reported as such)."""
         store = self.store
         if store.check([distributed.ERROR_KEY]):
             raise RuntimeError(store.get(distributed.ERROR_KEY).decode())
         if time.monotonic() - self.started > self.cfg.dist_timeout:
-            missing = [r for r in range(self.cfg.world_size) if not store.check([distributed.joined_key(r)])]
+            local = node_ranks(self.cfg)
+            missing = [r for r in range(self.cfg.world_size)
+                       if r not in local and not store.check([distributed.joined_key(r)])]
             if missing:
                 nodes = sorted({r // (self.cfg.world_size // self.cfg.nnodes) for r in missing})
                 raise RuntimeError(f"ranks {missing} (node(s) {nodes}) did not join the group at "

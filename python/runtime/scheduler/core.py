@@ -221,7 +221,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or self.num_active + len(reqs) >= self.cfg.max_running_requests:
                 break
-            if self.policy.shares_uncached_prefix(req, reqs, cached_lens.get(id(req))):
+            if self.policy.shares_uncached_prefix(req, [*reqs, *self.extending_in_flight()],
+                                                  cached_lens.get(id(req))):
                 continue
             try:
                 if not self.admit(req):
@@ -262,6 +263,10 @@ class Scheduler:
         """The requests of `queue` that no step in flight holds (all of them but with pipeline stages)."""
         return [r for r in queue if id(r) not in self.busy] if self.busy else list(queue)
 
+    def extending_in_flight(self) -> list[Req]:
+        """Requests whose prompts steps in flight compute (pipeline stages): a sharer waits for them too."""
+        return []
+
     def decode_candidates(self) -> list[Req]:
         """The running requests the next decode step takes (before retraction)."""
         return self.idle_requests(self.running)
@@ -273,11 +278,8 @@ class Scheduler:
         while not self.kv.can_allocate(len(reqs)):
             prefilling = self.idle_requests(self.prefilling)
             if len(reqs) > 1:
-                victim = reqs.pop()
-                self.running.remove(victim)
-                self.retract(victim)
+                self.retract(reqs.pop())
             elif prefilling:  # a partly computed prompt holds the slots the last decoder needs
-                self.prefilling.remove(prefilling[-1])
                 self.retract(prefilling[-1])
             elif self.busy:  # steps in flight hold the slots: wait for them
                 return None
@@ -291,6 +293,7 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
         self.counters["retractions"] += 1
+        (self.running if req in self.running else self.prefilling).remove(req)
         self.kv.release(req)
         self.waiting.appendleft(req)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)

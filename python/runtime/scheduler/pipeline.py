@@ -23,6 +23,9 @@ class PipelineScheduler(Scheduler):
         self.depth = self.cfg.pp_size
         self.in_flight: deque[tuple[Batch, object]] = deque()  # (batch, the runner's handle), oldest first
 
+    def extending_in_flight(self) -> list[Req]:
+        return [r for batch, _ in self.in_flight if not batch.is_decode for r in batch.reqs]
+
     def decode_candidates(self) -> list[Req]:
         share = -(-len(self.running) // self.depth)  # one micro-batch of the running requests
         return self.idle_requests(self.running)[:share]

@@ -147,6 +147,9 @@ def run_rank_process(args: RankArgs) -> int:
     except distributed.GroupError as e:
         logger.error("the group is down: %s", e)
         return 1
+    except Exception:  # noqa: BLE001 - this rank cannot go on; the others see it gone
+        logger.exception("rank %d failed in a step", args.rank)
+        return 1
     return 0
 
 

@@ -114,7 +114,7 @@ class RuntimeConfig:
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights (benchmarks)",
                               choices=LOAD_FORMATS)
     max_total_tokens: int = option(0, "KV cache slots; 0: sized from --max-kv-memory-gb")
-    max_kv_memory_gb: float = option(2.0, "KV cache memory when --max-total-tokens is 0")
+    max_kv_memory_gb: float = option(2.0, "KV cache memory when --max-total-tokens is 0 (per rank)")
     max_running_requests: int = option(128, "requests decoded together at most")
     context_length: int = option(0, "longest prompt + output; 0: the model's max_position_embeddings (capped at 8192)")
     chunked_prefill_size: int = option(512, "a longer prompt is prefilled in chunks of this many tokens; "

@@ -99,9 +99,7 @@ def run_scheduler_process(args: RankArgs) -> int:
                 msg = pickle.loads(inbox.recv())
                 if isinstance(msg, ControlRequest) and msg.kind == ControlKind.SHUTDOWN:
                     if group is not None:
-                        if isinstance(sched, PipelineScheduler):
-                            sched.drain()
-                        group.close()
+                        _close_group(sched, group)
                     send(ControlReply(msg.reply_id, True))
                     return 0
                 sched.handle_message(msg)
@@ -126,6 +124,17 @@ def run_scheduler_process(args: RankArgs) -> int:
         inbox.close(linger=0)
         ctx.term()
     return code
+
+
+def _close_group(sched: Scheduler, group) -> None:
+    """At shutdown: finish the steps in flight, then tell the other ranks to exit (a group already down is
+    left as it is: its ranks exit on their own)."""
+    try:
+        if isinstance(sched, PipelineScheduler):
+            sched.drain()
+        group.close()
+    except distributed.GroupError as e:
+        logger.warning("the group could not be shut down in order: %s", e)
 
 
 def run_rank_process(args: RankArgs) -> int:

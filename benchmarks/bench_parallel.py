@@ -11,6 +11,10 @@ The baselines are tp 1 with every thread and tp 1 on one rank's share of them ("
    one at a time, with the time spent inside torch.distributed calls measured (all-reduce, gather, broadcast,
    point-to-point sends and the waits on them): the step's time and its communication share. For pp 2 the
    "communication" includes waiting for the other stage, since a lone step cannot overlap.
+3. The fused decode step's all-reduce hook, its own cost: one process's fused step with a hook that reduces
+   nothing (the two callbacks into Python per layer that tp 2 makes, without the communication) beside the
+   plain step, taking turns. This is what the hook adds over C code calling a communication library directly;
+   per-layer C calls instead would add a Python round trip and an OpenMP team start per layer.
 
     python benchmarks/bench_parallel.py [--quick] [--batches 1,8] [--tokens 64] [--rounds 3]
 """
@@ -194,6 +198,37 @@ def anatomy(batches: list[int], steps: int, rounds: int, context: int) -> None:
                 p.kill()
 
 
+def hook_cost(batches: list[int], steps: int, rounds: int, context: int) -> None:
+    from radixgen.kernels import cpu, cpu_fused
+    from radixgen.runtime.config import RuntimeConfig
+    from radixgen.runtime.model_runner import ModelRunner
+
+    if not (cpu.available() and cpu.lib().has_decode_step):
+        print("\n3. the fused step's hook: skipped (no fused decode step in this CPU build)")
+        return
+    torch.set_num_threads(max(1, CPUS // 2))
+    runner = ModelRunner(RuntimeConfig(dtype="bfloat16", max_total_tokens=8192, max_running_requests=64))
+    fused, calls = runner.fused_decode, [0]
+    hook = cpu_fused.TensorParallelHook(lambda t: calls.__setitem__(0, calls[0] + 1))
+    layers = runner.model_config.num_layers
+    print(f"\n3. the fused step's all-reduce hook on one process ({max(1, CPUS // 2)} threads; {2 * layers} callbacks "
+          f"a step, reducing nothing; best / median of {rounds} turns of {steps} steps)")
+    print(f"{'batch':>5} {'plain ms':>16} {'with hook ms':>16} {'per callback us':>16}")
+    for b in batches:
+        times: dict[str, list[float]] = {"plain": [], "hook": []}
+        for _ in range(rounds):
+            for name in times:
+                fused.hook = hook if name == "hook" else None
+                before = calls[0]
+                best, _ = _decode_steps(runner, {"comm": 0.0}, b, steps, context)
+                times[name].append(best)
+                assert name == "plain" or calls[0] - before == 2 * layers * steps
+        plain, with_hook = min(times["plain"]), min(times["hook"])
+        print(f"{b:>5} {1e3 * plain:>8.2f} /{1e3 * statistics.median(times['plain']):>6.2f} "
+              f"{1e3 * with_hook:>8.2f} /{1e3 * statistics.median(times['hook']):>6.2f} "
+              f"{1e6 * (with_hook - plain) / (2 * layers):>16.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="about a minute: fewer turns and tokens")
@@ -208,6 +243,7 @@ def main() -> None:
           + "; the default model, bfloat16")
     serving(batches, tokens, rounds)
     anatomy(batches, steps, rounds, args.context)
+    hook_cost(batches, steps, rounds, args.context)
 
 
 if __name__ == "__main__":

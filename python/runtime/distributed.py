@@ -171,7 +171,7 @@ def fingerprint(cfg, model_config) -> str:
     from dataclasses import asdict
 
     keys = ("tp_size", "pp_size", "nnodes", "max_total_tokens", "max_kv_memory_gb", "max_running_requests",
-            "context_length", "load_format", "seed", "disable_cpu_kernels")
+            "context_length", "load_format", "seed", "disable_cpu_kernels", "disable_cuda_graph", "cuda_graph_max_bs")
     return json.dumps({"config": {k: getattr(cfg, k) for k in keys}, "device": cfg.device.split(":")[0],
                        "dtype": str(cfg.torch_dtype), "model": asdict(model_config)}, sort_keys=True, default=str)
 
@@ -214,7 +214,13 @@ def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelSt
     if cfg.device.startswith("cuda"):  # NCCL for device tensors, gloo for the host-side step descriptions
         backend = "cpu:gloo,cuda:nccl"
         _state = ParallelState(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes)
-        torch.cuda.set_device(rank_device(cfg.device))
+        device = rank_device(cfg.device)
+        if device.index >= torch.cuda.device_count():
+            message = (f"rank {world_rank} needs {device} but node {cfg.node_rank} has "
+                       f"{torch.cuda.device_count()} GPU(s): one GPU per rank of a node")
+            store.set(ERROR_KEY, message)
+            raise GroupError(message)
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX + "pg/", store), rank=world_rank,
                             world_size=cfg.tp_size * cfg.pp_size, timeout=timeout)
     tp_group = None

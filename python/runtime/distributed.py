@@ -141,6 +141,7 @@ class ParallelState:
 
 _state = ParallelState()
 _store = None  # this rank's client of the group's TCPStore, once joined
+_parent = None  # the pid of the process that started this rank (the Engine's, or a node's launcher)
 
 
 def state() -> ParallelState:
@@ -193,9 +194,12 @@ def connect_store(host: str, port: int, timeout_s: float, is_master: bool = Fals
 def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelState:
     """Join the group as `world_rank`: meet the others through the store, check the layout, set up the process
     groups. Once per process, before the model is built."""
-    global _state, _store
+    global _state, _store, _parent
+    import os
+
     import torch.distributed as dist
 
+    _parent = os.getppid()
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     store = _store = connect_store(host, port, cfg.dist_timeout)
     mine = fingerprint(cfg, model_config)
@@ -251,13 +255,17 @@ def mark_ready() -> None:
 
 def _wait_for(keys: list[str], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
     """Until the store holds every key (bounded by the start timeout, not the collective one: a slow model load
-    is not a hang); GroupError with the first failure a rank reported, or naming what did not happen."""
+    is not a hang); GroupError with the first failure a rank reported, naming what did not happen, or when the
+    process that started this rank is gone (nobody would stop this one)."""
+    import os
     import time
 
     deadline = time.monotonic() + timeout_s
     while not _store.check(keys):
         if _store.check([ERROR_KEY]):
             raise GroupError(_store.get(ERROR_KEY).decode())
+        if os.getppid() != _parent:
+            raise GroupError("the process that started this rank has exited")
         if time.monotonic() > deadline:
             raise GroupError(f"{what} within {timeout_s:g} s")
         time.sleep(poll_s)

@@ -81,7 +81,8 @@ def build_penalties(params: Sequence[SamplingParams], output_ids: Sequence[Seque
 def apply_penalties(logits: Tensor, penalties: Penalties) -> None:
     """In place on (B, V) logits. Repetition first (HF: a seen token's positive logit is divided by the
     penalty, a negative one multiplied), then OpenAI's: logit -= frequency * count + presence * (count > 0)
-    with counts over the output tokens, then logit_bias. A finite logit stays finite (an overflow saturates), -inf stays -inf."""
+    with counts over the output tokens, then logit_bias. A finite logit stays finite (an overflow saturates),
+    -inf stays -inf."""
     if penalties.repetition is not None:
         row, tok, rep = penalties.repetition
         v = logits[row, tok]  # (N,)

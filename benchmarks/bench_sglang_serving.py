@@ -133,7 +133,10 @@ def run_bench(args, url: str, backend: str, dataset: str, tokenizer: str, model:
         "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
         "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
-        "--seed", str(args.seed), "--warmup-requests", "1", "--disable-tqdm", "--output-file", out,
+        "--seed", str(args.seed),
+        # as many warm-up requests as run at once: the server's first batches of each size pay one-time costs
+        # (oneDNN primitives, the fused step's buffers) that would otherwise land on the first backend measured
+        "--warmup-requests", str(args.max_concurrency), "--disable-tqdm", "--output-file", out,
         "--flush-cache",  # each backend starts from an empty radix cache (same prompts in both runs)
     ]
     # offline: the tokenizer is a local folder; the hub is never asked (it would retry for a minute)

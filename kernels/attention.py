@@ -34,7 +34,7 @@ from ._checks import (
     expect,
     require_triton,
 )
-from .kv_quant import dequantize_kv_ref, gather_codes
+from .kv_quant import gather_rows
 
 
 def _check_pool(q, k_buffer, v_buffer, req_to_slot, req_indices, k_scales, v_scales) -> None:
@@ -122,12 +122,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 def _gather(buffer: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
     """The float32 values of the pool rows at `slots` (any shape): as stored, or dequantized."""
-    flat = slots.reshape(-1)
-    if scales is None:
-        rows = buffer.index_select(0, flat).float()
-    else:
-        rows = dequantize_kv_ref(gather_codes(buffer, flat), scales.index_select(0, flat))
-    return rows.view(*slots.shape, *buffer.shape[1:])
+    return gather_rows(buffer, scales, slots.reshape(-1), torch.float32).view(*slots.shape, *buffer.shape[1:])
 
 
 def _merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -58,3 +58,21 @@ def quantize_kv_ref(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Ten
 def dequantize_kv_ref(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes (..., D), scales (...) -> values (..., D) in dtype (the product computed in float32)."""
     return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+def store_rows_ref(buffer: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, x: torch.Tensor) -> None:
+    """buffer[index] = x (T, Hkv, D); for an 8-bit pool (scales given) x's codes, and scales[index] their scales."""
+    if scales is None:
+        buffer.index_copy_(0, index, x)
+        return
+    codes, s = quantize_kv_ref(x, buffer.dtype)
+    code_bits(buffer).index_copy_(0, index, code_bits(codes))
+    scales.index_copy_(0, index, s)
+
+
+def gather_rows(buffer: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The pool rows buffer[index] (N, Hkv, D) as values in dtype: as stored, or dequantized."""
+    if scales is None:
+        return buffer.index_select(0, index).to(dtype)
+    return dequantize_kv_ref(gather_codes(buffer, index), scales.index_select(0, index), dtype)

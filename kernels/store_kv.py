@@ -18,7 +18,7 @@ from ._checks import (
     expect,
     require_triton,
 )
-from .kv_quant import code_bits, quantize_kv_ref
+from .kv_quant import store_rows_ref
 
 
 def _check_store_kv(k_buffer, v_buffer, slots, k, v, k_scales, v_scales) -> None:
@@ -60,11 +60,5 @@ def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Te
                  v_scales: torch.Tensor | None = None) -> None:
     _check_store_kv(k_buffer, v_buffer, slots, k, v, k_scales, v_scales)
     index = slots.long()
-    if k_scales is None:
-        k_buffer.index_copy_(0, index, k)
-        v_buffer.index_copy_(0, index, v)
-        return
-    for buffer, scales, x in ((k_buffer, k_scales, k), (v_buffer, v_scales, v)):
-        codes, s = quantize_kv_ref(x, buffer.dtype)
-        code_bits(buffer).index_copy_(0, index, code_bits(codes))
-        scales.index_copy_(0, index, s)
+    store_rows_ref(k_buffer, k_scales, index, k)
+    store_rows_ref(v_buffer, v_scales, index, v)

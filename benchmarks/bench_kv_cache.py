@@ -140,8 +140,8 @@ def measure(kv_dtypes: list[str], contexts: list[int], batches: list[int], reps:
 
 def kv_cache_row(kv_cache_dtype: str = "int8", quick: bool = False) -> dict:
     """One row for benchmarks/bench_quant.py: this cache against the bf16 cache, measured in one run."""
-    contexts = [256, 2048] if quick else [256, 1024, 4096]
-    res = measure([kv_cache_dtype], contexts, [1, 8], 3 if quick else 7, 1024, 512 if quick else 1024)
+    contexts = [256, 1024] if quick else [256, 1024, 4096]
+    res = measure([kv_cache_dtype], contexts, [1, 8], 2 if quick else 7, 1024, 512 if quick else 1024)
     row = {"kv_cache_dtype": kv_cache_dtype}
     for (b, ctx), t in res["decode"].items():
         row[f"decode_b{b}_ctx{ctx}_tok_s"] = b / t[kv_cache_dtype][0]

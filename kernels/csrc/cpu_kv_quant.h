@@ -41,40 +41,27 @@ static inline float e4m3_to_f32(uint8_t c) {
     return c & 0x80u ? -v : v;
 }
 
-/* The scale of a row of D floats with largest code `qmax`, as bf16, and its value. */
-static inline uint16_t kv_row_scale(const float *x, int64_t D, float qmax, float *s) {
+/* A row of D floats -> D codes (int8_t, or uint8_t e4m3 bits with fp8) and its bf16 scale, returned: amax /
+ * QMAX, codes x / scale rounded (nearest even), within [-QMAX, QMAX]. An all-zero row gets scale 0 and codes 0.
+ * Inlined with fp8 a constant. */
+static inline __attribute__((always_inline)) uint16_t kv_quant_row(const float *x, int64_t D, void *codes,
+                                                                   const int fp8) {
+    const float qmax = fp8 ? KV_FP8_MAX : KV_INT8_MAX;
     float amax = 0.f;
     for (int64_t d = 0; d < D; ++d) {
         const float a = fabsf(x[d]);
         amax = a > amax ? a : amax;
     }
     const uint16_t s16 = f32_to_bf16(amax / qmax);
-    *s = bf16_to_f32(s16);
-    return s16;
-}
-
-/* D floats -> D int8 codes; returns the bf16 scale. An all-zero row gets scale 0 and codes 0. */
-static inline uint16_t kv_quant_row_i8(const float *x, int64_t D, int8_t *codes) {
-    float s;
-    const uint16_t s16 = kv_row_scale(x, D, KV_INT8_MAX, &s);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-        float y = s > 0.f ? rintf(x[d] / s) : 0.f;
-        y = y > KV_INT8_MAX ? KV_INT8_MAX : (y < -KV_INT8_MAX ? -KV_INT8_MAX : y);
-        codes[d] = (int8_t)y;
-    }
-    return s16;
-}
-
-/* D floats -> D e4m3 codes; returns the bf16 scale. */
-static inline uint16_t kv_quant_row_e4m3(const float *x, int64_t D, uint8_t *codes) {
-    float s;
-    const uint16_t s16 = kv_row_scale(x, D, KV_FP8_MAX, &s);
+    const float s = bf16_to_f32(s16);
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) {
         float y = s > 0.f ? x[d] / s : 0.f;
-        y = y > KV_FP8_MAX ? KV_FP8_MAX : (y < -KV_FP8_MAX ? -KV_FP8_MAX : y);
-        codes[d] = f32_to_e4m3(y);
+        y = y > qmax ? qmax : (y < -qmax ? -qmax : y);
+        if (fp8)
+            ((uint8_t *)codes)[d] = f32_to_e4m3(y);
+        else
+            ((int8_t *)codes)[d] = (int8_t)rintf(y);
     }
     return s16;
 }

@@ -15,14 +15,14 @@
 #define KLD(x) ((float)(x))
 #define KLOAD16(p) load16_i8(p)
 #define KV_SCALED 1
-#define KV_QUANT_ROW(x, D, codes) kv_quant_row_i8(x, D, codes)
+#define KV_QUANT_ROW(x, D, codes) kv_quant_row(x, D, codes, 0)
 #define PFN(name) FN(name##_i8)
 #else
 #define KT uint8_t
 #define KLD(x) e4m3_to_f32(x)
 #define KLOAD16(p) load16_e4m3(p)
 #define KV_SCALED 1
-#define KV_QUANT_ROW(x, D, codes) kv_quant_row_e4m3(x, D, codes)
+#define KV_QUANT_ROW(x, D, codes) kv_quant_row(x, D, codes, 1)
 #define PFN(name) FN(name##_f8)
 #endif
 

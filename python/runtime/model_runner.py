@@ -77,7 +77,7 @@ class ModelRunner:
         num_slots = cfg.max_total_tokens or self._slots_from_memory()
         attn = model.layers[model.start_layer].self_attn  # this rank's heads
         self.kv_pool = KVPool(model.end_layer - model.start_layer, num_slots + 1, attn.num_kv_heads, mc.head_dim,
-                              self.dtype, self.device)
+                              self.dtype, self.device, cfg.kv_code_dtype)
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
         # only reads it (row `padding_row` stays all padding slots). In a parallel group every rank has a copy,
         # which the others update from the writes rank 0 logs (parallel_step.py).
@@ -86,7 +86,8 @@ class ModelRunner:
         self.table_log = TableWriteLog() if par.world_size > 1 else None
         self.fused_decode: FusedDecode | None = None
         self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
-        logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
+        logger.info("model %s loaded: %s, %d KV slots (KV cache %s)", self.model_path, self.dtype, num_slots,
+                    cfg.kv_cache_dtype)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only; per rank with
         # tensor parallelism, not with pipeline stages)
         self.cuda_graph_runner: CudaGraphRunner | None = None
@@ -110,7 +111,7 @@ class ModelRunner:
 
     def _slots_from_memory(self) -> int:
         """KV slots from max_kv_memory_gb (per rank): the same on every rank of a group (one slot table), sized
-        by the rank whose layers and KV heads take the most memory per slot."""
+        by the rank whose layers and KV heads take the most memory per slot (an 8-bit pool's scales counted)."""
         mc, par = self.model_config, self.parallel
         per_slot = 0
         for stage in range(par.pp_size):
@@ -118,8 +119,18 @@ class ModelRunner:
             for rank in range(par.tp_size):
                 heads = distributed.head_shard(mc.num_heads, mc.num_kv_heads, par.tp_size, rank)
                 per_slot = max(per_slot, KVPool.bytes_per_slot(end - start, heads.num_kv_heads, mc.head_dim,
-                                                               self.dtype))
+                                                               self.dtype, self.runtime_config.kv_code_dtype))
         return max(1024, min(int(self.runtime_config.max_kv_memory_gb * 2**30) // per_slot, 262144))
+
+    def kv_cache_info(self) -> dict:
+        """The KV pool for get_server_info: its storage dtype, capacity in tokens and size (with tensor / pipeline
+        parallelism, this rank's pool: its stage's layers and its KV heads)."""
+        p, mc = self.kv_pool, self.model_config
+        return {"kv_cache_dtype": self.runtime_config.kv_cache_dtype,
+                "dtype": str(p.code_dtype or p.dtype).removeprefix("torch."), "capacity_tokens": p.num_slots - 1,
+                "bytes_per_token": KVPool.bytes_per_slot(len(p.k_buffers), p.k_buffers[0].shape[1], mc.head_dim,
+                                                         p.dtype, p.code_dtype),
+                "memory_bytes": p.nbytes()}
 
     @property
     def vocab_size(self) -> int:

@@ -76,6 +76,8 @@ def _rank_main(cfg: RuntimeConfig, model_path: str, rank: int, addr: tuple[str, 
         with open(f"{out}.rank{rank}.err", "w") as f:
             f.write(traceback.format_exc())
         raise
+    # as the runtime's rank processes leave: a process group's destructors may abort once a peer has gone
+    os._exit(0)
 
 
 def run_group(model_path: str, fused: bool = True, **config) -> dict:

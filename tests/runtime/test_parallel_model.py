@@ -4,6 +4,8 @@ same weights and the same steps (parallel_helpers.drive: extends with and withou
 - float32: the logits of tp 2, pp 2 and tp 2 x pp 2 equal tp 1's within float32 rounding, on tiny Llama, Qwen2
   and Qwen3 models, a model with fewer KV heads than ranks (llama-hd64: one), a tied one, and one that tp 2
   splits unevenly (3 KV heads, 129 MLP columns, an odd vocabulary padded to equal shards);
+- over an 8-bit KV cache (each rank quantizes its KV heads' rows, as one process does): tp 2 within float32
+  rounding of tp 1, pp 2 bit for bit;
 - bfloat16, the fused decode step per rank (its all-reduces inside the C call): tp 2's fused step gives the
   same bits as tp 2's unfused path, and pipeline stages change no rounding at all (pp 2 == tp 1, bit for bit).
 """
@@ -39,6 +41,13 @@ def test_pipeline_stages_logits_equal_tp1(layout):
     want = run_single(path, dtype="float32")["logits"]
     got = run_group(path, dtype="float32", **layout)["logits"]
     assert rel_max(got, want) < TOL
+
+
+def test_parallel_groups_over_an_8bit_kv_cache():
+    path = str(tiny_model_dir("llama-odd"))
+    want = run_single(path, dtype="float32", kv_cache_dtype="int8")["logits"]
+    assert rel_max(run_group(path, dtype="float32", kv_cache_dtype="int8", tp_size=2)["logits"], want) < TOL
+    assert torch.equal(run_group(path, dtype="float32", kv_cache_dtype="int8", pp_size=2)["logits"], want)
 
 
 needs_fused = pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),

@@ -81,7 +81,8 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
         ("splits", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"), ("res_a", "uint16_t *"),
         ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
-        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t")]),
+        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t"),
+        ("par", "const rg_parallel *")]),
     "rg_extend_attention_bf16": ("rg_status", [
         ("q", "const uint16_t *"), ("q_stride", "int64_t"), ("k_buf", "const uint16_t *"),
         ("v_buf", "const uint16_t *"), ("table", "const int64_t *"), ("table_stride", "int64_t"),
@@ -120,6 +121,16 @@ class LayerBF16(ctypes.Structure):
                                                        "down", "k_buf", "v_buf", "q_norm", "k_norm", "k_scale",
                                                        "v_scale")),
                 ("kv_format", ctypes.c_int64)]  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
+
+
+ALL_REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)  # rg_parallel.all_reduce
+
+
+class ParallelBF16(ctypes.Structure):
+    """The fused decode step on one rank of a parallel group (csrc/cpu_parallel.h's rg_parallel)."""
+
+    _fields_ = [("all_reduce", ALL_REDUCE_FN), ("ctx", ctypes.c_void_p), ("input", ctypes.c_int64),
+                ("output", ctypes.c_int64)]
 
 
 _SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "rg_status": ctypes.c_int}

@@ -13,6 +13,10 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
 JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
+# other spellings of speculative_algorithm, any case: SGLang's (NGRAM, STANDALONE) and vLLM's (draft_model)
+SPECULATIVE_ALIASES = {"standalone": "draft", "draft_model": "draft"}
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,19 @@ class RuntimeConfig:
     cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
                                     "--max-running-requests)")
 
+    # ---- speculative decoding (runtime/speculative/)
+    speculative_algorithm: str = option(
+        "none", "speculative decoding: none; ngram (drafts copied from the request's own prompt and output and "
+        "from what earlier requests generated after the same context, no extra model); draft (a small model of "
+        "the same vocabulary drafts, --speculative-draft-model-path). Any case; SGLang's NGRAM and STANDALONE too",
+        flags=("--speculative-algorithm",))
+    speculative_draft_model: str | None = option(
+        None, "the draft model of --speculative-algorithm draft: a Hugging Face folder or .gguf file (the target "
+        "model's own path works, for testing)", flags=("--speculative-draft-model-path", "--speculative-draft-model"))
+    num_speculative_tokens: int = option(
+        7, "draft tokens per request and step at most (speculation adapts the number to how many get accepted; "
+        f"1..{MAX_SPECULATIVE_TOKENS})", flags=("--speculative-num-draft-tokens", "--num-speculative-tokens"))
+
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
         check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -156,6 +173,25 @@ class RuntimeConfig:
             raise ValueError(f"max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if not isinstance(algo, str):
+            raise ValueError(f"speculative_algorithm must be a string, got {algo!r}")
+        algo = SPECULATIVE_ALIASES.get(algo.lower(), algo.lower())
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} (or "
+                             f"{', '.join(SPECULATIVE_ALIASES)}); got {self.speculative_algorithm!r}")
+        object.__setattr__(self, "speculative_algorithm", algo)  # the one spelling the runtime reads
+        if algo == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_algorithm='draft' needs speculative_draft_model (a model path)")
+        if algo != "draft" and self.speculative_draft_model is not None:
+            raise ValueError(f"speculative_draft_model is only used with speculative_algorithm='draft' (got "
+                             f"{algo!r})")
+        n = self.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {n!r}")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> RuntimeConfig:

@@ -125,6 +125,16 @@ class ControlReply:
 
 
 @dataclass
+class SpecCounts:
+    """A request's speculative decoding so far (cumulative): decode steps it took part in (each one verification
+    forward), draft tokens proposed for it, and how many of those became its output."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
 class ReqOutput:
     """What one step produced for one request (only the new part)."""
 
@@ -139,6 +149,7 @@ class ReqOutput:
     input_top: list[tuple[list[float], list[int]] | None] | None = None
     # the refusal of a second request under a rid already in flight: it is not about the request in flight
     duplicate: bool = False
+    spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
 
 
 @dataclass

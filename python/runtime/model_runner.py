@@ -43,7 +43,9 @@ def keep_freed_host_memory() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RuntimeConfig, model_path=None) -> None:
+    def __init__(self, cfg: RuntimeConfig, model_path=None, req_to_slot: torch.Tensor | None = None) -> None:
+        """`req_to_slot`: another runner's request->slot table to read instead of a new one (a draft model's
+        runner reads the target's: its pool has the same slots, and a position's slot is the same in both)."""
         self.runtime_config = cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
@@ -73,7 +75,11 @@ class ModelRunner:
         self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
         # only reads it (row `padding_row` stays all padding slots)
-        self.req_to_slot = new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
+        shape = (cfg.max_running_requests + 1, self.context_length)
+        if req_to_slot is not None and tuple(req_to_slot.shape) != shape:
+            raise ValueError(f"req_to_slot: expected a table of shape {shape}, got {tuple(req_to_slot.shape)}")
+        self.req_to_slot = req_to_slot if req_to_slot is not None else \
+            new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
         self.fused_decode: FusedDecode | None = None
         self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
@@ -127,7 +133,7 @@ class ModelRunner:
                              out_slots=fi.out_slots.to(dev, non_blocking=True),
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
-        if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens):
+        if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens, fi.verify):
             return self.fused_decode(fi, self.req_to_slot)
         # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only those
         keep = fi.logit_rows.to(torch.int64) if fi.logit_rows.shape[0] < fi.input_ids.shape[0] else None

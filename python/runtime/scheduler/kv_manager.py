@@ -65,6 +65,10 @@ class KVCacheManager:
         """Give `slots` of `tokens` to the tree; returns how many leading tokens it already held (RadixCache.insert)."""
         return self.tree.insert(tokens, slots, namespace)
 
+    def continuation(self, tokens: Sequence[int], namespace: str | None = None, max_tokens: int = 8) -> list[int]:
+        """What the tree holds right after all of `tokens` (RadixCache.continuation): read-only, for drafts."""
+        return self.tree.continuation(tokens, namespace, max_tokens)
+
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
 

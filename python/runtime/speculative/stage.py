@@ -16,6 +16,8 @@ rejected drafts and of those past a stop (KVCacheManager.free_tail): only kept t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from radixgen.runtime.batch import Batch
@@ -25,6 +27,8 @@ from radixgen.runtime.request import FinishReason, Req, SpecCounts
 from radixgen.runtime.speculative.adaptive import ROW_COST, Acceptance, draft_lengths
 from radixgen.runtime.speculative.draft_model import DraftModelDrafter, weight_bytes
 from radixgen.runtime.speculative.ngram import NgramDrafter
+
+logger = logging.getLogger(__name__)
 
 
 class RequestSpec:
@@ -70,11 +74,11 @@ class Speculator:
         for req in reqs:
             if req.spec is None:
                 req.spec = RequestSpec()
-        rooms = [self.room(req, p) for req, p in zip(reqs, batch.prefix_lens, strict=True)]
+        rooms = [self.room(req, p) if len(reqs) < self.max_rows and not req.spec.acceptance.resting else 0
+                 for req, p in zip(reqs, batch.prefix_lens, strict=True)]
         proposals = None
         if not self.drafter.needs_slots:  # proposals first: a request drafts at most what it has
-            proposals = [self.allowed(req, self.drafter.propose(req, room)) for req, room in
-                         zip(reqs, rooms, strict=True)]
+            proposals = [self.propose(req, room) for req, room in zip(reqs, rooms, strict=True)]
             rooms = [len(p) for p in proposals]
         lengths = draft_lengths([r.spec.acceptance.rate for r in reqs], rooms,
                                 [ROW_COST + p * self.kv_cost for p in batch.prefix_lens], self.max_rows,
@@ -107,6 +111,17 @@ class Speculator:
         context has left (its drafts sit at positions prefix_len + 1 ...)."""
         left = req.params.max_new_tokens - len(req.output_ids) - 1
         return max(0, min(self.max_per_request, left, self.context_length - 1 - prefix_len))
+
+    def propose(self, req: Req, room: int) -> list[int]:
+        """The drafter's proposal of at most `room` tokens, cut to what is worth verifying; [] when it has none,
+        or when proposing failed (logged: drafts only save time, the request goes on without them)."""
+        if room <= 0:
+            return []
+        try:
+            return self.allowed(req, self.drafter.propose(req, room))
+        except Exception:  # noqa: BLE001 - the request decodes without drafts
+            logger.exception("drafting for %s failed; it decodes without drafts this step", req.rid)
+            return []
 
     def allowed(self, req: Req, tokens: list[int]) -> list[int]:
         """The part of a proposal worth verifying: nothing past a stop token, nothing the grammar refuses."""

@@ -91,8 +91,8 @@ class DraftModelDrafter:
         apply_mask = self.grammar.mask_fn(reqs) if self.grammar is not None else None
         if apply_mask is not None:
             short = self.grammar.vocab_size - logits.shape[1]  # a draft model with less padding than the target
-            if short > 0:
-                logits = torch.nn.functional.pad(logits, (0, short), value=float("-inf"))
+            # a copy: the forward's output is an inference tensor, not to be edited in place
+            logits = torch.nn.functional.pad(logits, (0, max(short, 0)), value=float("-inf"))
             apply_mask(logits)
         best, ids = logits[:, :self.vocab_size].max(dim=-1)
         return [None if b == float("-inf") else t for b, t in zip(best.tolist(), ids.tolist(), strict=True)]

@@ -17,6 +17,7 @@ rejected drafts and of those past a stop (KVCacheManager.free_tail): only kept t
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -64,12 +65,20 @@ class Speculator:
             self.drafter = DraftModelDrafter(cfg, runner, output.tokenizer, grammar, output.stop_token_ids)
         for name in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_passes"):
             counters.setdefault(name, 0)
+        self.draft_seconds = 0.0  # spent drafting (a draft model: its forwards, extend steps included)
 
     # ------------------------------------------------------------------ draft
 
     def draft(self, batch: Batch) -> Batch:
         """A decode batch (one new slot per request) -> its verification batch, or the batch itself when no
         request drafts. Draft slots come from what the pool has free: speculation never retracts a request."""
+        start = time.perf_counter()
+        try:
+            return self._draft(batch)
+        finally:
+            self.draft_seconds += time.perf_counter() - start
+
+    def _draft(self, batch: Batch) -> Batch:
         reqs = batch.reqs
         for req in reqs:
             if req.spec is None:
@@ -135,7 +144,9 @@ class Speculator:
     def mirror(self, fi) -> None:
         """After an extend step of the target: a draft model computes the same positions' K/V."""
         if self.drafter.needs_slots:
+            start = time.perf_counter()
             self.drafter.mirror(fi)
+            self.draft_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------ accept
 
@@ -182,4 +193,4 @@ class Speculator:
         proposed, accepted = self.counters["spec_draft_tokens"], self.counters["spec_accepted_tokens"]
         return {"algorithm": self.algorithm, "num_speculative_tokens": self.max_tokens,
                 "draft_tokens": proposed, "accepted_tokens": accepted,
-                "accept_rate": accepted / proposed if proposed else 0.0}
+                "accept_rate": accepted / proposed if proposed else 0.0, "draft_seconds": self.draft_seconds}

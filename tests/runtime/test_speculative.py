@@ -500,3 +500,31 @@ def test_fused_verification_is_its_decode_steps_bit_for_bit(model_dir):
     plain, _ = verify(unfused)
     assert ((fused - plain).norm() / plain.norm()).item() < 1e-2
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+
+
+def test_options_take_sglang_and_vllm_spellings_and_refuse_the_rest():
+    import argparse
+
+    from radixgen.runtime.flags import add_dataclass_flags, values_of
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, RuntimeConfig)
+
+    def parsed(*argv: str) -> RuntimeConfig:
+        return RuntimeConfig(**values_of(RuntimeConfig, parser.parse_args(list(argv))))
+
+    cfg = parsed("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "/m",
+                 "--speculative-num-draft-tokens", "3")
+    assert (cfg.speculative_algorithm, cfg.speculative_draft_model, cfg.num_speculative_tokens) == ("draft", "/m", 3)
+    cfg = parsed("--speculative-algorithm", "NGRAM", "--num-speculative-tokens", "5")
+    assert (cfg.speculative_algorithm, cfg.num_speculative_tokens) == ("ngram", 5)
+    assert RuntimeConfig.from_kwargs(speculative_algorithm="draft_model",
+                                     speculative_draft_model="/m").speculative_algorithm == "draft"
+    assert RuntimeConfig().speculative_algorithm == "none"
+    for kw, message in ((dict(speculative_algorithm="eagle"), "speculative_algorithm must be one of"),
+                        (dict(speculative_algorithm="draft"), "needs speculative_draft_model"),
+                        (dict(speculative_draft_model="/m"), "only used with speculative_algorithm='draft'"),
+                        (dict(speculative_algorithm="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+                        (dict(speculative_algorithm="ngram", num_speculative_tokens=17), "num_speculative_tokens")):
+        with pytest.raises(ValueError, match=message):
+            RuntimeConfig(**kw)

@@ -3,6 +3,7 @@ matchers, and the batch bitmask applied to the logits of one sampling step."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -97,29 +98,31 @@ class GrammarBackend:
 
     def fill_draft_bitmask(self, bitmask: torch.Tensor, matchers: Sequence[Matcher | None],
                            drafts: Sequence[Sequence[int]]) -> list[int]:
-        """mask_fn's rows with drafts: each matcher steps through its request's drafts, filling a row per state,
-        and is rolled back to where it was. Rows past a terminating (stop) token stay unconstrained: nothing is
-        sampled after it."""
-        flat, row = [], 0
-        for m, draft in zip(matchers, drafts, strict=True):
-            if m is None:
-                row += len(draft) + 1
-                continue
-            taken = 0
-            try:
-                for j in range(len(draft) + 1):
-                    if m.is_terminated():
-                        break
-                    m.xgr_matcher.fill_next_token_bitmask(bitmask, row + j)
-                    flat.append(row + j)
-                    if j < len(draft):
-                        if not m.accept_token(draft[j]):
-                            raise RuntimeError(f"draft token {draft[j]} is not allowed by the grammar")
-                        taken += 1
-            finally:
-                m.rollback(taken)
-            row += len(draft) + 1
-        return flat
+        """mask_fn's rows with drafts: the matchers step through their requests' drafts together, a batched
+        fill per draft position, and are rolled back to where they were. Rows past a terminating (stop) token
+        stay unconstrained: nothing is sampled after it."""
+        firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))  # each request's first row
+        taken = [0] * len(matchers)
+        flat: list[int] = []
+        try:
+            for j in range(max((len(d) for d in drafts), default=0) + 1):
+                live = [i for i, m in enumerate(matchers)
+                        if m is not None and j <= len(drafts[i]) and taken[i] == j and not m.is_terminated()]
+                if not live:
+                    break
+                rows = [firsts[i] + j for i in live]
+                self._batch.batch_fill_next_token_bitmask([matchers[i].xgr_matcher for i in live], bitmask, rows)
+                flat += rows
+                for i in live:
+                    if j < len(drafts[i]):
+                        if not matchers[i].accept_token(drafts[i][j]):
+                            raise RuntimeError(f"draft token {drafts[i][j]} is not allowed by the grammar")
+                        taken[i] += 1
+        finally:
+            for m, n in zip(matchers, taken, strict=True):
+                if n:
+                    m.rollback(n)
+        return sorted(flat)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """In place on logits (B, V_padded): in `rows`, disallowed ids and ids >= vocab_size get -inf;

@@ -85,6 +85,10 @@ class KVCacheManager:
         """Slots that can be handed out now: free ones and the tree's unlocked ones (evicted on demand)."""
         return self.allocator.available() + self.tree.evictable_size()
 
+    def free_slots(self) -> int:
+        """Slots free without evicting anything (what speculative drafts may take)."""
+        return self.allocator.available()
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.available()
 

@@ -71,7 +71,7 @@ class Speculator:
 
     def draft(self, batch: Batch) -> Batch:
         """A decode batch (one new slot per request) -> its verification batch, or the batch itself when no
-        request drafts. Draft slots come from what the pool has free: speculation never retracts a request."""
+        request drafts. Draft slots come from the free ones: speculation never evicts nor retracts."""
         start = time.perf_counter()
         try:
             return self._draft(batch)
@@ -92,7 +92,7 @@ class Speculator:
         lengths = draft_lengths([r.spec.acceptance.rate for r in reqs], rooms,
                                 [ROW_COST + p * self.kv_cost for p in batch.prefix_lens], self.max_rows,
                                 self.drafter.forward_cost)
-        free = self.kv.available()
+        free = self.kv.free_slots()  # drafts never evict a cached prefix
         for i, req in enumerate(reqs):
             lengths[i] = min(lengths[i], free)
             free -= lengths[i]

@@ -97,11 +97,14 @@ class ModelConfig:
         )
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = ()) -> Any:
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = (),
+           any_case: bool = False) -> Any:
     """A config field and its command-line flag in one place: `radixgen serve` builds its flags from these
     (radixgen.runtime.flags). `flags`: the flag names when not just `--name-with-dashes` (the first is the
-    main one; the others are aliases, e.g. SGLang's)."""
-    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags)}
+    main one; the others are aliases, e.g. SGLang's). `any_case`: the flag takes its (lowercase) choices in
+    any case (the field's check lowers the value too)."""
+    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags),
+            "any_case": any_case}
     return field(default=default, metadata=meta)
 
 
@@ -148,10 +151,11 @@ class RuntimeConfig:
         "none", "speculative decoding: none; ngram (drafts copied from the request's own prompt and output and "
         "from what earlier requests generated after the same context, no extra model); draft (a small model of "
         "the same vocabulary drafts, --speculative-draft-model-path). Any case; SGLang's NGRAM and STANDALONE too",
-        flags=("--speculative-algorithm",))
+        choices=(*SPECULATIVE_ALGORITHMS, *SPECULATIVE_ALIASES), flags=("--speculative-algorithm",), any_case=True)
     speculative_draft_model: str | None = option(
-        None, "the draft model of --speculative-algorithm draft: a Hugging Face folder or .gguf file (the target "
-        "model's own path works, for testing)", flags=("--speculative-draft-model-path", "--speculative-draft-model"))
+        None, "the draft model of --speculative-algorithm draft (given alone, it implies that algorithm): a Hugging "
+        "Face folder or .gguf file (the target model's own path works, for testing)",
+        flags=("--speculative-draft-model-path", "--speculative-draft-model"))
     num_speculative_tokens: int = option(
         7, "draft tokens per request and step at most (speculation adapts the number to how many get accepted; "
         f"1..{MAX_SPECULATIVE_TOKENS})", flags=("--speculative-num-draft-tokens", "--num-speculative-tokens"))
@@ -180,15 +184,16 @@ class RuntimeConfig:
         if not isinstance(algo, str):
             raise ValueError(f"speculative_algorithm must be a string, got {algo!r}")
         algo = SPECULATIVE_ALIASES.get(algo.lower(), algo.lower())
+        if algo == "none" and self.speculative_draft_model is not None:
+            algo = "draft"  # as vLLM's speculative_model alone
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} (or "
                              f"{', '.join(SPECULATIVE_ALIASES)}); got {self.speculative_algorithm!r}")
         object.__setattr__(self, "speculative_algorithm", algo)  # the one spelling the runtime reads
         if algo == "draft" and not self.speculative_draft_model:
             raise ValueError("speculative_algorithm='draft' needs speculative_draft_model (a model path)")
-        if algo != "draft" and self.speculative_draft_model is not None:
-            raise ValueError(f"speculative_draft_model is only used with speculative_algorithm='draft' (got "
-                             f"{algo!r})")
+        if algo == "ngram" and self.speculative_draft_model is not None:
+            raise ValueError("speculative_draft_model is only used with speculative_algorithm='draft' (got 'ngram')")
         n = self.num_speculative_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {n!r}")

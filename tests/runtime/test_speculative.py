@@ -521,10 +521,26 @@ def test_options_take_sglang_and_vllm_spellings_and_refuse_the_rest():
     assert RuntimeConfig.from_kwargs(speculative_algorithm="draft_model",
                                      speculative_draft_model="/m").speculative_algorithm == "draft"
     assert RuntimeConfig().speculative_algorithm == "none"
+    assert RuntimeConfig(speculative_draft_model="/m").speculative_algorithm == "draft"  # implied, as in vLLM
     for kw, message in ((dict(speculative_algorithm="eagle"), "speculative_algorithm must be one of"),
                         (dict(speculative_algorithm="draft"), "needs speculative_draft_model"),
-                        (dict(speculative_draft_model="/m"), "only used with speculative_algorithm='draft'"),
+                        (dict(speculative_algorithm="ngram", speculative_draft_model="/m"), "only used with"),
                         (dict(speculative_algorithm="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
                         (dict(speculative_algorithm="ngram", num_speculative_tokens=17), "num_speculative_tokens")):
         with pytest.raises(ValueError, match=message):
             RuntimeConfig(**kw)
+
+
+def test_the_offline_api_takes_vllms_speculative_config():
+    from radixgen.offline.llm import engine_options
+
+    assert engine_options({"speculative_config": {"method": "ngram", "num_speculative_tokens": 5}}) == {
+        "speculative_algorithm": "ngram", "num_speculative_tokens": 5}
+    assert engine_options({"speculative_config": {"model": "/small"}}) == {
+        "speculative_algorithm": "draft_model", "speculative_draft_model": "/small"}
+    assert RuntimeConfig(**engine_options({"speculative_config": {"model": "/small"}})).speculative_algorithm == \
+        "draft"
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        engine_options({"speculative_config": {"method": "ngram", "prompt_lookup_max": 3}})
+    with pytest.raises(ValueError, match="give a method"):
+        engine_options({"speculative_config": {"num_speculative_tokens": 3}})

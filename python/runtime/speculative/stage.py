@@ -51,10 +51,8 @@ class Speculator:
         self.max_tokens = cfg.num_speculative_tokens
         self.kv, self.output, self.counters = kv, output, counters
         self.context_length = runner.context_length
-        mc = runner.model_config
         # reading one position's K/V for attention, relative to streaming the weights: a row's context cost
-        kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_pool.k_buffers[0].element_size()
-        self.kv_cost = kv_bytes / weight_bytes(runner.model)
+        self.kv_cost = runner.kv_cache_info()["bytes_per_token"] / weight_bytes(runner.model)
         # the fused CPU step verifies up to its row limits; past them a verification runs unfused, much slower
         fused = runner.fused_decode is not None
         self.max_rows = MAX_FUSED_ROWS if fused else 1 << 30

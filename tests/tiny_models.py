@@ -68,6 +68,11 @@ def tiny_model_dir(arch: str = "llama", root: str | os.PathLike | None = None) -
     for f in default.iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, tmp / f.name)
+    return _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> Path:
+    """Move a finished model folder into place (another process may have been first: then drop ours)."""
     (tmp / "DONE").write_text("ok\n")
     try:
         tmp.rename(out)
@@ -96,9 +101,4 @@ def perturbed_model_dir(arch: str = "llama", noise: float = 0.02, root: str | os
             if t.dim() == 2:
                 tensors[name] = t + noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
         save_file(tensors, f, metadata={"format": "pt"})
-    (tmp / "DONE").write_text("ok\n")
-    try:
-        tmp.rename(out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return _publish(tmp, out)

@@ -164,7 +164,8 @@ class RuntimeConfig:
         flags=("--speculative-draft-model-path", "--speculative-draft-model"))
     num_speculative_tokens: int = option(
         7, "draft tokens per request and step at most (speculation adapts the number to how many get accepted; "
-        f"1..{MAX_SPECULATIVE_TOKENS})", flags=("--speculative-num-draft-tokens", "--num-speculative-tokens"))
+        f"1..{MAX_SPECULATIVE_TOKENS}; at most 7 where the fused CPU decode step verifies)",
+        flags=("--speculative-num-draft-tokens", "--num-speculative-tokens"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))

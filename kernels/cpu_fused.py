@@ -173,19 +173,21 @@ class DecodeStepWeights:
 def decode_step(kl: CKernels, w: DecodeStepWeights, embed: torch.Tensor | None, ids: torch.Tensor,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, out_slots: torch.Tensor,
                 req_to_slot: torch.Tensor, req_indices: torch.Tensor, max_len: int, scale: float,
-                io: StageIO = StageIO()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                io: StageIO = StageIO(), requests: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer and the final norm for a decode batch of M tokens `ids` at `positions` (each request's
     context being its position + 1, this token included), from their rows of `embed` (vocab, hidden) bf16 ->
     ((M, hidden) final hidden states, (M, vocab) float32 logits, rounded to bf16, or None where `w` has no LM
     head), both in `w`'s buffers for M rows, valid until its next step with M rows. max_len: the longest
     context. Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V
-    into the pool at out_slots. With `io`, one rank's part of a parallel group (StageIO): embed may then be
-    None, and a stage that is not final returns ((M, hidden) output, (M, hidden) residual stream) instead,
-    also in `w`'s buffers."""
+    into the pool at out_slots. Rows of one request (consecutive positions, the same entry in req_indices, which
+    has one entry per row) see each other's K/V: all rows' K/V are stored before any row attends. `requests`
+    (default M): how many requests the rows belong to, which sets how each context is split for attention.
+    With `io`, one rank's part of a parallel group (StageIO): embed may then be None, and a stage that is not
+    final returns ((M, hidden) output, (M, hidden) residual stream) instead, also in `w`'s buffers."""
     m = ids.shape[0]
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     threads = torch.get_num_threads()
-    splits = num_splits(m, max_len, threads)
+    splits = num_splits(m if requests is None else requests, max_len, threads)
     x, out, res_a, res_b, qkv, attn, gu, part, logits = w.scratch(m, splits)
     # the kernel checks the scratch against the contexts it reads (RG_ERR_SCRATCH if max_len was too small)
     nbytes = kl.fn("rg_decode_step_scratch_bytes_bf16")(M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d, inter=w.intermediate,

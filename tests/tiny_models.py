@@ -71,9 +71,37 @@ def tiny_model_dir(arch: str = "llama", root: str | os.PathLike | None = None) -
     for f in default.iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, tmp / f.name)
+    return _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> Path:
+    """Move a finished model folder into place (another process may have been first: then drop ours)."""
     (tmp / "DONE").write_text("ok\n")
     try:
         tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def perturbed_model_dir(arch: str = "llama", noise: float = 0.02, root: str | os.PathLike | None = None) -> Path:
+    """A copy of tiny_model_dir(arch) with N(0, noise) added to every weight matrix (fixed seed): a different
+    model of the same vocabulary whose greedy choices mostly, not always, agree with the original's (a draft
+    model for speculative decoding tests)."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_dir(arch, root)
+    out = src.parent / f"{arch}-perturbed-{noise}"
+    if (out / "DONE").exists():
+        return out
+    tmp = src.parent / f"{out.name}.tmp{os.getpid()}"
+    shutil.copytree(src, tmp, dirs_exist_ok=True)
+    (tmp / "DONE").unlink()
+    gen = torch.Generator().manual_seed(99)
+    for f in tmp.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if t.dim() == 2:
+                tensors[name] = t + noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return _publish(tmp, out)

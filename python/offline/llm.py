@@ -41,8 +41,30 @@ def engine_options(options: dict[str, Any]) -> dict[str, Any]:
             out["disable_radix_cache"] = not value
         elif name == "trust_remote_code":
             pass  # radixgen never runs a checkpoint's own code: its models are in radixgen.runtime.models
+        elif name == "speculative_config":
+            out.update(speculative_options(value))
         else:
             out[_RENAMED.get(name, name)] = value
+    return out
+
+
+def speculative_options(spec: Any) -> dict[str, Any]:
+    """vLLM's speculative_config ({"method": "ngram" | "draft_model", "model": ..., "num_speculative_tokens":
+    ...}; a "model" alone means a draft model) as Engine options."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"LLM.speculative_config: must be a dict (got {type(spec).__name__})")
+    unknown = sorted(set(spec) - {"method", "model", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"LLM.speculative_config: radixgen does not implement {unknown} (it takes method, model "
+                         "and num_speculative_tokens)")
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method is None:
+        raise ValueError("LLM.speculative_config: give a method (ngram, draft_model) or a draft model")
+    out = {"speculative_algorithm": method}
+    if spec.get("model") is not None:
+        out["speculative_draft_model"] = spec["model"]
+    if "num_speculative_tokens" in spec:
+        out["num_speculative_tokens"] = spec["num_speculative_tokens"]
     return out
 
 

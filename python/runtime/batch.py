@@ -21,6 +21,9 @@ class ForwardInput(NamedTuple):
     prefix_lens: list[int]  # (B,) tokens already in the pool
     extend_lens: list[int]  # (B,) new tokens this step
     logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
+    # a verification of draft tokens: each request's new tokens are its last token and its drafts, consecutive
+    # positions, logits at every row (the fused CPU step takes these: cpu_decode.FusedDecode.applies)
+    verify: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -36,6 +39,9 @@ class Batch:
     is_decode: bool
     prefix_lens: list[int]  # kv_len of each request before this step
     extend_lens: list[int]  # new tokens of each request this step
+    # a verification (speculative decoding, a decode step): request i computes its last token and drafts[i]
+    # (extend_lens[i] == 1 + len(drafts[i])), with logits at each of those rows (from sample_rows[i] on)
+    drafts: list[list[int]] | None = None
     # per request: the prompt positions whose logprob this step's logits give (rows lp_first[i] onwards)
     prompt_lp_rows: list[list[int]] = field(init=False)
     lp_first: list[int] = field(init=False)
@@ -58,7 +64,10 @@ class Batch:
                     lp_positions.append(r + 1)
                     self.logit_rows.append(offset + r - p)
             self.prompt_lp_rows.append(lp_positions)
-            if self.completes_prefill(i) and req.params.max_new_tokens > len(req.output_ids):
+            if self.drafts is not None:
+                self.sample_rows.append(len(self.logit_rows))
+                self.logit_rows += range(offset, offset + e)
+            elif self.completes_prefill(i) and req.params.max_new_tokens > len(req.output_ids):
                 self.sample_rows.append(len(self.logit_rows))
                 self.logit_rows.append(offset + e - 1)
             else:
@@ -79,8 +88,8 @@ class Batch:
         slot_parts = []
         for i, req in enumerate(self.reqs):
             p, e = self.prefix_lens[i], self.extend_lens[i]
-            # [p, p + e): the positions computed now
-            ids += req.fill_ids[p:p + e]
+            # [p, p + e): the positions computed now (a verification's last ones hold the drafts)
+            ids += req.fill_ids[p:p + e] if self.drafts is None else req.fill_ids[p:] + self.drafts[i]
             positions += range(p, p + e)
             slot_parts.append(table[req.table_row, p:p + e])
         return ForwardInput(
@@ -91,4 +100,5 @@ class Batch:
             prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens),
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.int64),
+            verify=self.drafts is not None,
         )

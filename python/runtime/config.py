@@ -15,6 +15,10 @@ JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # kv_cache_dtype: auto (the model dtype) or the code dtype of an 8-bit pool (radixgen.kernels.kv_quant)
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
+# other spellings of speculative_algorithm, any case: SGLang's (NGRAM, STANDALONE) and vLLM's (draft_model)
+SPECULATIVE_ALIASES = {"standalone": "draft", "draft_model": "draft"}
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,14 @@ class ModelConfig:
         )
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = ()) -> Any:
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = (),
+           any_case: bool = False) -> Any:
     """A config field and its command-line flag in one place: `radixgen serve` builds its flags from these
     (radixgen.runtime.flags). `flags`: the flag names when not just `--name-with-dashes` (the first is the
-    main one; the others are aliases, e.g. SGLang's)."""
-    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags)}
+    main one; the others are aliases, e.g. SGLang's). `any_case`: the flag takes its (lowercase) choices in
+    any case (the field's check lowers the value too)."""
+    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags),
+            "any_case": any_case}
     return field(default=default, metadata=meta)
 
 
@@ -157,6 +164,21 @@ class RuntimeConfig:
                                         "--nnodes > 1; default: a free loopback port)")
     dist_timeout: float = option(120.0, "seconds: a collective, transfer or join that takes longer fails the group")
 
+    # ---- speculative decoding (runtime/speculative/)
+    speculative_algorithm: str = option(
+        "none", "speculative decoding: none; ngram (drafts copied from the request's own prompt and output and "
+        "from what earlier requests generated after the same context, no extra model); draft (a small model of "
+        "the same vocabulary drafts, --speculative-draft-model-path). Any case; SGLang's NGRAM and STANDALONE too",
+        choices=(*SPECULATIVE_ALGORITHMS, *SPECULATIVE_ALIASES), flags=("--speculative-algorithm",), any_case=True)
+    speculative_draft_model: str | None = option(
+        None, "the draft model of --speculative-algorithm draft (given alone, it implies that algorithm): a Hugging "
+        "Face folder or .gguf file (the target model's own path works, for testing)",
+        flags=("--speculative-draft-model-path", "--speculative-draft-model"))
+    num_speculative_tokens: int = option(
+        7, "draft tokens per request and step at most (speculation adapts the number to how many get accepted; "
+        f"1..{MAX_SPECULATIVE_TOKENS}; at most 7 where the fused CPU decode step verifies)",
+        flags=("--speculative-num-draft-tokens", "--num-speculative-tokens"))
+
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
         check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -176,6 +198,7 @@ class RuntimeConfig:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         self._check_parallel()
+        self._check_speculative()
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "pp_size", "nnodes"):
@@ -192,6 +215,32 @@ class RuntimeConfig:
             split_addr(self.dist_init_addr)
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if not isinstance(algo, str):
+            raise ValueError(f"speculative_algorithm must be a string, got {algo!r}")
+        algo = SPECULATIVE_ALIASES.get(algo.lower(), algo.lower())
+        if algo == "none" and self.speculative_draft_model is not None:
+            algo = "draft"  # as vLLM's speculative_model alone
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} (or "
+                             f"{', '.join(SPECULATIVE_ALIASES)}); got {self.speculative_algorithm!r}")
+        object.__setattr__(self, "speculative_algorithm", algo)  # the one spelling the runtime reads
+        if algo == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_algorithm='draft' needs speculative_draft_model (a model path)")
+        if algo == "ngram" and self.speculative_draft_model is not None:
+            raise ValueError("speculative_draft_model is only used with speculative_algorithm='draft' (got 'ngram')")
+        if algo != "none" and self.pp_size > 1:
+            raise ValueError("speculative decoding does not run with pp_size > 1 (the pipeline scheduler keeps "
+                             "several steps in flight and verifies none); use pp_size=1 or no speculation")
+        if algo == "draft" and self.tp_size > 1:
+            raise ValueError("speculative_algorithm='draft' does not run with tp_size > 1 (the draft model would "
+                             "need its own sharded group); use speculative_algorithm='ngram' with tensor parallelism")
+        n = self.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {n!r}")
+
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size

@@ -18,6 +18,12 @@ from radixgen.kernels.cpu import CKernels
 from radixgen.runtime import distributed
 
 MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even at 96, slower at 128
+# rows of one request in a verification step (its last token and its draft tokens): the step stores every row's
+# K/V before any row attends, and each row attends to positions [0, its own] of its request's table row, so
+# consecutive positions of one request come out as an extend computes them, at about the cost of a decode step
+# of as many rows (measured, SmolLM2-135M at batch 1: 1 row 7.0 ms, 4 rows 7.7, 8 rows 9.8; an unfused extend of
+# 5 tokens about 15); past 8 rows per request the extend kernel, which reads the context once for all, wins
+MAX_ROWS_PER_REQUEST = 8
 
 
 class FusedDecode:
@@ -65,14 +71,17 @@ class FusedDecode:
             eps=model.config.rms_norm_eps, lm_head=model.lm_head.weight if last else None)
         return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale)
 
-    def applies(self, extend_lens: list[int]) -> bool:
-        """Whether a step with these per-request new-token counts is a decode step the fused path takes."""
-        return len(extend_lens) <= MAX_BATCH and all(e == 1 for e in extend_lens)
+    def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
+        """Whether a step with these per-request new-token counts is one the fused path takes: a decode step, or
+        with `verify` a verification of draft tokens (model_runner.ForwardInput.verify)."""
+        if not verify:
+            return len(extend_lens) <= MAX_BATCH and all(e == 1 for e in extend_lens)
+        return sum(extend_lens) <= MAX_BATCH and max(extend_lens, default=1) <= MAX_ROWS_PER_REQUEST
 
     def __call__(self, fi, req_to_slot: torch.Tensor, stage_input=None):
-        """The float32 logits (N, vocab) of `fi.logit_rows` for a decode step (a model_runner.ForwardInput);
-        writes the step's K/V into the pool. Kept to few torch calls: at batch 1 each costs several times
-        its usual price right after the step has streamed the weights through the caches.
+        """The float32 logits (N, vocab) of `fi.logit_rows` for a step `applies` takes (a
+        model_runner.ForwardInput); writes the step's K/V into the pool. Kept to few torch calls: at batch 1 each
+        costs several times its usual price right after the step has streamed the weights through the caches.
 
         On a rank of a parallel group: a stage after the first starts from `stage_input` (a StageHidden), a stage
         before the last returns its StageHidden (copies: the step's buffers are reused), and the logits are on
@@ -81,14 +90,19 @@ class FusedDecode:
 
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
+        n = len(fi.extend_lens)
+        if ids.shape[0] != n:  # several rows of a request: each row reads its request's table row
+            rows = rows.repeat_interleave(torch.tensor(fi.extend_lens), output_size=ids.shape[0])
+        max_len = max(p + e for p, e in zip(fi.prefix_lens, fi.extend_lens, strict=True))
         model = self.model
         io = cpu_fused.StageIO(final=model.is_last_stage, hook=self.hook)
         if stage_input is not None:
             io = io._replace(hidden=stage_input.hidden, residual=stage_input.residual)
         elif self.embed is None:  # the vocabulary-parallel embedding, summed over the ranks
             io = io._replace(embedded=model.embed_tokens(ids))
+        # the context split as in a decode step of the same requests, so that a row's attention rounds as there
         out, logits = cpu_fused.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
-                                            req_to_slot, rows, max(fi.prefix_lens) + 1, self.scale, io)
+                                            req_to_slot, rows, max_len, self.scale, io, requests=n)
         if not model.is_last_stage:
             return StageHidden(out.clone(), logits.clone())
         return model.lm_head.gather(logits.index_select(0, fi.logit_rows))

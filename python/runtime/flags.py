@@ -40,7 +40,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
             continue
         opts: dict[str, Any] = {"type": kind, "metavar": _METAVARS[kind]}
         if meta.get("choices"):
-            opts = {"type": kind, "choices": meta["choices"]}  # argparse shows them: {a,b,c}
+            # argparse shows them: {a,b,c}
+            opts = {"type": str.lower if meta.get("any_case") else kind, "choices": meta["choices"]}
         if container is not None:
             opts["action"] = "append"
             help_text += " (repeat the flag for several)"

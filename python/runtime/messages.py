@@ -130,6 +130,16 @@ class ControlReply:
 
 
 @dataclass
+class SpecCounts:
+    """A request's speculative decoding so far (cumulative): decode steps it took part in (each one verification
+    forward), draft tokens proposed for it, and how many of those became its output."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
 class ReqOutput:
     """What one step produced for one request (only the new part)."""
 
@@ -144,6 +154,7 @@ class ReqOutput:
     input_top: list[tuple[list[float], list[int]] | None] | None = None
     # the refusal of a second request under a rid already in flight: it is not about the request in flight
     duplicate: bool = False
+    spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
 
 
 @dataclass
@@ -171,31 +182,33 @@ class StepDescription:
     forward_input: ForwardInput | None = None
     table_writes: TableWrites | None = None
 
-    HEADER_LEN: ClassVar[int] = 6  # kind, tokens T, requests B, logit rows N, table segments U, table slots S
+    HEADER_LEN: ClassVar[int] = 7  # kind, tokens T, requests B, logit rows N, table segments U, table slots S, verify
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind != StepKind.FORWARD:
-            return torch.tensor([int(self.kind), 0, 0, 0, 0, 0], dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+            header = torch.zeros(self.HEADER_LEN, dtype=torch.int64)
+            header[0] = int(self.kind)
+            return header, torch.zeros(0, dtype=torch.int64)
         fi, tw = self.forward_input, self.table_writes
         lens = torch.tensor([*fi.prefix_lens, *fi.extend_lens], dtype=torch.int64)
         parts = [fi.input_ids, fi.positions, fi.out_slots, fi.req_indices, lens, fi.logit_rows, *tw]
         header = torch.tensor([int(self.kind), fi.input_ids.numel(), fi.req_indices.numel(), fi.logit_rows.numel(),
-                               tw.rows.numel(), tw.slots.numel()], dtype=torch.int64)
+                               tw.rows.numel(), tw.slots.numel(), int(fi.verify)], dtype=torch.int64)
         return header, torch.cat([p.to("cpu", torch.int64).reshape(-1) for p in parts])
 
     @staticmethod
     def payload_len(header: torch.Tensor) -> int:
-        _, t, b, n, u, s = header.tolist()
+        _, t, b, n, u, s, _ = header.tolist()
         return 3 * t + 3 * b + n + 3 * u + s
 
     @classmethod
     def unpack(cls, header: torch.Tensor, payload: torch.Tensor) -> StepDescription:
-        kind, t, b, n, u, s = header.tolist()
+        kind, t, b, n, u, s, verify = header.tolist()
         if kind != StepKind.FORWARD:
             return cls(StepKind(kind))
         # [ids T | positions T | out_slots T | req_indices B | prefix_lens B | extend_lens B | logit_rows N |
         #  table rows U | starts U | lengths U | slots S]
         ids, pos, slots, rows, prefix, extend, logit_rows, t_rows, t_starts, t_lens, t_slots = payload.split(
             [t, t, t, b, b, b, n, u, u, u, s])
-        fi = ForwardInput(ids, pos, slots, rows, prefix.tolist(), extend.tolist(), logit_rows)
+        fi = ForwardInput(ids, pos, slots, rows, prefix.tolist(), extend.tolist(), logit_rows, verify=bool(verify))
         return cls(StepKind.FORWARD, fi, TableWrites(t_rows, t_starts, t_lens, t_slots))

@@ -47,7 +47,9 @@ class ModelRunner:
     """This process's model (its shard and pipeline stage on a rank of a parallel group: distributed.state()),
     the KV pool of its layers and KV heads, the request->slot table tensor, the ops set; `forward` runs a step."""
 
-    def __init__(self, cfg: RuntimeConfig, model_path=None) -> None:
+    def __init__(self, cfg: RuntimeConfig, model_path=None, req_to_slot: torch.Tensor | None = None) -> None:
+        """`req_to_slot`: another runner's request->slot table to read instead of a new one (a draft model's
+        runner reads the target's: its pool has the same slots, and a position's slot is the same in both)."""
         self.runtime_config = cfg
         self.parallel = par = distributed.state()
         self.device = distributed.rank_device(cfg.device)
@@ -81,7 +83,11 @@ class ModelRunner:
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
         # only reads it (row `padding_row` stays all padding slots). In a parallel group every rank has a copy,
         # which the others update from the writes rank 0 logs (parallel_step.py).
-        self.req_to_slot = new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
+        shape = (cfg.max_running_requests + 1, self.context_length)
+        if req_to_slot is not None and tuple(req_to_slot.shape) != shape:
+            raise ValueError(f"req_to_slot: expected a table of shape {shape}, got {tuple(req_to_slot.shape)}")
+        self.req_to_slot = req_to_slot if req_to_slot is not None else \
+            new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
         self.table_log = TableWriteLog() if par.world_size > 1 else None
         self.fused_decode: FusedDecode | None = None
@@ -177,7 +183,7 @@ class ModelRunner:
                              out_slots=fi.out_slots.to(dev, non_blocking=True),
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
-        if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens):
+        if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens, fi.verify):
             return self.fused_decode(fi, self.req_to_slot, stage_input)
         # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only
         # those; not with tensor parallelism, where every rank must reduce the same rows whatever its kernels

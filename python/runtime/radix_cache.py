@@ -127,6 +127,32 @@ class RadixCache:
             return MatchResult(self._empty(), self.root)
         return MatchResult(torch.cat(values), node)
 
+    def continuation(self, tokens: Sequence[int], namespace: str | None = None, max_tokens: int = 8) -> list[int]:
+        """Up to `max_tokens` tokens the tree holds right after the whole of `tokens` (what an earlier request
+        with this context went on with), along the most recently used branch where it forks; [] when the tree
+        does not hold all of `tokens` or nothing follows. Read-only: splits, refreshes and locks nothing."""
+        key = tuple(tokens)
+        node = None if self.disable or max_tokens <= 0 or not key else self._namespace_root(namespace, create=False)
+        if node is None:
+            return []
+        i, rest = 0, ()  # rest: what follows the context inside the node where it ends
+        while i < len(key):
+            child = self._child_with_prefix(node, key, i)
+            if child is None:
+                return []
+            n = min(len(child), len(key) - i)
+            if child.key[:n] != key[i:i + n]:
+                return []
+            node, i, rest = child, i + n, child.key[n:]
+        out = list(rest[:max_tokens])
+        while len(out) < max_tokens:
+            branches = [c for k, c in node.children.items() if not isinstance(k, NamespaceKey)]
+            if not branches:
+                break
+            node = max(branches, key=lambda c: (c.last_access, c.id))
+            out += node.key[:max_tokens - len(out)]
+        return out
+
     def evictable_size(self) -> int:
         return self._evictable
 
@@ -272,6 +298,14 @@ class RadixCache:
             self.root.children[ns_key] = node
             self._namespace_keys[node] = ns_key
         return node
+
+    def _child_with_prefix(self, node: TreeNode, key: tuple[int, ...], i: int) -> TreeNode | None:
+        """The child of `node` whose key goes on with key[i:] (a match may end inside the child's first page)."""
+        if self.page_size == 1 or len(key) - i >= self.page_size:
+            return node.children.get(self._child_key(key, i))
+        tail = key[i:]  # shorter than a page: children are keyed by whole pages, so look at each
+        return next((c for k, c in node.children.items()
+                     if not isinstance(k, NamespaceKey) and c.key[:len(tail)] == tail), None)
 
     def _common_len(self, node_key: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
         """Length of the common prefix of node_key and key[start:], rounded down to whole pages."""

@@ -15,6 +15,7 @@ from radixgen.runtime.messages import (  # noqa: F401 - re-exported
     GenerateRequest,
     ReadySignal,
     ReqOutput,
+    SpecCounts,
 )
 from radixgen.runtime.sampler import make_generator
 
@@ -38,6 +39,7 @@ class Req:
         self.grammar = None  # a matcher when the request is constrained
         self.grammar_future = None
         self.regex_stop = None  # scheduler.output.RegexStop when params.stop_regex is set
+        self.spec = None  # speculative.RequestSpec with speculative decoding on (its drafting state and counts)
 
         # KV state, written by the KV cache manager only: positions [0, cached_len) are held by the tree under
         # last_node (locked); [cached_len, kv_len) are slots this request owns (from the step that computes them

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from radixgen.runtime.detokenizer import IncrementalDetokenizer
-from radixgen.runtime.messages import FinishReason, ReqOutput
+from radixgen.runtime.messages import FinishReason, ReqOutput, SpecCounts
 from radixgen.runtime.sampling_params import SamplingParams
 
 
@@ -55,6 +55,7 @@ class RequestState:
         self.input_logprobs: list | None = None
         self.input_top: list | None = None
         self.sent_text_len = 0
+        self.spec: SpecCounts | None = None  # with speculative decoding on
         self.notify = None  # callable, set by the waiter
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
         self.lock = threading.Lock()
@@ -71,6 +72,7 @@ class RequestState:
 
     def _apply(self, out: ReqOutput) -> None:
         self.cached_tokens = out.cached_tokens
+        self.spec = out.spec
         self.output_ids += out.new_ids
         self.detok.add(out.new_ids)
         if self.return_logprob:
@@ -145,6 +147,14 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
         }
+        if self.spec is not None:  # SGLang's names
+            sp = self.spec
+            meta.update(spec_verify_ct=sp.verify_ct, spec_draft_token_num=sp.draft_tokens,
+                        spec_accept_token_num=sp.accepted_tokens)
+            if sp.verify_ct:
+                meta["spec_accept_length"] = len(self.output_ids) / sp.verify_ct
+            if sp.draft_tokens:
+                meta["spec_accept_rate"] = sp.accepted_tokens / sp.draft_tokens
         if self.return_logprob:
             meta["input_token_logprobs"] = self.input_logprobs or []
             meta["output_token_logprobs"] = list(self.output_logprobs)

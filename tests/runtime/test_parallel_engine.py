@@ -58,6 +58,14 @@ def test_greedy_outputs_identical_to_tp1(reference, layout):
         assert outputs(e) == reference
 
 
+def test_tp2_with_ngram_speculation_gives_the_same_tokens(reference):
+    """Verification steps (several rows per request) reach every rank as such: the same tokens as tp 1."""
+    with Engine(dtype="float32", tp_size=2, speculative_algorithm="ngram", **COMMON) as e:
+        assert outputs(e) == reference
+        spec = e.get_server_info()["speculative"]
+    assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0
+
+
 def test_tp2_across_two_nodes(reference):
     port = free_port()
     node1 = subprocess.Popen(node_command(port, "--tp-size", "2", "--dtype", "float32"))

@@ -3,6 +3,7 @@ matchers, and the batch bitmask applied to the logits of one sampling step."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -66,17 +67,23 @@ class GrammarBackend:
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(batch_size, self.vocab_size)  # (B, ceil(V/32)) int32, CPU
 
-    def mask_fn(self, reqs: Sequence) -> Callable[[torch.Tensor], None] | None:
+    def mask_fn(self, reqs: Sequence, drafts: Sequence[Sequence[int]] | None = None
+                ) -> Callable[[torch.Tensor], None] | None:
         """For one sampling step over `reqs` (objects with a `.grammar`: Matcher or None), row i of the
         logits being reqs[i]: fills the bitmask now and returns the in-place masking of the logits
-        (None when no row is constrained)."""
+        (None when no row is constrained). With `drafts` (speculative decoding: tokens the matchers accept),
+        request i has len(drafts[i]) + 1 consecutive rows, row j masked for its state after drafts[i][:j]."""
         matchers = [r.grammar for r in reqs]
         if all(m is None for m in matchers):
             return None
-        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
-            self._bitmask = self.allocate_bitmask(max(len(reqs), 32))
-        bitmask = self._bitmask[:len(reqs)]  # reused across steps: no allocation per step
-        rows = self.fill_bitmask(bitmask, matchers)
+        n_rows = len(reqs) if drafts is None else sum(len(d) + 1 for d in drafts)
+        if self._bitmask is None or self._bitmask.shape[0] < n_rows:
+            self._bitmask = self.allocate_bitmask(max(n_rows, 32))
+        bitmask = self._bitmask[:n_rows]  # reused across steps: no allocation per step
+        if drafts is None:
+            rows = self.fill_bitmask(bitmask, matchers)
+        else:
+            rows = self.fill_draft_bitmask(bitmask, matchers, drafts)
         if not rows:
             return None
         return lambda logits: self.apply_bitmask(logits, bitmask, rows)
@@ -88,6 +95,34 @@ class GrammarBackend:
             # One C++ call over a thread pool instead of a Python loop of fills.
             self._batch.batch_fill_next_token_bitmask([matchers[i].xgr_matcher for i in rows], bitmask, rows)
         return rows
+
+    def fill_draft_bitmask(self, bitmask: torch.Tensor, matchers: Sequence[Matcher | None],
+                           drafts: Sequence[Sequence[int]]) -> list[int]:
+        """mask_fn's rows with drafts: the matchers step through their requests' drafts together, a batched
+        fill per draft position, and are rolled back to where they were. Rows past a terminating (stop) token
+        stay unconstrained: nothing is sampled after it."""
+        firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))  # each request's first row
+        taken = [0] * len(matchers)
+        flat: list[int] = []
+        try:
+            for j in range(max((len(d) for d in drafts), default=0) + 1):
+                live = [i for i, m in enumerate(matchers)
+                        if m is not None and j <= len(drafts[i]) and taken[i] == j and not m.is_terminated()]
+                if not live:
+                    break
+                rows = [firsts[i] + j for i in live]
+                self._batch.batch_fill_next_token_bitmask([matchers[i].xgr_matcher for i in live], bitmask, rows)
+                flat += rows
+                for i in live:
+                    if j < len(drafts[i]):
+                        if not matchers[i].accept_token(drafts[i][j]):
+                            raise RuntimeError(f"draft token {drafts[i][j]} is not allowed by the grammar")
+                        taken[i] += 1
+        finally:
+            for m, n in zip(matchers, taken, strict=True):
+                if n:
+                    m.rollback(n)
+        return sorted(flat)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """In place on logits (B, V_padded): in `rows`, disallowed ids and ids >= vocab_size get -inf;

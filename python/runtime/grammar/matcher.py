@@ -45,6 +45,15 @@ class Matcher:
                 return False
         return True
 
+    def accepted_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar accepts one after another (up to the first refusal,
+        or the stop token that terminates it); the state is left as it was (speculative drafts are checked so)."""
+        n = 0
+        while n < len(token_ids) and self.accept_token(token_ids[n]):
+            n += 1
+        self.rollback(n)
+        return n
+
     def is_terminated(self) -> bool:
         """A stop token was accepted: the request finishes with reason "stop"."""
         return self.xgr_matcher.is_terminated()

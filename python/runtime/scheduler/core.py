@@ -2,6 +2,7 @@
 
 Runs in its own process (process.py). Each step: take new messages, build one batch (extend work for waiting
 requests under a token budget, or one decode token for every running request), run it, process the outputs.
+With speculative decoding (speculative/) a decode batch first gets draft tokens and becomes a verification.
 Extend and decode steps alternate while both have work, so a long chunked prefill never stalls the running
 requests. KV slots belong to the KV cache manager (kv_manager.py); the order of admission to the policy
 (policy.py); stop conditions, logprobs and the records sent back to output.py.
@@ -36,6 +37,7 @@ from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
 from radixgen.runtime.special_tokens import eos_token_ids
+from radixgen.runtime.speculative import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ class Scheduler:
                              jump_forward_tokens=0, failed_requests=0)
         self.output = OutputProcessor(cfg, tokenizer, grammar_backend, runner.vocab_size, eos_ids,
                                       runner.context_length, self.counters)
+        self.spec: Speculator | None = None  # speculative decoding, a stage of each decode step
+        if cfg.speculative_algorithm != "none":
+            self.spec = Speculator(cfg, runner, self.kv, self.output, grammar_backend, self.counters)
         self.waiting: deque[Req] = deque()
         self.grammar_wait: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
@@ -77,9 +82,11 @@ class Scheduler:
         batch = self.schedule()
         if batch is None:
             return False
-        logits = self.run_batch(batch)
+        if self.spec is not None and batch.is_decode:
+            batch = self.draft(batch)  # draft tokens for some requests, with their KV slots: a verification
+        logits = self.run_batch(batch) if batch is not None else None
         if logits is not None:
-            self.process_output(batch, logits)
+            self.process_output(batch, logits)  # sample; a verification keeps what the target agrees with
         return True
 
     def schedule(self) -> Batch | None:
@@ -94,15 +101,32 @@ class Scheduler:
     def run_batch(self, batch: Batch) -> torch.Tensor | None:
         """The step's logits; None when the forward failed (its requests are failed, their KV given back)."""
         try:
-            return self.runner.forward(batch.forward_input(self.kv.table.table))
+            fi = batch.forward_input(self.kv.table.table)
+            logits = self.runner.forward(fi)
+            if self.spec is not None and not batch.is_decode:
+                self.spec.mirror(fi)  # a draft model computes the same positions
+            return logits
         except GroupError:  # a parallel group that lost a rank cannot run any step: fatal
             raise
         except Exception as e:  # noqa: BLE001 - fails this batch's requests, the scheduler goes on
             logger.exception("the forward of a batch of %d requests failed", len(batch.reqs))
-            for i, req in enumerate(batch.reqs):
-                self.kv.free_tail(req, batch.extend_lens[i])  # never computed: not for the tree
-                self.fail(req, "running the model on", e, log=False)
+            self.fail_batch(batch, "running the model on", e)
             return None
+
+    def draft(self, batch: Batch) -> Batch | None:
+        """The speculative stage's verification batch for a decode batch; None when drafting failed (its
+        requests are failed, their KV given back)."""
+        try:
+            return self.spec.draft(batch)
+        except Exception as e:  # noqa: BLE001 - fails this batch's requests, the scheduler goes on
+            logger.exception("drafting for a batch of %d requests failed", len(batch.reqs))
+            self.fail_batch(batch, "drafting tokens for", e)
+            return None
+
+    def fail_batch(self, batch: Batch, stage: str, exc: BaseException) -> None:
+        for i, req in enumerate(batch.reqs):
+            self.kv.free_tail(req, req.kv_len - batch.prefix_lens[i])  # never computed: not for the tree
+            self.fail(req, stage, exc, log=False)
 
     # ------------------------------------------------------------------ messages in
 
@@ -198,6 +222,7 @@ class Scheduler:
             "cuda_graph": self.runner.cuda_graph_info(),
             "kv_cache": self.runner.kv_cache_info(),
             "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
+            "speculative": self.spec.info() if self.spec is not None else None,
         }
 
     # ------------------------------------------------------------------ admission (extend)
@@ -316,10 +341,12 @@ class Scheduler:
                     raise failed[i]
                 self.advance(batch, i, logits, sampled.get(i))
             except Exception as e:  # noqa: BLE001 - fails this request alone
+                if batch.drafts is not None:  # of a verification, only its last token's K/V is sure to be its own
+                    self.kv.free_tail(req, max(0, req.kv_len - batch.prefix_lens[i] - 1))
                 self.fail(req, "processing the output of", e)
         self.emit(batch.reqs)
 
-    def advance(self, batch: Batch, i: int, logits: torch.Tensor, sampled) -> None:
+    def advance(self, batch: Batch, i: int, logits: torch.Tensor, sampled: list | None) -> None:
         """One request after its step: prompt logprobs, cache the computed prompt, append the token, stop checks."""
         req = batch.reqs[i]
         if batch.prompt_lp_rows[i]:
@@ -333,8 +360,11 @@ class Scheduler:
                 return
             if req.wants_prompt_logprobs:
                 self.output.finalize_prompt_logprobs(req)
-        reason = self.output.append_token(req, sampled) if sampled is not None else None
-        reason = reason or self.output.check_finished(req)
+        if batch.drafts is not None:  # a verification: the tokens the target keeps, through the stop checks
+            reason = self.spec.keep(batch, i, sampled)
+        else:
+            reason = self.output.append_token(req, sampled[0]) if sampled else None
+            reason = reason or self.output.check_finished(req)
         if reason is not None:
             self.finish(req, reason)
         elif req.remaining_prefill > 1:  # jump-forward appended tokens: they go through extend

@@ -67,6 +67,10 @@ class KVCacheManager:
         """Give `slots` of `tokens` to the tree; returns how many leading tokens it already held (RadixCache.insert)."""
         return self.tree.insert(tokens, slots, namespace)
 
+    def continuation(self, tokens: Sequence[int], namespace: str | None = None, max_tokens: int = 8) -> list[int]:
+        """What the tree holds right after all of `tokens` (RadixCache.continuation): read-only, for drafts."""
+        return self.tree.continuation(tokens, namespace, max_tokens)
+
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
 
@@ -82,6 +86,10 @@ class KVCacheManager:
     def available(self) -> int:
         """Slots that can be handed out now: free ones and the tree's unlocked ones (evicted on demand)."""
         return self.allocator.available() + self.tree.evictable_size()
+
+    def free_slots(self) -> int:
+        """Slots free without evicting anything (what speculative drafts may take)."""
+        return self.allocator.available()
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.available()

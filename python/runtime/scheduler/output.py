@@ -8,6 +8,7 @@ emits) applies it.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.detokenizer import IncrementalDetokenizer
-from radixgen.runtime.request import FinishReason, Req, ReqOutput
+from radixgen.runtime.request import FinishReason, Req, ReqOutput, SpecCounts
 from radixgen.runtime.sampler import Sampler, SamplingBatch, prompt_logprobs
 from radixgen.runtime.stop_regex import StopRegexMatcher
 
@@ -60,8 +61,9 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, batch: Batch, logits: torch.Tensor) -> tuple[dict[int, Sampled], dict[int, Exception]]:
-        """The sampled token of each request (by batch index) that samples this step, and the requests whose
+    def sample(self, batch: Batch, logits: torch.Tensor) -> tuple[dict[int, list[Sampled]], dict[int, Exception]]:
+        """The sampled tokens of each request (by batch index) that samples this step, one per logits row it has
+        (a verification's request: one after its last token and one after each draft), and the requests whose
         sampling failed. A failure of the batched call is retried request by request, so it fails only the
         requests that cause it."""
         idx = [i for i, row in enumerate(batch.sample_rows) if row >= 0]
@@ -73,7 +75,7 @@ class OutputProcessor:
             if len(idx) == 1:
                 return {}, {idx[0]: e}
             logger.warning("batched sampling failed (%s: %s); sampling request by request", type(e).__name__, e)
-        done: dict[int, Sampled] = {}
+        done: dict[int, list[Sampled]] = {}
         failed: dict[int, Exception] = {}
         for i in idx:
             try:
@@ -82,29 +84,39 @@ class OutputProcessor:
                 failed[i] = e
         return done, failed
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, idx: list[int]) -> dict[int, Sampled]:
+    def _sample(self, batch: Batch, logits: torch.Tensor, idx: list[int]) -> dict[int, list[Sampled]]:
+        """One sampler call over the rows of the requests `idx`. A verification's request has a row after its
+        last token and after each draft: row j samples as the request would after drafts[:j] were appended
+        (penalties count them, min_new_tokens and the grammar's state follow them)."""
         reqs = [batch.reqs[i] for i in idx]
-        rows = logits[[batch.sample_rows[i] for i in idx]]  # (S, V), a copy
-        for k, req in enumerate(reqs):  # min_new_tokens: no stop token before then
-            if len(req.output_ids) < req.params.min_new_tokens:
-                rows[k, list(self.stop_token_ids(req))] = float("-inf")
-        sb = SamplingBatch.build([r.params for r in reqs], [r.output_ids for r in reqs],
-                                 [r.input_ids for r in reqs], [r.generator for r in reqs], self.vocab_size)
+        drafts = [batch.drafts[i] for i in idx] if batch.drafts is not None else [[] for _ in idx]
+        rows_of = [(k, j) for k, d in enumerate(drafts) for j in range(len(d) + 1)]  # (request, draft prefix)
+        rows = logits[[batch.sample_rows[idx[k]] + j for k, j in rows_of]]  # (S, V), a copy
+        for r, (k, j) in enumerate(rows_of):  # min_new_tokens: no stop token before then
+            if len(reqs[k].output_ids) + j < reqs[k].params.min_new_tokens:
+                rows[r, list(self.stop_token_ids(reqs[k]))] = float("-inf")
+        row_reqs = [reqs[k] for k, _ in rows_of]
+        sb = SamplingBatch.build([r.params for r in row_reqs],
+                                 [_output_with(reqs[k], drafts[k][:j]) for k, j in rows_of],
+                                 [r.input_ids for r in row_reqs], [r.generator for r in row_reqs], self.vocab_size)
         want_lp = any(r.return_logprob for r in reqs)
-        apply_mask = self.grammar.mask_fn(reqs) if self.grammar is not None else None
+        apply_mask = None
+        if self.grammar is not None:
+            apply_mask = self.grammar.mask_fn(reqs) if batch.drafts is None else self.grammar.mask_fn(reqs, drafts)
         out = self.sampler(rows, sb, apply_mask=apply_mask, return_logprob=want_lp,
-                           top_logprobs_num=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+                           top_logprobs_num=[r.top_logprobs_num if r.return_logprob else 0 for r in row_reqs])
         if out.failed_rows:  # no allowed token (NaN logits, everything masked): retried alone, then failed
-            rids = [reqs[j].rid for j in out.failed_rows]
+            rids = sorted({row_reqs[j].rid for j in out.failed_rows})
             raise RuntimeError(f"no token could be sampled for {rids}: every logit is NaN / -inf or masked")
         ids = out.next_ids.tolist()
-        result = {}
-        for j, (i, req) in enumerate(zip(idx, reqs, strict=True)):
-            lp = float(out.logprobs[j]) if req.return_logprob else None
+        result: dict[int, list[Sampled]] = {i: [] for i in idx}
+        for r, (k, _) in enumerate(rows_of):
+            req = reqs[k]
+            lp = float(out.logprobs[r]) if req.return_logprob else None
             top = None
             if req.return_logprob and req.top_logprobs_num:
-                top = (out.top_logprobs[j].logprobs, out.top_logprobs[j].token_ids)
-            result[i] = Sampled(int(ids[j]), lp, top)
+                top = (out.top_logprobs[r].logprobs, out.top_logprobs[r].token_ids)
+            result[idx[k]].append(Sampled(int(ids[r]), lp, top))
         return result
 
     # ------------------------------------------------------------------ tokens
@@ -123,6 +135,17 @@ class OutputProcessor:
             if self.cfg.enable_jump_forward and not req.grammar.is_terminated():
                 self.jump_forward(req)
         return None
+
+    def append_tokens(self, req: Req, tokens: list[Sampled]) -> tuple[FinishReason | None, int]:
+        """Append a step's tokens one by one, each through the stop checks, up to the first that finishes the
+        request (a verification can accept several at once): (its reason or None, how many were appended). A
+        jump-forward after a token ends the step's tokens there: those after it followed another text."""
+        for n, s in enumerate(tokens, 1):
+            before = len(req.output_ids)
+            reason = self.append_token(req, s) or self.check_finished(req)
+            if reason is not None or len(req.output_ids) > before + 1:
+                return reason, n
+        return None, len(tokens)
 
     def jump_forward(self, req: Req) -> None:
         forced = self.grammar.jump_forward(req.grammar, self.tokenizer, req.output_ids)
@@ -204,8 +227,7 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ the record sent to the Engine
 
-    @staticmethod
-    def output_of(req: Req) -> ReqOutput | None:
+    def output_of(self, req: Req) -> ReqOutput | None:
         """What the Engine has not been sent yet (new tokens, the finish reason, prompt logprobs), or None."""
         if req.final_sent:
             return None
@@ -220,9 +242,20 @@ class OutputProcessor:
             output_logprobs=req.output_logprobs[start:] if req.return_logprob else [],
             output_top=req.output_top[start:] if req.top_logprobs_num else [],
         )
+        if self.cfg.speculative_algorithm != "none":
+            out.spec = SpecCounts() if req.spec is None else replace(req.spec.counts)
         if send_input_lp:
             out.input_logprobs, out.input_top = req.input_logprobs, req.input_top
             req.input_logprobs_sent = True
         req.sent_len = len(req.output_ids)
         req.final_sent = req.finished
         return out
+
+
+def _output_with(req: Req, drafts: list[int]) -> list[int]:
+    """The output a row's penalties count: the request's, then the drafts before the row (copied only for a
+    request that has a penalty: the sampler reads no other's)."""
+    p = req.params
+    if not drafts or (p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and p.repetition_penalty == 1.0):
+        return req.output_ids
+    return req.output_ids + drafts

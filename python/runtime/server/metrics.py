@@ -114,6 +114,11 @@ class ServerMetrics:
         self.cache_query_tokens = Counter(
             f"{p}_prefix_cache_query_tokens_total", "Prompt tokens looked up in the radix prefix cache"
         )
+        self.spec_draft_tokens = Counter(f"{p}_spec_draft_tokens_total", "Speculative draft tokens proposed")
+        self.spec_accepted_tokens = Counter(
+            f"{p}_spec_accepted_tokens_total", "Speculative draft tokens accepted (kept in the output)"
+        )
+        self.spec_verify = Counter(f"{p}_spec_verify_steps_total", "Decode steps of requests under speculation")
         self.num_running = Gauge(f"{p}_num_running_reqs", "Requests in the running batch")
         self.num_waiting = Gauge(f"{p}_num_waiting_reqs", "Requests waiting in the scheduler queue")
         self.kv_total = Gauge(f"{p}_kv_slots_total", "KV cache slots")
@@ -138,6 +143,9 @@ class ServerMetrics:
         self.generation_tokens.inc(meta.get("completion_tokens", 0))
         self.cache_hit_tokens.inc(meta.get("cached_tokens", 0))
         self.cache_query_tokens.inc(meta.get("prompt_tokens", 0))
+        self.spec_draft_tokens.inc(meta.get("spec_draft_token_num", 0))
+        self.spec_accepted_tokens.inc(meta.get("spec_accept_token_num", 0))
+        self.spec_verify.inc(meta.get("spec_verify_ct", 0))
 
     def update_from_server_info(self, info: dict) -> None:
         self.num_running.set(info.get("num_running", 0))

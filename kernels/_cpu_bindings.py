@@ -89,10 +89,30 @@ class CKernelError(RuntimeError):
 
 
 class LayerBF16(ctypes.Structure):
-    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses."""
+    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses, and
+    its LoRA descriptor's (a LoRALayerBF16, or None)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
-                                                     "down", "k_buf", "v_buf", "q_norm", "k_norm")]
+                                                     "down", "k_buf", "v_buf", "q_norm", "k_norm", "lora")]
+
+
+LORA_MAX_ROWS, LORA_MATMULS = 64, 4  # csrc/cpu_lora.h's RG_LORA_MAX_ROWS, RG_LORA_MATMULS
+
+
+class LoRAStepBF16(ctypes.Structure):
+    """csrc/cpu_lora.h's rg_lora_step_bf16: one fused step's adapter rows, grouped by slot."""
+
+    _fields_ = [("n_groups", ctypes.c_int64), *((name, ctypes.c_int64 * LORA_MAX_ROWS) for name in
+                                                 ("slot", "start", "len", "rows")),
+                ("h", ctypes.c_void_p), ("h_stride", ctypes.c_int64)]
+
+
+class LoRALayerBF16(ctypes.Structure):
+    """csrc/cpu_lora.h's rg_lora_layer_bf16: one layer's adapter weights (addresses) and the step's rows."""
+
+    _fields_ = [("step", ctypes.POINTER(LoRAStepBF16)), ("scales", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
+                ("max_rank", ctypes.c_int64), ("a", ctypes.c_void_p * LORA_MATMULS),
+                ("b", ctypes.c_void_p * LORA_MATMULS)]
 
 
 _SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "rg_status": ctypes.c_int}

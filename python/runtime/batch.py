@@ -21,6 +21,7 @@ class ForwardInput(NamedTuple):
     prefix_lens: list[int]  # (B,) tokens already in the pool
     extend_lens: list[int]  # (B,) new tokens this step
     logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
+    lora_slots: list[int] | None = None  # (B,) each request's LoRA pool slot (-1: base model); None: no adapter
 
     @property
     def is_decode(self) -> bool:
@@ -91,4 +92,5 @@ class Batch:
             prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens),
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.int64),
+            lora_slots=[r.lora_slot for r in self.reqs] if any(r.lora_slot >= 0 for r in self.reqs) else None,
         )

@@ -93,11 +93,14 @@ class ModelConfig:
         )
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = ()) -> Any:
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = (),
+           several: bool = False) -> Any:
     """A config field and its command-line flag in one place: `radixgen serve` builds its flags from these
     (radixgen.runtime.flags). `flags`: the flag names when not just `--name-with-dashes` (the first is the
-    main one; the others are aliases, e.g. SGLang's)."""
-    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags)}
+    main one; the others are aliases, e.g. SGLang's). `several` (tuple fields): one flag may take several
+    values (`--lora-paths a=x b=y`, SGLang's form), besides being repeated."""
+    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags),
+            "several": several}
     return field(default=default, metadata=meta)
 
 
@@ -138,6 +141,18 @@ class RuntimeConfig:
     disable_cuda_graph: bool = option(False, "CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
                                     "--max-running-requests)")
+    # ---- LoRA adapters (runtime/lora/): many adapters over the base model, mixed in one batch
+    enable_lora: bool = option(False, "serve LoRA adapters (implied by --lora-paths); load more at run time "
+                               "with /load_lora_adapter")
+    lora_paths: tuple[str, ...] = option((), "LoRA adapters (PEFT folders) loaded at start: NAME=PATH, or PATH "
+                                         "(named after its folder)", several=True)
+    max_loras: int = option(8, "LoRA adapters resident at once (the pool's slots); others are read from disk when "
+                            "a request needs them, replacing the least recently used",
+                            flags=("--max-loras", "--max-loras-per-batch"))
+    max_lora_rank: int = option(0, "largest LoRA rank the pool holds; 0: the largest of --lora-paths (16 without)")
+    lora_target_modules: tuple[str, ...] = option(
+        (), "modules the pool holds LoRA weights for (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
+        "or all); default: those of --lora-paths, all without", several=True)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
@@ -156,6 +171,21 @@ class RuntimeConfig:
             raise ValueError(f"max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        from radixgen.runtime.lora.adapter import check_target_names, parse_lora_paths
+
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
+        parse_lora_paths(self.lora_paths)
+        check_target_names(self.lora_target_modules)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> RuntimeConfig:

@@ -21,12 +21,14 @@ MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even
 
 class FusedDecode:
     def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, embed: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, scale: float) -> None:
+                 cos_sin_cache: torch.Tensor, scale: float, lora: cpu_fused.LoRAStepWeights | None = None) -> None:
         self.kl, self.weights, self.embed, self.cos_sin_cache, self.scale = kl, weights, embed, cos_sin_cache, scale
+        self.lora = lora
 
     @classmethod
-    def build(cls, model, kv_pool, kl: CKernels) -> FusedDecode | None:
-        """The fused step for `model` over `kv_pool` on the kernels `kl`, or None where it does not apply."""
+    def build(cls, model, kv_pool, kl: CKernels, lora_pool=None) -> FusedDecode | None:
+        """The fused step for `model` over `kv_pool` on the kernels `kl` (with the LoRA deltas of `lora_pool`, a
+        lora.pool.LoRAPool, added after each matmul), or None where it does not apply."""
         from radixgen.runtime.layers.linear import TPInfo
         from radixgen.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -40,6 +42,7 @@ class FusedDecode:
                 or model.embed_tokens.weight.dtype != torch.bfloat16 or not model.embed_tokens.weight.is_cpu
                 or attn.head_dim > kl.d_max):
             return None
+        lora = lora_pool.fused_weights() if lora_pool is not None else None
         layers = []
         for i, layer in enumerate(model.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -48,13 +51,14 @@ class FusedDecode:
                            "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
                            "down": mlp.down_proj.weight, "k_buf": kv_pool.k_buffers[i], "v_buf": kv_pool.v_buffers[i],
                            "q_norm": a.q_norm.weight if qk_norms else None,
-                           "k_norm": a.k_norm.weight if qk_norms else None})
+                           "k_norm": a.k_norm.weight if qk_norms else None,
+                           "lora": lora.address(i) if lora is not None else None})
         cfg = model.config
         weights = cpu_fused.DecodeStepWeights(
             kl, layers, model.norm.weight, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             lm_head=model.lm_head.weight)
-        return cls(kl, weights, model.embed_tokens.weight, attn.rotary.cos_sin_cache, attn.attn.scale)
+        return cls(kl, weights, model.embed_tokens.weight, attn.rotary.cos_sin_cache, attn.attn.scale, lora)
 
     def applies(self, extend_lens: list[int]) -> bool:
         """Whether a step with these per-request new-token counts is a decode step the fused path takes."""
@@ -66,6 +70,8 @@ class FusedDecode:
         its usual price right after the step has streamed the weights through the caches."""
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
+        if self.lora is not None:
+            self.lora.set_rows(fi.lora_slots)  # one row per request in a decode step
         _, logits = cpu_fused.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
                                             req_to_slot, rows, max(fi.prefix_lens) + 1, self.scale)
         return logits.index_select(0, fi.logit_rows)

@@ -41,7 +41,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         opts: dict[str, Any] = {"type": kind, "metavar": _METAVARS[kind]}
         if meta.get("choices"):
             opts = {"type": kind, "choices": meta["choices"]}  # argparse shows them: {a,b,c}
-        if container is not None:
+        if container is not None and meta.get("several"):
+            opts.update(action="extend", nargs="+")
+            help_text += " (several after one flag, or the flag repeated)"
+        elif container is not None:
             opts["action"] = "append"
             help_text += " (repeat the flag for several)"
         parser.add_argument(*names, help=_with_default(help_text, default), **opts, **common)

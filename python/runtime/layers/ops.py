@@ -1,6 +1,7 @@
 """The device's ops: one set chosen once at start (`ops_for`), installed on the model's layers, which call
-`ops.rms_norm`, `ops.add_rms_norm`, `ops.rotary`, `ops.silu_and_mul`; attention goes through `ops.attention`
-(the backend the runner puts in each step's ForwardContext) and linear layers through `ops.linear_method`.
+`ops.rms_norm`, `ops.add_rms_norm`, `ops.rotary`, `ops.silu_and_mul`, `ops.lora_delta_` (LoRA layers);
+attention goes through `ops.attention` (the backend the runner puts in each step's ForwardContext) and linear
+layers through `ops.linear_method`.
 
 - `TorchOps`: plain torch, any device. The reference the others are tested against (disable_cpu_kernels
   selects it for a whole model), and what their ops fall back to for a shape or stride they do not cover.
@@ -65,6 +66,20 @@ class TorchOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """(..., 2N) gate|up -> (..., N) silu(gate) * up."""
         return cpu_kernels.silu_and_mul_ref(x)
+
+    def lora_delta_(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+                    segments: list[tuple[int, int]], rows, ranks: list[int]) -> None:
+        """y (T, N) += the LoRA deltas of a merged projection with input x (T, K), in place: for each group
+        (slot s, its rows, its scale) of `rows` (lora.pool.LoRARows) and each output segment g = [c0, c1),
+        y[rows, c0:c1] += (x[rows] @ a[s]^T)[:, g R : (g+1) R] @ b[s, :, c0:c1] * scale, each product rounded to
+        the dtype. a (S, nseg R, K), b (S, R, N) (lora/pool.py); ranks[s] == 0: slot s has no weights here."""
+        r = b.shape[1]
+        for slot, idx, scale in rows.groups:
+            if ranks[slot] == 0:
+                continue
+            h = x[idx] @ a[slot].t()  # (n, nseg R)
+            for g, (c0, c1) in enumerate(segments):
+                y[idx, c0:c1] += (h[:, g * r:(g + 1) * r] @ b[slot, :, c0:c1]) * scale
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,6 +166,17 @@ class TritonOps(TorchOps):
 
         kernels.rotary_embedding_(positions, q, k, cos_sin_cache, q.shape[2])
         return q, k
+
+    def lora_delta_(self, y, x, a, b, scales, segments, rows, ranks):
+        # one shrink for every segment (q | k | v at once), one expand per output segment; rank-0 slots add zeros
+        from radixgen import kernels
+
+        t = rows.as_tensors(y.device)
+        seg = (t["rows"], t["starts"], t["lens"], t["slots"], t["max_len"])
+        h = kernels.lora_shrink(x, a, *seg)
+        r = b.shape[1]
+        for g, (c0, c1) in enumerate(segments):
+            kernels.lora_expand_(y, h, b, scales, *seg, c0, c1, g * r)
 
 
 def ops_for(device: torch.device | str, disable_cpu_kernels: bool = False) -> TorchOps:

@@ -20,6 +20,8 @@ import torch
 
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.lora.adapter import LoRAAdapterError, parse_lora_paths
+from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
     AbortRequest,
@@ -28,8 +30,11 @@ from radixgen.runtime.request import (
     ControlRequest,
     FinishReason,
     GenerateRequest,
+    LoadLoRAAdapter,
+    LoRAUpdate,
     Req,
     ReqOutput,
+    UnloadLoRAAdapter,
 )
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
@@ -37,6 +42,7 @@ from radixgen.runtime.scheduler.policy import AdmissionPolicy
 from radixgen.runtime.special_tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
+_NO_LORA = "LoRA adapters are not enabled on this server (start it with --lora-paths or --enable-lora)"
 
 
 class Scheduler:
@@ -46,6 +52,10 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.grammar = grammar_backend
         self.kv = KVCacheManager.for_runner(runner, cfg.page_size, cfg.disable_radix_cache)
+        self.lora: LoRAManager | None = None  # the owner of LoRA adapter slots (runtime/lora/manager.py)
+        if runner.lora_pool is not None:
+            self.lora = LoRAManager(runner.lora_pool, runner.model_config, self.kv.evict_namespaces)
+            self.lora.load_at_start(parse_lora_paths(cfg.lora_paths))
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
         self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,
@@ -82,6 +92,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         self.poll_grammars()
+        self.poll_lora()
         if self.last_was_extend and self.running:
             self.last_was_extend = False
             return self.schedule_decode()
@@ -112,6 +123,14 @@ class Scheduler:
                     req.to_abort = "aborted by the client"
             case ControlRequest(reply_id=reply_id, kind=kind):
                 self.outbox.append(ControlReply(reply_id, self.control(kind)))
+            case LoadLoRAAdapter(reply_id=reply_id, name=name, path=path, pinned=pinned):
+                if self.lora is None:
+                    self.outbox.append(ControlReply(reply_id, LoRAUpdate(_NO_LORA, {})))
+                else:  # answered when read (poll_lora)
+                    self.lora.load(name, path, pinned, lambda error, rid=reply_id: self.outbox.append(
+                        ControlReply(rid, LoRAUpdate(error, self.lora.listing()))))
+            case UnloadLoRAAdapter(reply_id=reply_id, name=name):
+                self.outbox.append(ControlReply(reply_id, self.unload_lora(name)))
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 
@@ -135,6 +154,14 @@ class Scheduler:
             self.fail(req, "taking in", e)
 
     def take_in(self, req: Req) -> None:
+        if req.lora_name is not None:
+            try:
+                if self.lora is None:
+                    raise LoRAAdapterError(_NO_LORA)
+                self.lora.start(req)
+            except LoRAAdapterError as e:
+                self.finish(req, FinishReason.abort(str(e), 400))
+                return
         p = req.params
         need = len(req.input_ids) + max(p.max_new_tokens - 1, 0)  # the last token's K/V is never computed
         if need > self.kv.capacity:
@@ -172,6 +199,28 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 self.fail(req, "compiling the grammar of", e)
 
+    def poll_lora(self) -> None:
+        """Adapters read from disk go into their slots; a request whose adapter could not be read fails."""
+        if self.lora is None:
+            return
+        for entry, exc in self.lora.poll():
+            for req in [r for r in self.waiting if r.lora is entry]:
+                self.finish(req, FinishReason.abort(f"LoRA adapter {entry.name!r} could not be read: {exc}", 500))
+
+    def unload_lora(self, name: str) -> LoRAUpdate:
+        if self.lora is None:
+            return LoRAUpdate(_NO_LORA, {})
+        try:
+            self.lora.unload(name)
+        except LoRAAdapterError as e:
+            return LoRAUpdate(str(e), self.lora.listing())
+        return LoRAUpdate(None, self.lora.listing())
+
+    @property
+    def waits_in_background(self) -> bool:
+        """Grammars compiling or LoRA adapters being read: the step loop has something to poll for."""
+        return bool(self.grammar_wait) or (self.lora is not None and self.lora.busy)
+
     def control(self, kind: ControlKind):
         if kind == ControlKind.SERVER_INFO:
             return self.server_info()
@@ -192,6 +241,7 @@ class Scheduler:
             "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
             "cuda_graph": self.runner.cuda_graph_info(),
+            "lora": None if self.lora is None else self.lora.info(),
         }
 
     # ------------------------------------------------------------------ admission (extend)
@@ -219,8 +269,11 @@ class Scheduler:
                 break
             if self.policy.shares_uncached_prefix(req, reqs, cached_lens.get(id(req))):
                 continue
+            if req.lora is not None and not self.lora.acquire(req):
+                continue  # its adapter is being read into a slot (or waits for one): the others go on
             try:
                 if not self.admit(req):
+                    self.release_lora(req)
                     break
             except Exception as e:  # noqa: BLE001
                 self.fail(req, "admitting", e)
@@ -229,11 +282,11 @@ class Scheduler:
             if chunk is not None:
                 n = min(n, chunk, budget)
             elif n > budget and reqs:
-                self.kv.unadmit(req)
+                self.unadmit(req)
                 break
             # keep a slot per running request free for their next decode step
             if not self.kv.can_allocate(n + len(self.running)):
-                self.kv.unadmit(req)
+                self.unadmit(req)
                 break
             self.waiting.remove(req)
             take(req, n)
@@ -251,6 +304,14 @@ class Scheduler:
             self.counters["prompt_tokens"] += len(req.input_ids)
             self.counters["cached_tokens"] += req.cached_len
         return True
+
+    def unadmit(self, req: Req) -> None:
+        self.kv.unadmit(req)
+        self.release_lora(req)
+
+    def release_lora(self, req: Req) -> None:
+        if self.lora is not None:
+            self.lora.release(req)
 
     # ------------------------------------------------------------------ decode and retraction
 
@@ -274,6 +335,7 @@ class Scheduler:
         """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
         self.counters["retractions"] += 1
         self.kv.release(req)
+        self.release_lora(req)
         self.waiting.appendleft(req)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
 
@@ -335,6 +397,8 @@ class Scheduler:
                 queue.remove(req)
         try:
             self.kv.release(req)
+            if self.lora is not None:
+                self.lora.end(req)
         except Exception:  # noqa: BLE001 - a bug; the idle invariant check will report the slots
             logger.exception("releasing the KV of %s failed", req.rid)
         if self.rids.get(req.rid) is req:

@@ -47,7 +47,8 @@ def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, mo
         sched = Scheduler(cfg, runner, tokenizer, grammar)
         send(ReadySignal(num_slots=sched.kv.capacity, context_length=runner.context_length,
                          vocab_size=runner.vocab_size, dtype=str(runner.dtype).removeprefix("torch."),
-                         max_running_requests=cfg.max_running_requests, grammar=grammar is not None))
+                         max_running_requests=cfg.max_running_requests, grammar=grammar is not None,
+                         lora_adapters=None if sched.lora is None else sched.lora.listing()))
     except Exception:  # noqa: BLE001 - reported to the Engine, which raises it
         send(FatalError(traceback.format_exc()))
         return
@@ -55,12 +56,15 @@ def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, mo
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_checked = True
+    ran = False
     parent = os.getppid()
     try:
         while True:
             if sched.is_idle() and os.getppid() != parent:
                 return  # the Engine's process is gone: nobody will read our outputs
-            timeout = 0 if not sched.is_idle() else (5 if sched.grammar_wait else 100)
+            # a step that ran nothing leaves the state as it was until a message or a background job (a grammar
+            # compiling, a LoRA adapter being read) arrives: wait for it instead of spinning
+            timeout = 0 if ran else (5 if sched.waits_in_background or not sched.is_idle() else 100)
             events = dict(poller.poll(timeout))
             while inbox in events:
                 msg = pickle.loads(inbox.recv())

@@ -20,10 +20,11 @@ TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
 # adapter_config.json keys whose non-default value changes the math in a way radixgen does not implement
-_UNSUPPORTED = {"use_dora": "DoRA (use_dora)", "fan_in_fan_out": "fan_in_fan_out",
-                "lora_bias": "LoRA biases (lora_bias)", "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
-                "modules_to_save": "fully trained extra modules (modules_to_save)",
-                "megatron_config": "Megatron layers (megatron_config)"}
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora)", "fan_in_fan_out": "fan_in_fan_out", "lora_bias": "LoRA biases (lora_bias)",
+    "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)", "megatron_config": "Megatron layers",
+}
 
 
 class LoRAAdapterError(ValueError):

@@ -57,6 +57,12 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("splits", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"), ("res_a", "uint16_t *"),
         ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
         ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t")]),
+    "rg_lora_delta_bf16": ("rg_status", [
+        ("x", "const uint16_t *"), ("K", "int64_t"), ("y", "uint16_t *"), ("N", "int64_t"), ("a", "const uint16_t *"),
+        ("b", "const uint16_t *"), ("scales", "const float *"), ("ranks", "const int32_t *"),
+        ("rank_stride", "int64_t"), ("R", "int64_t"), ("seg_end", "const int64_t *"), ("nseg", "int64_t"),
+        ("rows", "const int64_t *"), ("start", "const int64_t *"), ("len", "const int64_t *"),
+        ("slot", "const int64_t *"), ("n_groups", "int64_t"), ("h", "uint16_t *")]),
     "rg_extend_attention_bf16": ("rg_status", [
         ("q", "const uint16_t *"), ("q_stride", "int64_t"), ("k_buf", "const uint16_t *"),
         ("v_buf", "const uint16_t *"), ("table", "const int64_t *"), ("table_stride", "int64_t"),

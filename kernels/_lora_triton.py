@@ -50,7 +50,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     Y, H, B, Scales, Rows, SegStart, SegLen, SegSlot,
-    R, col0, ncols, rank_offset, stride_y, stride_h, stride_bs, stride_br,
+    R, col0, ncols, rank_offset, stride_y, stride_h, stride_bs, stride_bp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr,
 ):
@@ -61,8 +61,9 @@ def _expand_kernel(
     mask_r = offs_r < R
     h = tl.load(H + rows[:, None] * stride_h + rank_offset + offs_r[None, :],
                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    b = tl.load(B + slot * stride_bs + offs_r[:, None] * stride_br + col0 + offs_n[None, :],
-                mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+    # b (S, R/2, N, 2): rank k of column n at [k // 2, n, k % 2]
+    b = tl.load(B + slot * stride_bs + (offs_r[:, None] // 2) * stride_bp + (col0 + offs_n[None, :]) * 2
+                + offs_r[:, None] % 2, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
     dtype = Y.dtype.element_ty
     d = _dot(h, b, DOT_PRECISION, WIDEN_DOT).to(dtype).to(tl.float32)  # (BLOCK_M, BLOCK_N), rounded as torch's
     d = (d * tl.load(Scales + slot)).to(dtype).to(tl.float32)
@@ -91,7 +92,7 @@ def launch_shrink(x, a, rows, seg_starts, seg_lens, seg_slots, max_len):
 
 def launch_expand(y, h, b, scales, rows, seg_starts, seg_lens, seg_slots, max_len, col0, col1, rank_offset):
     check_launchable(y.device, "lora_expand_", "lora_expand_ref_")
-    ncols, r = col1 - col0, b.shape[1]
+    ncols, r = col1 - col0, 2 * b.shape[1]
     if seg_starts.numel() == 0 or max_len == 0 or ncols == 0:
         return
     block_n = max(16, min(next_pow2(ncols), 128))

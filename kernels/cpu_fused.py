@@ -102,8 +102,8 @@ class LoRAStepWeights:
     """A LoRA pool as the fused step reads it (csrc/cpu_lora.h): one descriptor per layer holding the addresses of
     the pool's stacked buffers (which must stay alive and in place), and the step's rows grouped by adapter slot,
     rewritten by `set_rows` before each step. layers[l][mat] (mat: qkv, o, gate_up, down) is (a (S, nseg R, K),
-    b (S, R, N)) bf16, or None where the pool holds no weights for that matmul; scales (S,) float32; ranks
-    (L, S, 4) int32, each slot's rank per layer and matmul (0: no delta)."""
+    b (S, R/2, N, 2)) bf16 (kernels/lora.py's layout), or None where the pool holds no weights for that matmul;
+    scales (S,) float32; ranks (L, S, 4) int32, each slot's rank per layer and matmul (0: no delta)."""
 
     def __init__(self, layers: list[list[tuple[torch.Tensor, torch.Tensor] | None]], scales: torch.Tensor,
                  ranks: torch.Tensor, max_rank: int) -> None:
@@ -111,7 +111,7 @@ class LoRAStepWeights:
         expect(ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (len(layers), scales.shape[0],
                LORA_MATMULS), f"ranks: expected contiguous int32 ({len(layers)}, {scales.shape[0]}, {LORA_MATMULS})")
         self.step = LoRAStepBF16()
-        self.h = torch.empty(LORA_MAX_ROWS * 3 * max_rank, dtype=torch.float32)  # q | k | v: the widest shrink
+        self.h = torch.empty(LORA_MAX_ROWS * 3 * max_rank, dtype=torch.bfloat16)  # q | k | v: the widest shrink
         self.step.h, self.step.h_stride = self.h.data_ptr(), 3 * max_rank
         self.layers = []
         for i, mats in enumerate(layers):
@@ -122,10 +122,10 @@ class LoRAStepWeights:
                     continue
                 a, b = ab
                 expect(all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.is_cpu for t in ab)
-                       and a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] == scales.shape[0]
-                       and b.shape[1] == max_rank and a.shape[1] % max_rank == 0,
+                       and a.dim() == 3 and b.dim() == 4 and a.shape[0] == b.shape[0] == scales.shape[0]
+                       and 2 * b.shape[1] == max_rank and b.shape[3] == 2 and a.shape[1] % max_rank == 0,
                        f"layer {i} matmul {j}: expected contiguous bf16 a (S, nseg {max_rank}, K), "
-                       f"b (S, {max_rank}, N)")
+                       f"b (S, {max_rank // 2}, N, 2)")
                 d.a[j], d.b[j] = a.data_ptr(), b.data_ptr()
             self.layers.append(d)
         self.keep = (layers, scales, ranks)

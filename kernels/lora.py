@@ -60,17 +60,24 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, seg_st
     return h
 
 
+def expand_weights(b: torch.Tensor, slot: int, col0: int, col1: int) -> torch.Tensor:
+    """Slot `slot`'s expand matrix (R, col1 - col0) from b (S, R/2, N, 2) (a copy)."""
+    pairs = b[slot, :, col0:col1, :]  # (R/2, C, 2)
+    return pairs.permute(0, 2, 1).reshape(2 * b.shape[1], col1 - col0)
+
+
 def _check_expand(y, h, b, scales, rows, seg_starts, seg_lens, seg_slots, max_len, col0, col1, rank_offset):
     check_tensor("y", y, 2, FLOAT_DTYPES)
     check_tensor("h", h, 2, FLOAT_DTYPES)
-    check_tensor("b", b, 3, FLOAT_DTYPES)
+    check_tensor("b", b, 4, FLOAT_DTYPES)
     check_tensor("scales", scales, 1, (torch.float32,))
     expect(h.dtype == y.dtype and b.dtype == y.dtype, f"h and b must have y's dtype {y.dtype}")
+    expect(b.shape[3] == 2, f"b must be (S, R/2, N, 2) (ranks in pairs), got {tuple(b.shape)}")
     expect(h.shape[0] == y.shape[0], f"h has {h.shape[0]} rows but y has {y.shape[0]}")
     expect(0 <= col0 <= col1 <= y.shape[1] and b.shape[2] >= col1,
            f"columns [{col0}, {col1}) must lie in y's {y.shape[1]} and b's {b.shape[2]}")
-    expect(0 <= rank_offset and rank_offset + b.shape[1] <= h.shape[1],
-           f"ranks [{rank_offset}, {rank_offset + b.shape[1]}) must lie in h's {h.shape[1]} columns")
+    expect(0 <= rank_offset and rank_offset + 2 * b.shape[1] <= h.shape[1],
+           f"ranks [{rank_offset}, {rank_offset + 2 * b.shape[1]}) must lie in h's {h.shape[1]} columns")
     expect(scales.shape[0] == b.shape[0], f"scales has {scales.shape[0]} entries for {b.shape[0]} slots")
     expect(y.stride(1) == 1 and h.stride(1) == 1 and b.is_contiguous(),
            "y and h need unit stride along their columns and b must be contiguous")
@@ -82,8 +89,8 @@ def lora_expand_(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scales: torc
                  seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor, max_len: int,
                  col0: int, col1: int, rank_offset: int) -> None:
     """In place: for every row r of segment i (slot s = seg_slots[i]),
-    y[r, col0:col1] += (h[r, rank_offset : rank_offset + R] @ b[s, :, col0:col1]) * scales[s], with b (S, R, N)
-    contiguous and h, b in y's dtype; scales (S,) float32."""
+    y[r, col0:col1] += (h[r, rank_offset : rank_offset + R] @ B_s[:, col0:col1]) * scales[s], with b (S, R/2, N, 2)
+    contiguous (B_s = expand_weights(b, s, ...)) and h, b in y's dtype; scales (S,) float32."""
     _check_expand(y, h, b, scales, rows, seg_starts, seg_lens, seg_slots, max_len, col0, col1, rank_offset)
     require_triton("lora_expand_", "lora_expand_ref_")
     from ._lora_triton import launch_expand
@@ -95,8 +102,8 @@ def lora_expand_ref_(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scales: 
                      seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor, max_len: int,
                      col0: int, col1: int, rank_offset: int) -> None:
     _check_expand(y, h, b, scales, rows, seg_starts, seg_lens, seg_slots, max_len, col0, col1, rank_offset)
-    r = b.shape[1]
+    r = 2 * b.shape[1]
     for start, n, slot in zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist(), strict=True):
         idx = rows[start:start + n].long()
-        d = h[idx, rank_offset:rank_offset + r] @ b[slot, :, col0:col1]
+        d = h[idx, rank_offset:rank_offset + r] @ expand_weights(b, slot, col0, col1)
         y[idx, col0:col1] += d * scales[slot].item()

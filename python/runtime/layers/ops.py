@@ -68,18 +68,22 @@ class TorchOps:
         return cpu_kernels.silu_and_mul_ref(x)
 
     def lora_delta_(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
-                    segments: list[tuple[int, int]], rows, ranks: list[int]) -> None:
+                    ranks: torch.Tensor, segments: list[tuple[int, int]], rows) -> None:
         """y (T, N) += the LoRA deltas of a merged projection with input x (T, K), in place: for each group
         (slot s, its rows, its scale) of `rows` (lora.pool.LoRARows) and each output segment g = [c0, c1),
         y[rows, c0:c1] += (x[rows] @ a[s]^T)[:, g R : (g+1) R] @ b[s, :, c0:c1] * scale, each product rounded to
-        the dtype. a (S, nseg R, K), b (S, R, N) (lora/pool.py); ranks[s] == 0: slot s has no weights here."""
-        r = b.shape[1]
+        the dtype. a (S, nseg R, K), b (S, R/2, N, 2) (lora/pool.py, kernels/lora.py); ranks (S,) int32 on the
+        host, 0: slot s has no weights here."""
+        from radixgen.kernels.lora import expand_weights
+
+        r = 2 * b.shape[1]
+        held = ranks.tolist()
         for slot, idx, scale in rows.groups:
-            if ranks[slot] == 0:
+            if held[slot] == 0:
                 continue
             h = x[idx] @ a[slot].t()  # (n, nseg R)
             for g, (c0, c1) in enumerate(segments):
-                y[idx, c0:c1] += (h[:, g * r:(g + 1) * r] @ b[slot, :, c0:c1]) * scale
+                y[idx, c0:c1] += (h[:, g * r:(g + 1) * r] @ expand_weights(b, slot, c0, c1)) * scale
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -135,6 +139,16 @@ class CpuOps(TorchOps):
             return cpu_kernels._silu_and_mul(self.kl, x)
         return super().silu_and_mul(x)
 
+    def lora_delta_(self, y, x, a, b, scales, ranks, segments, rows):
+        # one C call for bf16 on AVX512-BF16 CPUs: a few torch ops per adapter and segment cost more than the math
+        if (self.kl is not None and self.kl.has_decode_step and y.dtype == torch.bfloat16 and x.dtype == y.dtype
+                and x.is_contiguous() and y.is_contiguous() and y.is_cpu):
+            t = rows.as_tensors(y.device)
+            cpu_kernels._lora_delta(self.kl, y, x, a, b, scales, ranks, rows.seg_end(segments), t["rows"],
+                                    t["starts"], t["lens"], t["slots"])
+            return
+        super().lora_delta_(y, x, a, b, scales, ranks, segments, rows)
+
 
 class TritonOps(TorchOps):
     """radixgen.kernels' Triton kernels: attention, fused add-RMSNorm over (T, N) rows, rotary in place; the
@@ -167,14 +181,14 @@ class TritonOps(TorchOps):
         kernels.rotary_embedding_(positions, q, k, cos_sin_cache, q.shape[2])
         return q, k
 
-    def lora_delta_(self, y, x, a, b, scales, segments, rows, ranks):
+    def lora_delta_(self, y, x, a, b, scales, ranks, segments, rows):
         # one shrink for every segment (q | k | v at once), one expand per output segment; rank-0 slots add zeros
         from radixgen import kernels
 
         t = rows.as_tensors(y.device)
         seg = (t["rows"], t["starts"], t["lens"], t["slots"], t["max_len"])
         h = kernels.lora_shrink(x, a, *seg)
-        r = b.shape[1]
+        r = 2 * b.shape[1]
         for g, (c0, c1) in enumerate(segments):
             kernels.lora_expand_(y, h, b, scales, *seg, c0, c1, g * r)
 

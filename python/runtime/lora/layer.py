@@ -35,9 +35,8 @@ class LoRALinearMethod(LinearMethod):
         if rows is None:
             return y
         pool, i = self.pool, self.layer_id
-        ranks = [slot_ranks[self.group_index] for slot_ranks in pool.rank_list[i]]
-        self.ops.lora_delta_(y, x, pool.a[i][self.group], pool.b[i][self.group], pool.scales, self.segments, rows,
-                             ranks)
+        self.ops.lora_delta_(y, x, pool.a[i][self.group], pool.b[i][self.group], pool.scales,
+                             pool.ranks[i, :, self.group_index], self.segments, rows)
         return y
 
 

@@ -2,11 +2,13 @@
 
 For each layer and each reserved merged projection ("group": qkv_proj, o_proj, gate_up_proj, down_proj, the
 fused step's matmul order) the pool holds, for all `num_slots` slots at once,
-    a (S, nseg * R, in):  shrink weights; segment g (q | k | v, gate | up) is rows [g R, g R + r)
-    b (S, R, out):        expand weights (B transposed); output columns of segment g use ranks [0, r)
-with R the pool's max rank and r the adapter's own (the rest zero), plus each slot's scale and its rank per
-layer and group (0: that adapter has no weights there). A step's delta of a group is then, for each slot s
-present, y[rows_s] += (x[rows_s] @ a[s]^T)[:, segment] @ b[s][:, cols] * scale_s (layers/ops.py lora_delta_).
+    a (S, nseg * R, in):     shrink weights; segment g (q | k | v, gate | up) is rows [g R, g R + r)
+    b (S, R / 2, out, 2):    expand weights (B transposed, ranks in pairs: kernels/lora.py); output columns of
+                             segment g use ranks [0, r)
+with R the pool's rank (max_lora_rank rounded up to even) and r the adapter's own (the rest zero), plus each
+slot's scale and its rank per layer and group (0: that adapter has no weights there). A step's delta of a
+group is then, for each slot s present, y[rows_s] += (x[rows_s] @ a[s]^T)[:, segment] @ B_s[:, cols] * scale_s
+(layers/ops.py lora_delta_).
 
 The pool only holds weights; which adapter sits in which slot is the scheduler's LoRA manager's (manager.py).
 `stage` (any thread) lays an adapter out as one slot's tensors, `write` (the scheduler's thread, between steps)
@@ -57,7 +59,7 @@ class StagedAdapter(NamedTuple):
     name: str
     scale: float
     ranks: list[list[int]]  # [layer][group index]
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, group) -> slot's (a, b)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, group) -> the slot's (a, b)
 
 
 class LoRARows(NamedTuple):
@@ -68,8 +70,15 @@ class LoRARows(NamedTuple):
     num_rows: int
     tensors: dict  # "rows", "starts", "lens", "slots" on the device, "max_len": filled by `as_tensors`
 
+    def seg_end(self, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """The last column + 1 of each output segment, for the C kernel (kept per step: layers share them)."""
+        key = tuple(segments)
+        if key not in self.tensors:
+            self.tensors[key] = torch.tensor([e for _, e in segments], dtype=torch.int64)
+        return self.tensors[key]
+
     def as_tensors(self, device: torch.device) -> dict:
-        if not self.tensors:
+        if "rows" not in self.tensors:
             rows, starts, lens, slots, pos = [], [], [], [], 0
             for slot, idx, _ in self.groups:
                 ids = list(range(idx.start, idx.stop)) if isinstance(idx, slice) else idx.tolist()
@@ -132,20 +141,20 @@ class LoRAPool:
         """`targets`: the target modules (q_proj...) to reserve room for; a group is reserved if any of its
         members is."""
         self.num_slots, self.max_rank, self.dtype, self.device = num_slots, max_rank, dtype, device
+        self.rank = r = max_rank + max_rank % 2  # R: ranks go in pairs
         self.num_layers = mc.num_layers
         self.shapes = group_shapes(mc)
         self.targets = frozenset(targets)
         self.groups = [g for g in GROUPS if self.targets & set(MEMBERS[g])]
-        r = max_rank
         # a[l][g], b[l][g]: see the module docstring
         self.a = [{g: torch.zeros((num_slots, len(self.shapes[g].out_sizes) * r, self.shapes[g].in_features),
                                   dtype=dtype, device=device) for g in self.groups} for _ in range(self.num_layers)]
-        self.b = [{g: torch.zeros((num_slots, r, sum(self.shapes[g].out_sizes)), dtype=dtype, device=device)
+        self.b = [{g: torch.zeros((num_slots, r // 2, sum(self.shapes[g].out_sizes), 2), dtype=dtype, device=device)
                    for g in self.groups} for _ in range(self.num_layers)]
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self.ranks = torch.zeros((self.num_layers, num_slots, len(GROUPS)), dtype=torch.int32)
-        self.scale_list = [0.0] * num_slots  # host copies, read by the torch path without a device sync
-        self.rank_list = [[[0] * len(GROUPS) for _ in range(num_slots)] for _ in range(self.num_layers)]
+        self.ranks = torch.zeros((self.num_layers, num_slots, len(GROUPS)), dtype=torch.int32)  # host: read by the
+        # torch path and the C kernels
+        self.scale_list = [0.0] * num_slots  # a host copy, read by the torch path without a device sync
 
     @classmethod
     def for_config(cls, cfg, mc, dtype: torch.dtype, device: torch.device) -> LoRAPool:
@@ -178,7 +187,7 @@ class LoRAPool:
         """The adapter's tensors as one slot (checked with `check` first). Reads only the pool's geometry: safe
         from any thread."""
         self.check(adapter)
-        r, rank = self.max_rank, adapter.rank
+        r, rank = self.rank, adapter.rank
         ranks = [[0] * len(GROUPS) for _ in range(self.num_layers)]
         weights = {}
         for layer in range(self.num_layers):
@@ -197,8 +206,8 @@ class LoRAPool:
                     b[:rank, c0:c1] = pair[1].t()  # B (out, rank) transposed
                     found = True
                 if found:
-                    ranks[layer][gi] = rank
-                    weights[(layer, g)] = (a, b)
+                    ranks[layer][gi] = rank + rank % 2  # the kernels take ranks in pairs
+                    weights[(layer, g)] = (a, b.view(r // 2, 2, -1).permute(0, 2, 1).contiguous())  # rank pairs
         return StagedAdapter(adapter.name, adapter.scale, ranks, weights)
 
     def write(self, slot: int, staged: StagedAdapter) -> None:
@@ -212,7 +221,6 @@ class LoRAPool:
                 else:
                     self.a[layer][g][slot].copy_(pair[0])
                     self.b[layer][g][slot].copy_(pair[1])
-            self.rank_list[layer][slot] = list(staged.ranks[layer])
         self.ranks[:, slot] = torch.tensor(staged.ranks, dtype=torch.int32)
         self.scales[slot] = staged.scale
         self.scale_list[slot] = staged.scale
@@ -231,4 +239,4 @@ class LoRAPool:
 
         layers = [[(self.a[i][g], self.b[i][g]) if g in self.groups else None for g in GROUPS]
                   for i in range(self.num_layers)]
-        return LoRAStepWeights(layers, self.scales, self.ranks, self.max_rank)
+        return LoRAStepWeights(layers, self.scales, self.ranks, self.rank)

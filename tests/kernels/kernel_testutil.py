@@ -1,4 +1,4 @@
-"""Shared builders for the kernel tests: device choice, error metric, a shuffled KV pool."""
+"""Shared builders for the kernel tests: device choice, error metric, a shuffled KV pool, a LoRA batch."""
 
 from __future__ import annotations
 
@@ -49,3 +49,68 @@ def make_pool(lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dt
 
 def lens_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+class LoRACase(NamedTuple):
+    """A merged projection's LoRA delta over a batch of three adapters (radixgen.kernels.lora's layout): rows of
+    each adapter scattered through the batch, a slot of rank 0 (no weights), ranks below the pool's, segments of
+    q | k | v sizes that are no multiple of 16."""
+
+    x: torch.Tensor  # (T, K)
+    y: torch.Tensor  # (T, N) the matmul's output the deltas are added to
+    a: torch.Tensor  # (S, 3 R, K)
+    b: torch.Tensor  # (S, R/2, N, 2)
+    scales: torch.Tensor
+    ranks: torch.Tensor  # (S,) int32
+    segments: list[tuple[int, int]]
+    rows: torch.Tensor
+    seg_starts: torch.Tensor
+    seg_lens: torch.Tensor
+    seg_slots: torch.Tensor
+
+    @property
+    def max_len(self) -> int:
+        return int(self.seg_lens.max())
+
+    def args(self, y: torch.Tensor) -> tuple:
+        """cpu.lora_delta_'s arguments, adding into y."""
+        return (y, self.x, self.a, self.b, self.scales, self.ranks, self.segments, self.rows, self.seg_starts,
+                self.seg_lens, self.seg_slots)
+
+    def reference(self) -> torch.Tensor:
+        from radixgen.kernels import lora_expand_ref_, lora_shrink_ref
+
+        seg = (self.rows, self.seg_starts, self.seg_lens, self.seg_slots, self.max_len)
+        y = self.y.clone()
+        h = lora_shrink_ref(self.x, self.a, *seg)
+        r = 2 * self.b.shape[1]
+        for g, (c0, c1) in enumerate(self.segments):
+            lora_expand_ref_(y, h, self.b, self.scales, *seg, c0, c1, g * r)
+        return y
+
+
+def lora_case(gen: torch.Generator, dtype: torch.dtype = torch.bfloat16, t: int = 37, k: int = 72,
+              r: int = 16) -> LoRACase:
+    s_ = 4
+    segments = [(0, 40), (40, 63), (63, 86)]
+    n = segments[-1][1]
+    ranks = torch.tensor([16, 6, 0, 12], dtype=torch.int32)
+    a = torch.randn(s_, 3 * r, k, generator=gen)
+    b = torch.randn(s_, r, n, generator=gen) / r**0.5
+    for slot, rank in enumerate(ranks.tolist()):  # a slot's ranks past its own are zero, as the pool keeps them
+        a[slot].view(3, r, k)[:, rank:] = 0
+        b[slot, rank:] = 0
+    b = b.view(s_, r // 2, 2, n).permute(0, 1, 3, 2).contiguous()  # ranks in pairs
+    slot_of = torch.randint(0, s_, (t,), generator=gen)
+    slot_of[::5] = -1  # base-model rows, in no segment
+    rows, starts, lens, slots = [], [], [], []
+    for slot in (3, 0, 2, 1):
+        mine = [i for i in range(t) if int(slot_of[i]) == slot]
+        if mine:
+            starts.append(len(rows))
+            lens.append(len(mine))
+            slots.append(slot)
+            rows += mine
+    return LoRACase(torch.randn(t, k, generator=gen).to(dtype), (4 * torch.randn(t, n, generator=gen)).to(dtype),
+                    a.to(dtype), b.to(dtype), torch.rand(s_, generator=gen) + 0.5, ranks, segments,
+                    *(torch.tensor(v, dtype=torch.int64) for v in (rows, starts, lens, slots)))

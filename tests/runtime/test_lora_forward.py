@@ -127,7 +127,7 @@ def test_fused_decode_with_adapter_rows_equals_unfused(arch_adapters):
         forced = [torch.randint(3, 49152, (batch,), generator=gen).tolist() for _ in range(4)]
         calls = []
         real = cpu_fused.decode_step
-        cpu_decode.cpu_fused.decode_step = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        cpu_decode.cpu_fused.decode_step = lambda *a, _c=calls, _r=real, **kw: _c.append(1) or _r(*a, **kw)
         try:
             got = torch.stack(steps(fused, prompts, uses, forced, logits_of_all=False)[1:])
         finally:

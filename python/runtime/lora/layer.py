@@ -47,5 +47,10 @@ def attach(model: nn.Module, pool: LoRAPool, ops) -> None:
         for group in pool.groups:
             parent = layer.self_attn if group in ("qkv_proj", "o_proj") else layer.mlp
             linear = getattr(parent, group)
+            shape = pool.shapes[group]
+            if (linear.in_features, linear.out_features) != (shape.in_features, sum(shape.out_sizes)):
+                raise ValueError(f"LoRA: layer {i} {group} maps {linear.in_features} -> {linear.out_features}, not "
+                                 f"the model's {shape.in_features} -> {sum(shape.out_sizes)}: LoRA adapters need "
+                                 f"whole (not tensor-parallel sharded) projections")
             base = linear.method.base if isinstance(linear.method, LoRALinearMethod) else linear.method
             linear.method = LoRALinearMethod(base, pool, ops, i, group)

@@ -24,10 +24,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from radixgen.runtime.lora.adapter import LoRAAdapterError, check_adapter_fits, check_adapter_name, load_lora_adapter
+from radixgen.runtime.lora.adapter import (
+    LoRAAdapterError,
+    check_adapter_fits,
+    check_adapter_name,
+    load_lora_adapter,
+    parse_lora_paths,
+)
 from radixgen.runtime.lora.pool import LoRAPool, StagedAdapter
+from radixgen.runtime.messages import ControlReply, LoadLoRAAdapter, LoRAUpdate, UnloadLoRAAdapter
 
 logger = logging.getLogger(__name__)
+NOT_ENABLED = "LoRA adapters are not enabled on this server (start it with --lora-paths or --enable-lora)"
 
 
 @dataclass(eq=False)
@@ -62,19 +70,45 @@ class _Registration:
 
 
 class LoRAManager:
-    def __init__(self, pool: LoRAPool, model_config, evict_namespaces: Callable[[Callable[[object], bool]], int]):
-        """`evict_namespaces(belongs)`: the KV cache manager's, freeing the unlocked tree entries of every
-        namespace for which belongs(namespace) is true."""
+    def __init__(self, pool: LoRAPool | None, model_config,
+                 evict_namespaces: Callable[[Callable[[object], bool]], int]) -> None:
+        """`pool`: the runner's (None: LoRA is not enabled, and every adapter request is refused saying so).
+        `evict_namespaces(belongs)`: the KV cache manager's, freeing the unlocked tree entries of every namespace
+        for which belongs(namespace) is true."""
         self.pool, self.model_config, self.evict_namespaces = pool, model_config, evict_namespaces
         self.adapters: dict[str, AdapterEntry] = {}
-        self.slots = [_Slot() for _ in range(pool.num_slots)]
+        self.slots = [_Slot() for _ in range(pool.num_slots if pool is not None else 0)]
         self.registrations: list[_Registration] = []
         self._uids = itertools.count(1)
         self._clock = 0
         self.loads_from_disk = 0  # adapters read for a request (not counting registrations)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="radixgen-lora")  # disk reads off the loop
 
+    @classmethod
+    def for_scheduler(cls, cfg, runner, evict_namespaces) -> LoRAManager:
+        """The manager of a scheduler's runner, with the --lora-paths adapters registered (see load_at_start)."""
+        manager = cls(runner.lora_pool, runner.model_config, evict_namespaces)
+        manager.load_at_start(parse_lora_paths(cfg.lora_paths))
+        return manager
+
     # ------------------------------------------------------------------ registration: load / unload
+
+    def handle(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter, send: Callable[[ControlReply], None]) -> None:
+        """A load or unload message: its ControlReply (a LoRAUpdate) is sent now, or once the load is read."""
+        def reply(error: str | None) -> None:
+            send(ControlReply(msg.reply_id, LoRAUpdate(error, self.listing())))
+
+        if self.pool is None:
+            reply(NOT_ENABLED)
+        elif isinstance(msg, LoadLoRAAdapter):
+            self.load(msg.name, msg.path, msg.pinned, reply)
+        else:
+            try:
+                self.unload(msg.name)
+            except LoRAAdapterError as e:
+                reply(str(e))
+                return
+            reply(None)
 
     def load_at_start(self, specs: list[tuple[str, str]]) -> None:
         """Register the --lora-paths adapters, reading each now (a bad one fails the start, naming it); the
@@ -123,7 +157,10 @@ class LoRAManager:
     # ------------------------------------------------------------------ requests: start / end
 
     def start(self, req) -> None:
-        """A request naming an adapter enters the scheduler: its namespace becomes (cache salt, adapter load id)."""
+        """A request naming an adapter enters the scheduler: its namespace becomes (cache salt, adapter load id).
+        LoRAAdapterError when the adapter is unknown."""
+        if self.pool is None:
+            raise LoRAAdapterError(NOT_ENABLED)
         entry = self.adapters.get(req.lora_name)
         if entry is None:
             raise LoRAAdapterError(f"unknown LoRA adapter {req.lora_name!r} (loaded: {sorted(self.adapters)})")
@@ -216,7 +253,9 @@ class LoRAManager:
             reg.reply(None)
         return failed
 
-    def info(self) -> dict:
+    def info(self) -> dict | None:
+        if self.pool is None:
+            return None
         return {"max_loras": len(self.slots), "max_lora_rank": self.pool.max_rank,
                 "target_modules": sorted(self.pool.targets), "adapters": self.listing(),
                 "resident": [None if s.entry is None or s.loading is not None else s.entry.name for s in self.slots],

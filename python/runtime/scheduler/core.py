@@ -20,7 +20,7 @@ import torch
 
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.lora.adapter import LoRAAdapterError, parse_lora_paths
+from radixgen.runtime.lora.adapter import LoRAAdapterError
 from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
@@ -31,7 +31,6 @@ from radixgen.runtime.request import (
     FinishReason,
     GenerateRequest,
     LoadLoRAAdapter,
-    LoRAUpdate,
     Req,
     ReqOutput,
     UnloadLoRAAdapter,
@@ -42,7 +41,6 @@ from radixgen.runtime.scheduler.policy import AdmissionPolicy
 from radixgen.runtime.special_tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
-_NO_LORA = "LoRA adapters are not enabled on this server (start it with --lora-paths or --enable-lora)"
 
 
 class Scheduler:
@@ -52,10 +50,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.grammar = grammar_backend
         self.kv = KVCacheManager.for_runner(runner, cfg.page_size, cfg.disable_radix_cache)
-        self.lora: LoRAManager | None = None  # the owner of LoRA adapter slots (runtime/lora/manager.py)
-        if runner.lora_pool is not None:
-            self.lora = LoRAManager(runner.lora_pool, runner.model_config, self.kv.evict_namespaces)
-            self.lora.load_at_start(parse_lora_paths(cfg.lora_paths))
+        self.lora = LoRAManager.for_scheduler(cfg, runner, self.kv.evict_namespaces)  # owns the adapter slots
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
         self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,
@@ -123,14 +118,8 @@ class Scheduler:
                     req.to_abort = "aborted by the client"
             case ControlRequest(reply_id=reply_id, kind=kind):
                 self.outbox.append(ControlReply(reply_id, self.control(kind)))
-            case LoadLoRAAdapter(reply_id=reply_id, name=name, path=path, pinned=pinned):
-                if self.lora is None:
-                    self.outbox.append(ControlReply(reply_id, LoRAUpdate(_NO_LORA, {})))
-                else:  # answered when read (poll_lora)
-                    self.lora.load(name, path, pinned, lambda error, rid=reply_id: self.outbox.append(
-                        ControlReply(rid, LoRAUpdate(error, self.lora.listing()))))
-            case UnloadLoRAAdapter(reply_id=reply_id, name=name):
-                self.outbox.append(ControlReply(reply_id, self.unload_lora(name)))
+            case LoadLoRAAdapter() | UnloadLoRAAdapter():
+                self.lora.handle(msg, self.outbox.append)
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 
@@ -156,8 +145,6 @@ class Scheduler:
     def take_in(self, req: Req) -> None:
         if req.lora_name is not None:
             try:
-                if self.lora is None:
-                    raise LoRAAdapterError(_NO_LORA)
                 self.lora.start(req)
             except LoRAAdapterError as e:
                 self.finish(req, FinishReason.abort(str(e), 400))
@@ -201,25 +188,14 @@ class Scheduler:
 
     def poll_lora(self) -> None:
         """Adapters read from disk go into their slots; a request whose adapter could not be read fails."""
-        if self.lora is None:
-            return
         for entry, exc in self.lora.poll():
             for req in [r for r in self.waiting if r.lora is entry]:
                 self.finish(req, FinishReason.abort(f"LoRA adapter {entry.name!r} could not be read: {exc}", 500))
 
-    def unload_lora(self, name: str) -> LoRAUpdate:
-        if self.lora is None:
-            return LoRAUpdate(_NO_LORA, {})
-        try:
-            self.lora.unload(name)
-        except LoRAAdapterError as e:
-            return LoRAUpdate(str(e), self.lora.listing())
-        return LoRAUpdate(None, self.lora.listing())
-
     @property
     def waits_in_background(self) -> bool:
         """Grammars compiling or LoRA adapters being read: the step loop has something to poll for."""
-        return bool(self.grammar_wait) or (self.lora is not None and self.lora.busy)
+        return bool(self.grammar_wait) or self.lora.busy
 
     def control(self, kind: ControlKind):
         if kind == ControlKind.SERVER_INFO:
@@ -241,7 +217,7 @@ class Scheduler:
             "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
             "cuda_graph": self.runner.cuda_graph_info(),
-            "lora": None if self.lora is None else self.lora.info(),
+            "lora": self.lora.info(),
         }
 
     # ------------------------------------------------------------------ admission (extend)
@@ -273,7 +249,7 @@ class Scheduler:
                 continue  # its adapter is being read into a slot (or waits for one): the others go on
             try:
                 if not self.admit(req):
-                    self.release_lora(req)
+                    self.lora.release(req)
                     break
             except Exception as e:  # noqa: BLE001
                 self.fail(req, "admitting", e)
@@ -307,11 +283,7 @@ class Scheduler:
 
     def unadmit(self, req: Req) -> None:
         self.kv.unadmit(req)
-        self.release_lora(req)
-
-    def release_lora(self, req: Req) -> None:
-        if self.lora is not None:
-            self.lora.release(req)
+        self.lora.release(req)
 
     # ------------------------------------------------------------------ decode and retraction
 
@@ -335,7 +307,7 @@ class Scheduler:
         """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
         self.counters["retractions"] += 1
         self.kv.release(req)
-        self.release_lora(req)
+        self.lora.release(req)
         self.waiting.appendleft(req)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
 
@@ -397,8 +369,7 @@ class Scheduler:
                 queue.remove(req)
         try:
             self.kv.release(req)
-            if self.lora is not None:
-                self.lora.end(req)
+            self.lora.end(req)
         except Exception:  # noqa: BLE001 - a bug; the idle invariant check will report the slots
             logger.exception("releasing the KV of %s failed", req.rid)
         if self.rids.get(req.rid) is req:

@@ -48,7 +48,7 @@ def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, mo
         send(ReadySignal(num_slots=sched.kv.capacity, context_length=runner.context_length,
                          vocab_size=runner.vocab_size, dtype=str(runner.dtype).removeprefix("torch."),
                          max_running_requests=cfg.max_running_requests, grammar=grammar is not None,
-                         lora_adapters=None if sched.lora is None else sched.lora.listing()))
+                         lora_adapters=None if runner.lora_pool is None else sched.lora.listing()))
     except Exception:  # noqa: BLE001 - reported to the Engine, which raises it
         send(FatalError(traceback.format_exc()))
         return

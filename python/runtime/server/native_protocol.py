@@ -310,30 +310,26 @@ class GenerateRequest(_Strict):
 # ---------------------------------------------------------------- LoRA adapters
 
 
-class LoadLoRAAdapterRequest(_Strict):
+class _LoRABody(_Strict):
+    lora_id: str | None = None  # SGLang assigns it itself; only null here
+
+    @model_validator(mode="after")
+    def _no_id(self) -> _LoRABody:
+        if self.lora_id is not None:
+            raise ValueError("lora_id: adapters are known by lora_name here (send null)")
+        return self
+
+
+class LoadLoRAAdapterRequest(_LoRABody):
     """SGLang's /load_lora_adapter body: serve the PEFT folder `lora_path` as `lora_name`."""
 
     lora_name: str
     lora_path: str
     pinned: bool = False  # never replaced in the adapter pool
-    lora_id: str | None = None  # SGLang assigns it itself; only null here
-
-    @model_validator(mode="after")
-    def _checks(self) -> LoadLoRAAdapterRequest:
-        if self.lora_id is not None:
-            raise ValueError("lora_id: adapters are known by lora_name here (send null)")
-        return self
 
 
-class UnloadLoRAAdapterRequest(_Strict):
+class UnloadLoRAAdapterRequest(_LoRABody):
     lora_name: str
-    lora_id: str | None = None
-
-    @model_validator(mode="after")
-    def _checks(self) -> UnloadLoRAAdapterRequest:
-        if self.lora_id is not None:
-            raise ValueError("lora_id: adapters are known by lora_name here (send null)")
-        return self
 
 
 # ---------------------------------------------------------------- other routes

@@ -9,7 +9,7 @@ gate/up/down) on the default model's shapes, all resident (max_loras 8). The mod
 C...) with the cache flushed before each, and the figures are output tokens per second, best and median.
 Targets: mixed >= 0.7x no adapter, and mixed above one at a time.
 
-    python benchmarks/bench_lora.py [--quick] [--requests 64] [--max-new 32] [--rounds 3]
+    python benchmarks/bench_lora.py [--quick] [--requests 64] [--max-new 32] [--rounds 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="scheduler threads (0: torch's default); 1 is steadier "
+                    "on a machine other jobs share")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.max_new, args.rounds = 32, 16, 2
@@ -91,7 +93,7 @@ def main() -> None:
             specs.append(f"a{k}={tmp}/a{k}")
         print(f"{n_ad} adapters, ranks {ranks}; {args.requests} requests x {args.max_new} new tokens", flush=True)
         with Engine(dtype="bfloat16", max_running_requests=max(64, args.requests), lora_paths=tuple(specs),
-                    max_loras=n_ad, max_lora_rank=16) as eng:
+                    max_loras=n_ad, max_lora_rank=16, num_threads=args.threads) as eng:
             ids = prompts(eng.tokenizer, args.requests, rng)
             names = [f"a{k}" for k in range(n_ad)]
             sp = {"max_new_tokens": args.max_new, "temperature": 0.0, "ignore_eos": True}

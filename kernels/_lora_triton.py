@@ -28,7 +28,7 @@ def _segment_rows(Rows, SegStart, SegLen, SegSlot, BLOCK_M: tl.constexpr):
 @triton.jit
 def _shrink_kernel(
     X, A, H, Rows, SegStart, SegLen, SegSlot,
-    K, NR, stride_x, stride_as, stride_an, stride_h,
+    K, NR, stride_x, stride_as, stride_ablk, stride_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr,
 ):
@@ -40,8 +40,10 @@ def _shrink_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(X + rows[:, None] * stride_x + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a = tl.load(A + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        # a (S, NB, K/2, 16, 2): rank n, column k at [n // 16, k // 2, n % 16, k % 2]
+        a = tl.load(A + slot * stride_as + (offs_n[:, None] // 16) * stride_ablk + (offs_k[None, :] // 2) * 32
+                    + (offs_n[:, None] % 16) * 2 + offs_k[None, :] % 2, mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0)
         acc += _dot(x, tl.trans(a), DOT_PRECISION, WIDEN_DOT)  # (BLOCK_M, BLOCK_N)
     tl.store(H + rows[:, None] * stride_h + offs_n[None, :], acc.to(H.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
@@ -50,7 +52,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     Y, H, B, Scales, Rows, SegStart, SegLen, SegSlot,
-    R, col0, ncols, rank_offset, stride_y, stride_h, stride_bs, stride_bp,
+    R, col0, ncols, rank_offset, stride_y, stride_h, stride_bs, stride_bblk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr,
 ):
@@ -61,8 +63,9 @@ def _expand_kernel(
     mask_r = offs_r < R
     h = tl.load(H + rows[:, None] * stride_h + rank_offset + offs_r[None, :],
                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    # b (S, R/2, N, 2): rank k of column n at [k // 2, n, k % 2]
-    b = tl.load(B + slot * stride_bs + (offs_r[:, None] // 2) * stride_bp + (col0 + offs_n[None, :]) * 2
+    # b (S, NB, R/2, 16, 2): rank k of column n at [n // 16, k // 2, n % 16, k % 2]
+    cols = col0 + offs_n[None, :]
+    b = tl.load(B + slot * stride_bs + (cols // 16) * stride_bblk + (offs_r[:, None] // 2) * 32 + (cols % 16) * 2
                 + offs_r[:, None] % 2, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
     dtype = Y.dtype.element_ty
     d = _dot(h, b, DOT_PRECISION, WIDEN_DOT).to(dtype).to(tl.float32)  # (BLOCK_M, BLOCK_N), rounded as torch's
@@ -75,7 +78,7 @@ def _expand_kernel(
 def launch_shrink(x, a, rows, seg_starts, seg_lens, seg_slots, max_len):
     check_launchable(x.device, "lora_shrink", "lora_shrink_ref")
     t, k = x.shape
-    nr = a.shape[1]
+    nr = 16 * a.shape[1]
     h = torch.zeros((t, nr), dtype=x.dtype, device=x.device)
     if seg_starts.numel() == 0 or max_len == 0:
         return h
@@ -92,7 +95,7 @@ def launch_shrink(x, a, rows, seg_starts, seg_lens, seg_slots, max_len):
 
 def launch_expand(y, h, b, scales, rows, seg_starts, seg_lens, seg_slots, max_len, col0, col1, rank_offset):
     check_launchable(y.device, "lora_expand_", "lora_expand_ref_")
-    ncols, r = col1 - col0, 2 * b.shape[1]
+    ncols, r = col1 - col0, 2 * b.shape[2]
     if seg_starts.numel() == 0 or max_len == 0 or ncols == 0:
         return
     block_n = max(16, min(next_pow2(ncols), 128))

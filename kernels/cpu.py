@@ -335,11 +335,12 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
                 ranks: torch.Tensor, segments: list[tuple[int, int]], rows: torch.Tensor, seg_starts: torch.Tensor,
                 seg_lens: torch.Tensor, seg_slots: torch.Tensor, *, kl: CKernels | None = None) -> None:
     """In place, bfloat16 (AVX512-BF16 CPUs): y (T, N) += the LoRA deltas of a merged projection whose input is
-    x (T, K), both contiguous, for the rows of each segment (radixgen.kernels.lora's layout: a (S, nseg R, K),
-    b (S, R/2, N, 2), scales (S,) float32), one output segment [c0, c1) per shrink segment; ranks (S,) int32
+    x (T, K), both contiguous, for the rows of each segment (radixgen.kernels.lora's K-pair blocks: a (S,
+    nseg R / 16, K/2, 16, 2), b (S, N/16, R/2, 16, 2), scales (S,) float32), one output segment [c0, c1) per
+    shrink segment; ranks (S,) int32
     (any stride): slot s's rank r <= R, 0 for none. The same as lora_shrink_ref then lora_expand_ref_ per
     segment (with a slot's ranks past r zero)."""
-    for name, t, dims in (("y", y, 2), ("x", x, 2), ("a", a, 3), ("b", b, 4)):
+    for name, t, dims in (("y", y, 2), ("x", x, 2), ("a", a, 5), ("b", b, 5)):
         check_tensor(name, t, dims, (torch.bfloat16,))
         check_contiguous(name, t)
     check_tensor("scales", scales, 1, (torch.float32,))
@@ -347,10 +348,12 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     for name, t in (("rows", rows), ("seg_starts", seg_starts), ("seg_lens", seg_lens), ("seg_slots", seg_slots)):
         check_tensor(name, t, 1, (torch.int64,))
         check_contiguous(name, t)
-    r, nseg = 2 * b.shape[1], len(segments)
-    expect(x.shape[0] == y.shape[0] and a.shape == (b.shape[0], nseg * r, x.shape[1]) and b.shape[2] == y.shape[1]
-           and b.shape[3] == 2,
-           f"expected a (S, {nseg} R, {x.shape[1]}) and b (S, R/2, {y.shape[1]}, 2) for x {tuple(x.shape)}, y "
+    r, nseg = 2 * b.shape[2], len(segments)
+    expect(x.shape[0] == y.shape[0] and a.shape == (b.shape[0], -(-nseg * r // 16), x.shape[1] // 2, 16, 2)
+           and b.shape[1] == -(-y.shape[1] // 16) and b.shape[3:] == (16, 2),
+           f"expected a (S, {nseg} R / 16, {x.shape[1] // 2}, 16, 2) and b (S, {-(-y.shape[1] // 16)}, R/2, 16, 2) "
+           f"for x "
+           f"{tuple(x.shape)}, y "
            f"{tuple(y.shape)} and {nseg} segments; got a {tuple(a.shape)}, b {tuple(b.shape)}")
     expect(scales.shape[0] == ranks.shape[0] == b.shape[0], "scales and ranks need one entry per slot")
     expect([c for c, _ in segments] == [0] + [e for _, e in segments[:-1]] and segments[-1][1] == y.shape[1],
@@ -365,10 +368,9 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 
 def _lora_delta(kl: CKernels, y, x, a, b, scales, ranks, seg_end, rows, seg_starts, seg_lens, seg_slots) -> None:
-    r, nseg = 2 * b.shape[1], seg_end.shape[0]
-    h = torch.empty(rows.shape[0] * nseg * r, dtype=torch.bfloat16)
+    h = torch.empty(rows.shape[0] * 16 * a.shape[1], dtype=torch.bfloat16)
     kl.fn("rg_lora_delta_bf16")(
         x=x.data_ptr(), K=x.shape[1], y=y.data_ptr(), N=y.shape[1], a=a.data_ptr(), b=b.data_ptr(),
-        scales=scales.data_ptr(), ranks=ranks.data_ptr(), rank_stride=ranks.stride(0), R=r,
-        seg_end=seg_end.data_ptr(), nseg=nseg, rows=rows.data_ptr(), start=seg_starts.data_ptr(),
+        scales=scales.data_ptr(), ranks=ranks.data_ptr(), rank_stride=ranks.stride(0), R=2 * b.shape[2],
+        seg_end=seg_end.data_ptr(), nseg=seg_end.shape[0], rows=rows.data_ptr(), start=seg_starts.data_ptr(),
         len=seg_lens.data_ptr(), slot=seg_slots.data_ptr(), n_groups=seg_starts.shape[0], h=h.data_ptr())

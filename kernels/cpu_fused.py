@@ -101,8 +101,9 @@ class DecodeStepWeights:
 class LoRAStepWeights:
     """A LoRA pool as the fused step reads it (csrc/cpu_lora.h): one descriptor per layer holding the addresses of
     the pool's stacked buffers (which must stay alive and in place), and the step's rows grouped by adapter slot,
-    rewritten by `set_rows` before each step. layers[l][mat] (mat: qkv, o, gate_up, down) is (a (S, nseg R, K),
-    b (S, R/2, N, 2)) bf16 (kernels/lora.py's layout), or None where the pool holds no weights for that matmul;
+    rewritten by `set_rows` before each step. layers[l][mat] (mat: qkv, o, gate_up, down) is (a (S, nseg R / 16,
+    K/2, 16, 2), b (S, N/16, R/2, 16, 2)) bf16 (kernels/lora.py's K-pair blocks), or None where the pool holds no
+    weights for it;
     scales (S,) float32; ranks (L, S, 4) int32, each slot's rank per layer and matmul (0: no delta)."""
 
     def __init__(self, layers: list[list[tuple[torch.Tensor, torch.Tensor] | None]], scales: torch.Tensor,
@@ -111,8 +112,9 @@ class LoRAStepWeights:
         expect(ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (len(layers), scales.shape[0],
                LORA_MATMULS), f"ranks: expected contiguous int32 ({len(layers)}, {scales.shape[0]}, {LORA_MATMULS})")
         self.step = LoRAStepBF16()
-        self.h = torch.empty(LORA_MAX_ROWS * 3 * max_rank, dtype=torch.bfloat16)  # q | k | v: the widest shrink
-        self.step.h, self.step.h_stride = self.h.data_ptr(), 3 * max_rank
+        h_stride = -(-3 * max_rank // 16) * 16  # q | k | v: the widest shrink, in whole blocks of 16
+        self.h = torch.empty(LORA_MAX_ROWS * h_stride, dtype=torch.bfloat16)
+        self.step.h, self.step.h_stride = self.h.data_ptr(), h_stride
         self.layers = []
         for i, mats in enumerate(layers):
             d = LoRALayerBF16(step=ctypes.pointer(self.step), scales=scales.data_ptr(), ranks=ranks[i].data_ptr(),
@@ -122,10 +124,10 @@ class LoRAStepWeights:
                     continue
                 a, b = ab
                 expect(all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.is_cpu for t in ab)
-                       and a.dim() == 3 and b.dim() == 4 and a.shape[0] == b.shape[0] == scales.shape[0]
-                       and 2 * b.shape[1] == max_rank and b.shape[3] == 2 and a.shape[1] % max_rank == 0,
-                       f"layer {i} matmul {j}: expected contiguous bf16 a (S, nseg {max_rank}, K), "
-                       f"b (S, {max_rank // 2}, N, 2)")
+                       and a.dim() == 5 and b.dim() == 5 and a.shape[0] == b.shape[0] == scales.shape[0]
+                       and 2 * b.shape[2] == max_rank and a.shape[3:] == b.shape[3:] == (16, 2),
+                       f"layer {i} matmul {j}: expected contiguous bf16 a (S, nseg {max_rank} / 16, K/2, 16, 2), "
+                       f"b (S, N/16, {max_rank // 2}, 16, 2)")
                 d.a[j], d.b[j] = a.data_ptr(), b.data_ptr()
             self.layers.append(d)
         self.keep = (layers, scales, ranks)

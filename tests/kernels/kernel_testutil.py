@@ -58,8 +58,8 @@ class LoRACase(NamedTuple):
 
     x: torch.Tensor  # (T, K)
     y: torch.Tensor  # (T, N) the matmul's output the deltas are added to
-    a: torch.Tensor  # (S, 3 R, K)
-    b: torch.Tensor  # (S, R/2, N, 2)
+    a: torch.Tensor  # (S, 3 R / 16, K/2, 16, 2)
+    b: torch.Tensor  # (S, N/16, R/2, 16, 2)
     scales: torch.Tensor
     ranks: torch.Tensor  # (S,) int32
     segments: list[tuple[int, int]]
@@ -83,7 +83,7 @@ class LoRACase(NamedTuple):
         seg = (self.rows, self.seg_starts, self.seg_lens, self.seg_slots, self.max_len)
         y = self.y.clone()
         h = lora_shrink_ref(self.x, self.a, *seg)
-        r = 2 * self.b.shape[1]
+        r = 2 * self.b.shape[2]
         for g, (c0, c1) in enumerate(self.segments):
             lora_expand_ref_(y, h, self.b, self.scales, *seg, c0, c1, g * r)
         return y
@@ -100,7 +100,10 @@ def lora_case(gen: torch.Generator, dtype: torch.dtype = torch.bfloat16, t: int 
     for slot, rank in enumerate(ranks.tolist()):  # a slot's ranks past its own are zero, as the pool keeps them
         a[slot].view(3, r, k)[:, rank:] = 0
         b[slot, rank:] = 0
-    b = b.view(s_, r // 2, 2, n).permute(0, 1, 3, 2).contiguous()  # ranks in pairs
+    from radixgen.kernels.lora import pack_kpairs
+
+    a = torch.stack([pack_kpairs(a[slot]) for slot in range(s_)])
+    b = torch.stack([pack_kpairs(b[slot].t()) for slot in range(s_)])
     slot_of = torch.randint(0, s_, (t,), generator=gen)
     slot_of[::5] = -1  # base-model rows, in no segment
     rows, starts, lens, slots = [], [], [], []

@@ -12,7 +12,7 @@ from lora_helpers import base_model, make_adapter
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu, lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
-from radixgen.kernels.lora import expand_weights
+from radixgen.kernels.lora import expand_weights, pack_kpairs, unpack_kpairs
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.layers.ops import TritonOps
 from radixgen.runtime.lora import load_lora_adapter
@@ -33,7 +33,7 @@ def test_triton_shrink_and_expand_match_refs(triton, poison, gen, dtype):
     in_no_segment = torch.ones(c.x.shape[0], dtype=torch.bool, device=DEVICE)
     in_no_segment[c.rows] = False
     assert (h[in_no_segment] == 0).all()  # base-model rows are left alone
-    r = 2 * c.b.shape[1]
+    r = 2 * c.b.shape[2]
     y, y_ref = c.y.clone(), c.y.clone()
     for g, (c0, c1) in enumerate(c.segments):
         lora_expand_(y, h_ref, c.b, c.scales, *seg, c0, c1, g * r)
@@ -42,14 +42,21 @@ def test_triton_shrink_and_expand_match_refs(triton, poison, gen, dtype):
     assert torch.equal(y[in_no_segment], c.y[in_no_segment])
 
 
+def test_kpair_blocks_round_trip(gen):
+    m = torch.randn(37, 24, generator=gen)
+    t = pack_kpairs(m)
+    assert t.shape == (3, 12, 16, 2) and torch.equal(t[1, 5, 3], m[19, 10:12])
+    assert torch.equal(unpack_kpairs(t)[:37], m) and (unpack_kpairs(t)[37:] == 0).all()
+
+
 def test_refs_are_the_textbook_formula(gen):
     """Each listed row gets (x @ A_s^T)[segment] @ B_s * scale_s with its own slot's weights."""
     c = lora_case(gen, torch.float32)
     y = c.reference()
-    r = 2 * c.b.shape[1]
+    r = 2 * c.b.shape[2]
     for start, n, slot in zip(c.seg_starts.tolist(), c.seg_lens.tolist(), c.seg_slots.tolist(), strict=True):
         for row in c.rows[start:start + n].tolist():
-            h = c.x[row].double() @ c.a[slot].double().t()
+            h = c.x[row].double() @ unpack_kpairs(c.a[slot]).double().t()
             for g, (c0, c1) in enumerate(c.segments):
                 bt = expand_weights(c.b, slot, c0, c1).double()
                 want = c.y[row, c0:c1].double() + h[g * r:(g + 1) * r] @ bt * float(c.scales[slot])
@@ -70,8 +77,8 @@ def test_c_kernel_checks_its_arguments(gen):
     c = lora_case(gen, torch.bfloat16)
     cases = [
         (dict(y=c.y.float()), "y dtype"),
-        (dict(b=c.b.reshape(4, 8, -1)), "b must be 4-D"),
-        (dict(a=c.a[:, :40].contiguous()), "expected a"),
+        (dict(b=c.b.reshape(4, 6, 8, -1)), "b must be 5-D"),
+        (dict(a=c.a[:, :2].contiguous()), "expected a"),
         (dict(segments=[(0, 40), (41, 63), (63, 86)]), "segments must tile"),
         (dict(ranks=torch.tensor([16, 6, 0, 18], dtype=torch.int32)), "ranks must lie"),
         (dict(x=c.x.t().contiguous().t()), "x must be contiguous"),

@@ -71,17 +71,17 @@ class TorchOps:
                     ranks: torch.Tensor, segments: list[tuple[int, int]], rows) -> None:
         """y (T, N) += the LoRA deltas of a merged projection with input x (T, K), in place: for each group
         (slot s, its rows, its scale) of `rows` (lora.pool.LoRARows) and each output segment g = [c0, c1),
-        y[rows, c0:c1] += (x[rows] @ a[s]^T)[:, g R : (g+1) R] @ b[s, :, c0:c1] * scale, each product rounded to
-        the dtype. a (S, nseg R, K), b (S, R/2, N, 2) (lora/pool.py, kernels/lora.py); ranks (S,) int32 on the
-        host, 0: slot s has no weights here."""
-        from radixgen.kernels.lora import expand_weights
+        y[rows, c0:c1] += (x[rows] @ A_s^T)[:, g R : (g+1) R] @ B_s[:, c0:c1] * scale, each product rounded to
+        the dtype. a (S, nseg R / 16, K/2, 16, 2), b (S, N/16, R/2, 16, 2) (K-pair blocks: lora/pool.py,
+        kernels/lora.py); ranks (S,) int32 on the host, 0: slot s has no weights here."""
+        from radixgen.kernels.lora import expand_weights, unpack_kpairs
 
-        r = 2 * b.shape[1]
+        r = 2 * b.shape[2]
         held = ranks.tolist()
         for slot, idx, scale in rows.groups:
             if held[slot] == 0:
                 continue
-            h = x[idx] @ a[slot].t()  # (n, nseg R)
+            h = x[idx] @ unpack_kpairs(a[slot]).t()  # (n, 16 ceil(nseg R / 16))
             for g, (c0, c1) in enumerate(segments):
                 y[idx, c0:c1] += (h[:, g * r:(g + 1) * r] @ expand_weights(b, slot, c0, c1)) * scale
 
@@ -188,7 +188,7 @@ class TritonOps(TorchOps):
         t = rows.as_tensors(y.device)
         seg = (t["rows"], t["starts"], t["lens"], t["slots"], t["max_len"])
         h = kernels.lora_shrink(x, a, *seg)
-        r = 2 * b.shape[1]
+        r = 2 * b.shape[2]
         for g, (c0, c1) in enumerate(segments):
             kernels.lora_expand_(y, h, b, scales, *seg, c0, c1, g * r)
 

@@ -2,9 +2,10 @@
 
 For each layer and each reserved merged projection ("group": qkv_proj, o_proj, gate_up_proj, down_proj, the
 fused step's matmul order) the pool holds, for all `num_slots` slots at once,
-    a (S, nseg * R, in):     shrink weights; segment g (q | k | v, gate | up) is rows [g R, g R + r)
-    b (S, R / 2, out, 2):    expand weights (B transposed, ranks in pairs: kernels/lora.py); output columns of
-                             segment g use ranks [0, r)
+    a (S, nseg R / 16, in / 2, 16, 2): shrink weights A (nseg R, in); segment g (q | k | v, gate | up) is rows
+                             [g R, g R + r)
+    b (S, out / 16, R / 2, 16, 2): expand weights B^T (out, R); output columns of segment g use ranks [0, r)
+both in K-pair blocks of 16 rows (kernels/lora.py pack_kpairs: the layout the CPU kernels stream)
 with R the pool's rank (max_lora_rank rounded up to even) and r the adapter's own (the rest zero), plus each
 slot's scale and its rank per layer and group (0: that adapter has no weights there). A step's delta of a
 group is then, for each slot s present, y[rows_s] += (x[rows_s] @ a[s]^T)[:, segment] @ B_s[:, cols] * scale_s
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixgen.kernels.lora import pack_kpairs
 from radixgen.runtime.lora.adapter import TARGETS, LoRAAdapter, LoRAAdapterError, parse_lora_paths, peek_adapter
 
 DEFAULT_MAX_RANK = 16  # the pool's rank when neither max_lora_rank nor a start adapter says
@@ -147,10 +149,11 @@ class LoRAPool:
         self.targets = frozenset(targets)
         self.groups = [g for g in GROUPS if self.targets & set(MEMBERS[g])]
         # a[l][g], b[l][g]: see the module docstring
-        self.a = [{g: torch.zeros((num_slots, len(self.shapes[g].out_sizes) * r, self.shapes[g].in_features),
-                                  dtype=dtype, device=device) for g in self.groups} for _ in range(self.num_layers)]
-        self.b = [{g: torch.zeros((num_slots, r // 2, sum(self.shapes[g].out_sizes), 2), dtype=dtype, device=device)
+        self.a = [{g: torch.zeros((num_slots, -(-len(self.shapes[g].out_sizes) * r // 16),
+                                   self.shapes[g].in_features // 2, 16, 2), dtype=dtype, device=device)
                    for g in self.groups} for _ in range(self.num_layers)]
+        self.b = [{g: torch.zeros((num_slots, -(-sum(self.shapes[g].out_sizes) // 16), r // 2, 16, 2), dtype=dtype,
+                               device=device) for g in self.groups} for _ in range(self.num_layers)]
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.ranks = torch.zeros((self.num_layers, num_slots, len(GROUPS)), dtype=torch.int32)  # host: read by the
         # torch path and the C kernels
@@ -207,7 +210,7 @@ class LoRAPool:
                     found = True
                 if found:
                     ranks[layer][gi] = rank + rank % 2  # the kernels take ranks in pairs
-                    weights[(layer, g)] = (a, b.view(r // 2, 2, -1).permute(0, 2, 1).contiguous())  # rank pairs
+                    weights[(layer, g)] = (pack_kpairs(a), pack_kpairs(b.t()))
         return StagedAdapter(adapter.name, adapter.scale, ranks, weights)
 
     def write(self, slot: int, staged: StagedAdapter) -> None:

@@ -17,6 +17,30 @@ from pathlib import Path
 # the element type of the dtype-generic kernels (csrc/cpu_kernels_impl.h's T), by name suffix
 ELEMENT_TYPES = {"f32": "float", "bf16": "uint16_t"}
 
+# the code type of an 8-bit KV pool's kernels, by the name suffix before the dtype's (csrc/cpu_pool_impl.h)
+KV_CODE_TYPES = {"i8": "int8_t", "f8": "uint8_t"}
+
+
+def _quantized_pool_kernels(code: str, c_type: str):
+    """The store, decode and extend kernels over a pool of 8-bit codes with bf16 scales (slots, Hkv)."""
+    pool = [("k_buf", f"const {c_type} *"), ("v_buf", f"const {c_type} *"), ("k_scale", "const uint16_t *"),
+            ("v_scale", "const uint16_t *")]
+    yield f"rg_store_kv_{code}_{{T}}", ("void", [
+        ("k", "const T *"), ("k_stride", "int64_t"), ("v", "const T *"), ("v_stride", "int64_t"),
+        *[(name, t.removeprefix("const ")) for name, t in pool], ("slots", "const int64_t *"), ("n_tok", "int64_t"),
+        ("Hkv", "int64_t"), ("D", "int64_t")])
+    yield f"rg_decode_attention_{code}_{{T}}", ("rg_status", [
+        ("q", "const T *"), ("q_stride", "int64_t"), *pool, ("table", "const int64_t *"), ("table_stride", "int64_t"),
+        ("rows", "const int64_t *"), ("seq_lens", "const int64_t *"), ("out", "T *"), ("B", "int64_t"),
+        ("H", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("splits", "int64_t"),
+        ("part", "float *")])
+    yield f"rg_extend_attention_{code}_bf16", ("rg_status", [  # AVX512-BF16 (a stub elsewhere)
+        ("q", "const uint16_t *"), ("q_stride", "int64_t"), *pool, ("table", "const int64_t *"),
+        ("table_stride", "int64_t"), ("rows", "const int64_t *"), ("prefix_lens", "const int64_t *"),
+        ("extend_lens", "const int64_t *"), ("q_start", "const int64_t *"), ("out", "uint16_t *"), ("B", "int64_t"),
+        ("H", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("pack", "uint16_t *")])
+
+
 _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being that suffix's element type
     "rg_d_max": ("int", []),
     "rg_has_decode_step": ("int", []),
@@ -36,6 +60,7 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("positions", "const int64_t *"), ("q", "T *"), ("q_stride", "int64_t"), ("Hq", "int64_t"), ("k", "T *"),
         ("k_stride", "int64_t"), ("Hk", "int64_t"), ("cos_sin", "const float *"), ("D", "int64_t"),
         ("n_tok", "int64_t")]),
+    **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},
     # bfloat16 only, AVX512-BF16 (elsewhere stubs returning RG_ERR_UNSUPPORTED)
     "rg_pack_kpairs_bf16": ("rg_status", [
         ("w", "const uint16_t *"), ("N", "int64_t"), ("K", "int64_t"), ("out", "uint16_t *")]),
@@ -98,8 +123,11 @@ class LayerBF16(ctypes.Structure):
     """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses, and
     its LoRA descriptor's (a LoRALayerBF16, or None)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
-                                                     "down", "k_buf", "v_buf", "q_norm", "k_norm", "lora")]
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
+                                                       "down", "k_buf", "v_buf", "q_norm", "k_norm", "k_scale",
+                                                       "v_scale")),
+                ("kv_format", ctypes.c_int64),  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
+                ("lora", ctypes.c_void_p)]
 
 
 LORA_MAX_ROWS, LORA_MATMULS = 64, 4  # csrc/cpu_lora.h's RG_LORA_MAX_ROWS, RG_LORA_MATMULS

@@ -11,14 +11,18 @@ import torch
 from ._checks import check_tensor, expect
 from ._cpu_bindings import LORA_MATMULS, LORA_MAX_ROWS, CKernels, LayerBF16, LoRALayerBF16, LoRAStepBF16
 from .cpu import _ptr, num_splits
+from .kv_quant import SCALE_DTYPE
+
+# a pool's element dtype -> csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8 (the layer's kv_format)
+KV_FORMAT = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 class DecodeStepWeights:
     """The weights of a Llama-family decoder stack laid out for `decode_step`: norm weights (optionally per-head
     q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights and the optional LM head
-    (vocab, hidden) packed into the K-pair layout of csrc/cpu_kernels.c (a copy, built here), the KV buffers by
-    address. The given norms, bias and KV buffers must stay alive and in place as long as this object is used
-    (the model's parameters and pool do)."""
+    (vocab, hidden) packed into the K-pair layout of csrc/cpu_kernels.c (a copy, built here), the KV buffers (bf16,
+    or an 8-bit pool's codes and scales) by address. The given norms, bias and KV buffers must stay alive and in
+    place as long as this object is used (the model's parameters and pool do)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 
@@ -47,11 +51,7 @@ class DecodeStepWeights:
                 if name in self.MATMULS:
                     t = self._pack(kl, t)
                 setattr(arr[i], name, t.data_ptr())
-            for name in ("k_buf", "v_buf"):
-                t = ly[name]
-                expect(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[1:] == (num_kv_heads, head_dim),
-                       f"layer {i} {name}: expected a contiguous bfloat16 (slots, {num_kv_heads}, {head_dim}) pool")
-                setattr(arr[i], name, t.data_ptr())
+            self._set_pool(arr[i], i, ly, num_kv_heads, head_dim)
             arr[i].lora = ly.get("lora")  # a LoRAStepWeights.address, or None
         self.vocab = 0
         self.lm_head: torch.Tensor | None = None
@@ -66,6 +66,27 @@ class DecodeStepWeights:
         self.intermediate, self.eps = intermediate, float(eps)
         self._scratch: dict[tuple[int, int], tuple] = {}
         self._thread_scratch = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _set_pool(layer: LayerBF16, i: int, ly: dict, num_kv_heads: int, head_dim: int) -> None:
+        """The layer's KV pool: bf16 buffers, or 8-bit codes with their scales ("k_scale", "v_scale")."""
+        code = ly["k_buf"].dtype
+        for name in ("k_buf", "v_buf"):
+            t = ly[name]
+            expect(t.dtype == code and t.dtype in KV_FORMAT and t.is_contiguous()
+                   and t.shape[1:] == (num_kv_heads, head_dim),
+                   f"layer {i} {name}: expected a contiguous (slots, {num_kv_heads}, {head_dim}) pool of bfloat16 "
+                   f"or 8-bit codes")
+            setattr(layer, name, t.data_ptr())
+        layer.kv_format = KV_FORMAT[code]
+        if code == torch.bfloat16:
+            return
+        for name in ("k_scale", "v_scale"):
+            t = ly.get(name)
+            expect(t is not None and t.dtype == SCALE_DTYPE and t.is_contiguous()
+                   and tuple(t.shape) == tuple(ly["k_buf"].shape[:2]),
+                   f"layer {i} {name}: an 8-bit pool needs its contiguous bfloat16 (slots, {num_kv_heads}) scales")
+            setattr(layer, name, t.data_ptr())
 
     def scratch(self, m: int, splits: int) -> tuple:
         """decode_step's buffers for m rows: (x, out, res_a, res_b, qkv, attn, gu, part, logits), kept from one

@@ -116,6 +116,8 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 #endif
 
+#include "cpu_kv_quant.h" /* 8-bit KV pools: int8 and fp8 e4m3 codes with a bf16 scale per (slot, head) */
+
 int rg_d_max(void) { return D_MAX; }
 
 #define T float
@@ -138,8 +140,10 @@ int rg_d_max(void) { return D_MAX; }
 
 typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
-    uint16_t *k_buf, *v_buf;
+    void *k_buf, *v_buf; /* (slots, Hkv, D): bf16, or the 8-bit codes of kv_format */
     const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
+    uint16_t *k_scale, *v_scale; /* (slots, Hkv) bf16 scales of an 8-bit pool, else NULL */
+    int64_t kv_format; /* KV_PLAIN, KV_INT8 or KV_FP8 (cpu_kv_quant.h) */
     const rg_lora_layer_bf16 *lora;  /* the adapters' weights for this layer (cpu_lora.h), or NULL */
 } rg_layer_bf16;
 
@@ -164,6 +168,14 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
                                    const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
                                    const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
                                    int64_t D, float scale, uint16_t *pack);
+/* The same over 8-bit pools (KV_QUANT_EXTEND names one per code type). */
+#define KV_QUANT_EXTEND(name, KT)                                                                                 \
+    rg_status name(const uint16_t *q, int64_t q_stride, const KT *k_buf, const KT *v_buf, const uint16_t *k_scale, \
+                   const uint16_t *v_scale, const int64_t *table, int64_t table_stride, const int64_t *rows,       \
+                   const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_start, uint16_t *out,  \
+                   int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, uint16_t *pack)
+KV_QUANT_EXTEND(rg_extend_attention_i8_bf16, int8_t);
+KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t);
 
 /* ------------------------------------------------------------------------------------------------------
  * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model
@@ -293,6 +305,33 @@ rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int
     return RG_OK;
 }
 
+/* The fused step's KV store and decode attention (the unfused kernels' code) for the layer's pool format. */
+static void layer_store_kv_bf16(const rg_layer_bf16 *ly, const uint16_t *k, const uint16_t *v, int64_t stride,
+                                const int64_t *slots, int64_t M, int64_t Hkv, int64_t D) {
+    if (ly->kv_format == KV_INT8)
+        rg_store_kv_i8_bf16(k, stride, v, stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, slots, M, Hkv, D);
+    else if (ly->kv_format == KV_FP8)
+        rg_store_kv_f8_bf16(k, stride, v, stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, slots, M, Hkv, D);
+    else
+        rg_store_kv_bf16(k, stride, v, stride, ly->k_buf, ly->v_buf, slots, M, Hkv * D);
+}
+
+static void layer_decode_attention_team_bf16(const rg_layer_bf16 *ly, const uint16_t *q, int64_t q_stride,
+                                             const int64_t *table, int64_t table_stride, const int64_t *rows,
+                                             const int64_t *seq_lens, uint16_t *out, int64_t M, int64_t H,
+                                             int64_t Hkv, int64_t D, float scale, int64_t splits, float *part,
+                                             float *qf, float *sc) {
+#define TEAM(fn) fn(q, q_stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, table, table_stride, rows, \
+                    seq_lens, out, M, H, Hkv, D, scale, splits, part, qf, sc)
+    if (ly->kv_format == KV_INT8)
+        TEAM(rg_decode_attention_team_i8_bf16);
+    else if (ly->kv_format == KV_FP8)
+        TEAM(rg_decode_attention_team_f8_bf16);
+    else
+        TEAM(rg_decode_attention_team_bf16);
+#undef TEAM
+}
+
 /* Scratch of rg_decode_step_bf16 in bytes, for `threads` threads and pieces of at most max_piece positions:
  * the contexts (M int64) shared, then per thread a float32 query block (H D), scores (max_piece G) and bf16
  * private rows: the normed and the residual stream (M hidden each) and the MLP activation (M inter). */
@@ -371,10 +410,10 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                 for (int64_t m = 0; m < M && ly->k_norm; ++m)
                     rg_add_rmsnorm_bf16(qkv + m * qkv_n + qsz, D, NULL, ly->k_norm, qkv + m * qkv_n + qsz, Hkv, D, eps);
                 rg_rotary_bf16(positions, qkv, qkv_n, H, qkv + qsz, qkv_n, Hkv, cos_sin, D, M);
-                rg_store_kv_bf16(qkv + qsz, qkv_n, qkv + qsz + kvsz, qkv_n, ly->k_buf, ly->v_buf, out_slots, M, kvsz);
+                layer_store_kv_bf16(ly, qkv + qsz, qkv + qsz + kvsz, qkv_n, out_slots, M, Hkv, D);
             }
-            rg_decode_attention_team_bf16(qkv, qkv_n, ly->k_buf, ly->v_buf, table, table_stride, rows, seq_lens,
-                                          attn, M, H, Hkv, D, scale, splits, part, qf, sc);
+            layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
+                                             scale, splits, part, qf, sc);
             gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, NULL, hidden);
             lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
             memcpy(rp, res[cur], row_bytes);
@@ -492,13 +531,43 @@ static inline __attribute__((always_inline)) void extend_item_bf16(
     }
 }
 
+/* One pool row (slot, head h) into the pack: K's D values to kd, V's to every other element of vd. An 8-bit
+ * pool's row is dequantized here, code * scale rounded to bf16 (the torch backend's dequantized values). */
+static inline void extend_pack_row(const void *k_buf, const void *v_buf, const uint16_t *k_scale,
+                                   const uint16_t *v_scale, int kv_format, int64_t slot, int64_t Hkv, int64_t h,
+                                   int64_t D, uint16_t *kd, uint16_t *vd) {
+    const int64_t at = slot * Hkv + h;
+    if (kv_format == KV_PLAIN) {
+        memcpy(kd, (const uint16_t *)k_buf + at * D, sizeof(uint16_t) * (size_t)D);
+        const uint16_t *vr = (const uint16_t *)v_buf + at * D;
+        for (int64_t d = 0; d < D; ++d) vd[2 * d] = vr[d];
+        return;
+    }
+    const float ks = bf16_to_f32(k_scale[at]), vs = bf16_to_f32(v_scale[at]);
+    if (kv_format == KV_INT8) {
+        const int8_t *kr = (const int8_t *)k_buf + at * D, *vr = (const int8_t *)v_buf + at * D;
+        for (int64_t d = 0; d < D; ++d) {
+            kd[d] = f32_to_bf16((float)kr[d] * ks);
+            vd[2 * d] = f32_to_bf16((float)vr[d] * vs);
+        }
+    } else {
+        const uint8_t *kr = (const uint8_t *)k_buf + at * D, *vr = (const uint8_t *)v_buf + at * D;
+        for (int64_t d = 0; d < D; ++d) {
+            kd[d] = f32_to_bf16(e4m3_to_f32(kr[d]) * ks);
+            vd[2 * d] = f32_to_bf16(e4m3_to_f32(vr[d]) * vs);
+        }
+    }
+}
+
 /* q (T, H, D) rows q_stride apart, the B requests' new tokens back to back from q_start[b]; out (T, H, D).
- * pack: scratch of sum_b Hkv * 2 * ceil(L_b / 16) * 16 * D bf16, L_b = prefix_lens[b] + extend_lens[b]. */
-rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
-                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
-                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
-                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
-                                   int64_t D, float scale, uint16_t *pack) {
+ * pack: scratch of sum_b Hkv * 2 * ceil(L_b / 16) * 16 * D bf16, L_b = prefix_lens[b] + extend_lens[b].
+ * The pool is bf16 (kv_format KV_PLAIN) or 8-bit codes with their scales. */
+static rg_status extend_attention_bf16(const uint16_t *q, int64_t q_stride, const void *k_buf, const void *v_buf,
+                                       const uint16_t *k_scale, const uint16_t *v_scale, int kv_format,
+                                       const int64_t *table, int64_t table_stride, const int64_t *rows,
+                                       const int64_t *prefix_lens, const int64_t *extend_lens,
+                                       const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                       int64_t D, float scale, uint16_t *pack) {
     if (D % 32 != 0 || D > 128) return RG_ERR_UNSUPPORTED;
     const int64_t G = H / Hkv;
     int64_t *base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* pack offset of each request */
@@ -528,9 +597,7 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
                     const int64_t pos = kb * 16 + j;
                     uint16_t *kd = kpk + pos * D, *vd = vpk + ((kb * 8 + j / 2) * D) * 2 + (j % 2);
                     if (pos < L) {
-                        memcpy(kd, k_buf + (slots[pos] * Hkv + h) * D, sizeof(uint16_t) * (size_t)D);
-                        const uint16_t *vr = v_buf + (slots[pos] * Hkv + h) * D;
-                        for (int64_t d = 0; d < D; ++d) vd[2 * d] = vr[d];
+                        extend_pack_row(k_buf, v_buf, k_scale, v_scale, kv_format, slots[pos], Hkv, h, D, kd, vd);
                     } else {
                         memset(kd, 0, sizeof(uint16_t) * (size_t)D);
                         for (int64_t d = 0; d < D; ++d) vd[2 * d] = 0;
@@ -561,6 +628,23 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
     free(items);
     return RG_OK;
 }
+
+rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
+                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
+                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
+                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                   int64_t D, float scale, uint16_t *pack) {
+    return extend_attention_bf16(q, q_stride, k_buf, v_buf, NULL, NULL, KV_PLAIN, table, table_stride, rows,
+                                 prefix_lens, extend_lens, q_start, out, B, H, Hkv, D, scale, pack);
+}
+
+#define KV_QUANT_EXTEND_BODY(format)                                                                             \
+    {                                                                                                            \
+        return extend_attention_bf16(q, q_stride, k_buf, v_buf, k_scale, v_scale, format, table, table_stride,  \
+                                     rows, prefix_lens, extend_lens, q_start, out, B, H, Hkv, D, scale, pack); \
+    }
+KV_QUANT_EXTEND(rg_extend_attention_i8_bf16, int8_t) KV_QUANT_EXTEND_BODY(KV_INT8)
+KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t) KV_QUANT_EXTEND_BODY(KV_FP8)
 
 int rg_has_decode_step(void) { return 1; }
 #else
@@ -609,4 +693,13 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
     (void)scale, (void)pack;
     return RG_ERR_UNSUPPORTED;
 }
+#define KV_QUANT_EXTEND_STUB                                                                                     \
+    {                                                                                                            \
+        (void)q, (void)q_stride, (void)k_buf, (void)v_buf, (void)k_scale, (void)v_scale, (void)table;           \
+        (void)table_stride, (void)rows, (void)prefix_lens, (void)extend_lens, (void)q_start, (void)out, (void)B; \
+        (void)H, (void)Hkv, (void)D, (void)scale, (void)pack;                                                    \
+        return RG_ERR_UNSUPPORTED;                                                                               \
+    }
+KV_QUANT_EXTEND(rg_extend_attention_i8_bf16, int8_t) KV_QUANT_EXTEND_STUB
+KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t) KV_QUANT_EXTEND_STUB
 #endif

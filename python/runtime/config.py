@@ -13,6 +13,8 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
 JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# kv_cache_dtype: auto (the model dtype) or the code dtype of an 8-bit pool (radixgen.kernels.kv_quant)
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,10 @@ class RuntimeConfig:
     disable_cuda_graph: bool = option(False, "CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
                                     "--max-running-requests)")
+    # ---- KV cache quantization (issue 15)
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
+                                 "bf16 scale per token and KV head (about twice the tokens in the same memory)",
+                                 choices=tuple(KV_CACHE_DTYPES))
     # ---- LoRA adapters (runtime/lora/): many adapters over the base model, mixed in one batch
     enable_lora: bool = option(False, "serve LoRA adapters (implied by --lora-paths); load more at run time "
                                "with /load_lora_adapter")
@@ -159,6 +165,7 @@ class RuntimeConfig:
         check_choice("load_format", self.load_format, LOAD_FORMATS)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_choice("grammar_json_whitespace", self.grammar_json_whitespace, JSON_WHITESPACE)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs"):
@@ -198,6 +205,11 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[resolve_dtype(self.dtype, self.device)]
+
+    @property
+    def kv_code_dtype(self) -> torch.dtype | None:
+        """The code dtype of an 8-bit KV pool; None: the pool holds the model dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:

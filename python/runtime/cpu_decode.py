@@ -49,9 +49,8 @@ class FusedDecode:
             layers.append({"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.weight,
                            "qkv_bias": a.qkv_proj.bias, "o": a.o_proj.weight,
                            "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
-                           "down": mlp.down_proj.weight, "k_buf": kv_pool.k_buffers[i], "v_buf": kv_pool.v_buffers[i],
-                           "q_norm": a.q_norm.weight if qk_norms else None,
-                           "k_norm": a.k_norm.weight if qk_norms else None,
+                           "down": mlp.down_proj.weight, "q_norm": a.q_norm.weight if qk_norms else None,
+                           "k_norm": a.k_norm.weight if qk_norms else None, **_pool_of(kv_pool, i),
                            "lora": lora.address(i) if lora is not None else None})
         cfg = model.config
         weights = cpu_fused.DecodeStepWeights(
@@ -80,3 +79,9 @@ class FusedDecode:
         """The float32 logits of up to MAX_BATCH bf16 final hidden states on the step's packed LM head (a prefill's
         sampled rows): oneDNN streams the head at about half the speed at so few rows."""
         return cpu_fused.lm_head_logits(self.kl, self.weights, hidden)
+
+
+def _pool_of(kv_pool, i: int) -> dict:
+    """Layer i's KV tensors for DecodeStepWeights: buffers, and an 8-bit pool's scales."""
+    kv = kv_pool.layer(i)
+    return {"k_buf": kv.k, "v_buf": kv.v, "k_scale": kv.k_scales, "v_scale": kv.v_scales}

@@ -9,7 +9,11 @@ which is what lets the radix tree share a prefix's slots between requests.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from radixgen.kernels.kv_quant import SCALE_DTYPE
 
 
 def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -21,25 +25,70 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: str | to
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * _element_size(dtype)
     raw = np.zeros(nbytes + 4096, dtype=np.uint8)
     start = -raw.ctypes.data % 4096  # page-aligned, as torch's allocator would give (vector loads within lines)
     return torch.from_numpy(raw)[start:start + nbytes].view(dtype).view(shape)
 
 
+class KVLayer(NamedTuple):
+    """One layer's pool tensors, as the kernels take them."""
+
+    k: torch.Tensor  # (num_slots, Hkv, D): values in the model dtype, or 8-bit codes
+    v: torch.Tensor
+    k_scales: torch.Tensor | None  # (num_slots, Hkv) bfloat16 scales of an 8-bit pool, else None
+    v_scales: torch.Tensor | None
+
+    def scales(self) -> dict:
+        """The kernels' scale keywords: none for a pool in the model dtype."""
+        return {} if self.k_scales is None else {"k_scales": self.k_scales, "v_scales": self.v_scales}
+
+
 class KVPool:
-    """K and V buffers of shape (num_slots, num_kv_heads, head_dim) for each layer. Slot 0 is padding."""
+    """K and V buffers of shape (num_slots, num_kv_heads, head_dim) for each layer. Slot 0 is padding.
+
+    With `code_dtype` (int8 or float8_e4m3fn, RuntimeConfig.kv_cache_dtype) the buffers hold 8-bit codes and
+    each layer has K and V scales (num_slots, num_kv_heads) bfloat16 beside them: every (slot, head) row is
+    quantized once when it is stored (radixgen.kernels.kv_quant), and attention reads values in `dtype`."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype, device: str | torch.device = "cpu", code_dtype: torch.dtype | None = None) -> None:
         self.num_slots = num_slots
+        self.dtype, self.code_dtype = dtype, code_dtype
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [zeros_untouched(shape, dtype, device) for _ in range(num_layers)]
-        self.v_buffers = [zeros_untouched(shape, dtype, device) for _ in range(num_layers)]
+        self.k_buffers = [zeros_untouched(shape, code_dtype or dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [zeros_untouched(shape, code_dtype or dtype, device) for _ in range(num_layers)]
+        self.k_scales = self.v_scales = None
+        if code_dtype is not None:
+            self.k_scales = [zeros_untouched(shape[:2], SCALE_DTYPE, device) for _ in range(num_layers)]
+            self.v_scales = [zeros_untouched(shape[:2], SCALE_DTYPE, device) for _ in range(num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        return self.code_dtype is not None
+
+    def layer(self, i: int) -> KVLayer:
+        if self.k_scales is None:
+            return KVLayer(self.k_buffers[i], self.v_buffers[i], None, None)
+        return KVLayer(self.k_buffers[i], self.v_buffers[i], self.k_scales[i], self.v_scales[i])
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       code_dtype: torch.dtype | None = None) -> int:
+        """K and V of one token over all layers: D values per head, or D codes and a scale per head."""
+        if code_dtype is None:
+            per_head = head_dim * _element_size(dtype)
+        else:
+            per_head = head_dim * _element_size(code_dtype) + _element_size(SCALE_DTYPE)
+        return 2 * num_layers * num_kv_heads * per_head
+
+    def nbytes(self) -> int:
+        tensors = self.k_buffers + self.v_buffers + (self.k_scales or []) + (self.v_scales or [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class SlotAllocator:

@@ -72,7 +72,8 @@ class ModelRunner:
             keep_freed_host_memory()
 
         num_slots = cfg.max_total_tokens or self._slots_from_memory()
-        self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device,
+                              cfg.kv_code_dtype)
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
         # only reads it (row `padding_row` stays all padding slots)
         self.req_to_slot = new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
@@ -81,7 +82,8 @@ class ModelRunner:
         # the resident LoRA adapters' weights (the scheduler's LoRA manager decides which sit where)
         self.lora_pool = LoRAPool.for_config(cfg, mc, self.dtype, self.device) if cfg.lora_enabled else None
         self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
-        logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
+        logger.info("model %s loaded: %s, %d KV slots (KV cache %s)", self.model_path, self.dtype, num_slots,
+                    cfg.kv_cache_dtype)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.disable_cuda_graph:
@@ -110,8 +112,18 @@ class ModelRunner:
 
     def _slots_from_memory(self) -> int:
         mc = self.model_config
-        per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype,
+                                         self.runtime_config.kv_code_dtype)  # an 8-bit pool's scales counted
         return max(1024, min(int(self.runtime_config.max_kv_memory_gb * 2**30) // per_slot, 262144))
+
+    def kv_cache_info(self) -> dict:
+        """The KV pool for get_server_info: its storage dtype, capacity in tokens and size."""
+        p, mc = self.kv_pool, self.model_config
+        return {"kv_cache_dtype": self.runtime_config.kv_cache_dtype,
+                "dtype": str(p.code_dtype or p.dtype).removeprefix("torch."), "capacity_tokens": p.num_slots - 1,
+                "bytes_per_token": KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, p.dtype,
+                                                         p.code_dtype),
+                "memory_bytes": p.nbytes()}
 
     @property
     def vocab_size(self) -> int:

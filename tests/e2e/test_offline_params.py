@@ -51,7 +51,7 @@ def test_pydantic_model_as_schema():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: SamplingParams(logit_bias={3: 1.0}), "logit_bias"),
+        (lambda: SamplingParams(allowed_token_ids=[3]), "allowed_token_ids"),
         (lambda: SamplingParams(best_of=3), "best_of"),
         (lambda: SamplingParams(detokenize=False), "detokenize"),
         (lambda: SamplingParams(logprobs=-1), "logprobs"),

@@ -217,6 +217,8 @@ class Scheduler:
             "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
             "cuda_graph": self.runner.cuda_graph_info(),
+            "kv_cache": self.runner.kv_cache_info(),
+            "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
             "lora": self.lora.info(),
         }
 

@@ -81,7 +81,8 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
         ("splits", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"), ("res_a", "uint16_t *"),
         ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
-        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t")]),
+        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t"),
+        ("par", "const rg_parallel *")]),
     "rg_lora_delta_bf16": ("rg_status", [
         ("x", "const uint16_t *"), ("K", "int64_t"), ("y", "uint16_t *"), ("N", "int64_t"), ("a", "const uint16_t *"),
         ("b", "const uint16_t *"), ("scales", "const float *"), ("ranks", "const int32_t *"),
@@ -147,6 +148,16 @@ class LoRALayerBF16(ctypes.Structure):
     _fields_ = [("step", ctypes.POINTER(LoRAStepBF16)), ("scales", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
                 ("max_rank", ctypes.c_int64), ("a", ctypes.c_void_p * LORA_MATMULS),
                 ("b", ctypes.c_void_p * LORA_MATMULS)]
+
+
+ALL_REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)  # rg_parallel.all_reduce
+
+
+class ParallelBF16(ctypes.Structure):
+    """The fused decode step on one rank of a parallel group (csrc/cpu_parallel.h's rg_parallel)."""
+
+    _fields_ = [("all_reduce", ALL_REDUCE_FN), ("ctx", ctypes.c_void_p), ("input", ctypes.c_int64),
+                ("output", ctypes.c_int64)]
 
 
 _SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "rg_status": ctypes.c_int}

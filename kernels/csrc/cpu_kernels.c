@@ -147,6 +147,8 @@ typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed
     const rg_lora_layer_bf16 *lora;  /* the adapters' weights for this layer (cpu_lora.h), or NULL */
 } rg_layer_bf16;
 
+#include "cpu_parallel.h" /* rg_parallel: the fused decode step on one rank of a tensor / pipeline parallel group */
+
 /* The bfloat16-only entry points (AVX512-BF16). A build without it defines each as a stub returning
  * RG_ERR_UNSUPPORTED (at the end of this file); these prototypes make the compiler hold both to one signature. */
 int rg_has_decode_step(void);
@@ -162,7 +164,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
-                              void *scratch, int64_t scratch_bytes, int64_t threads);
+                              void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par);
 rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
                                    const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
                                    const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
@@ -349,7 +351,7 @@ int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, 
  * (scratch_bytes, at least rg_decode_step_scratch_bytes_bf16 for the longest context: RG_ERR_SCRATCH
  * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. With an
  * LM head (K-pair packed, vocab rows), logits (M, vocab) float32 = out @ lm_head^T rounded to bf16, by the
- * same team. */
+ * same team. par (NULL at tp 1, pp 1): the step on one rank of a parallel group (cpu_parallel.h). */
 rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
                               const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
@@ -357,7 +359,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
-                              void *scratch, int64_t scratch_bytes, int64_t threads) {
+                              void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
     const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz, G = H / Hkv;
     const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
     int64_t max_piece = 0;
@@ -375,7 +377,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
     const size_t thread_bytes = qf_bytes + sc_bytes + 2 * rows_bytes + rg_span(M * inter, sizeof(uint16_t));
     for (int64_t m = 0; m < M; ++m) {
         seq_lens[m] = positions[m] + 1;
-        memcpy(x + m * hidden, embed + ids[m] * hidden, sizeof(uint16_t) * (size_t)hidden);
+        if (par_input(par) == RG_STAGE_IDS) memcpy(x + m * hidden, embed + ids[m] * hidden, sizeof(uint16_t) * (size_t)hidden);
     }
     /* The norms and the SiLU run redundantly in every thread, on private copies, so that only the matmuls
      * and attention need the team to meet: the residual stream alternates between two shared buffers
@@ -392,7 +394,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
         int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
         for (int64_t l = 0; l < n_layers; ++l) {
             const rg_layer_bf16 *ly = layers + l;
-            if (l == 0) { /* the residual stream starts as the embeddings */
+            if (l == 0 && par_input(par) != RG_STAGE_HIDDEN) { /* the residual stream starts as the embeddings */
                 memcpy(rp, x, row_bytes);
                 rg_add_rmsnorm_bf16(rp, hidden, NULL, ly->input_norm, hp, M, hidden, eps);
             } else {
@@ -416,6 +418,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                                              scale, splits, part, qf, sc);
             gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, NULL, hidden);
             lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
+            par_all_reduce(par, x, M * hidden);
             memcpy(rp, res[cur], row_bytes);
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
@@ -425,10 +428,13 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             silu_mul_bf16(gu, ap, M, inter);
             gemv_team_bf16(ap, M, inter, ly->down, NULL, x, NULL, hidden);
             lora_add_team(ly->lora, 3, ap, inter, x, hidden, (const int64_t[]){hidden}, 1);
+            par_all_reduce(par, x, M * hidden);
         }
+        if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */
 #pragma omp single
-        rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
-        if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, NULL, logits, vocab);
+            rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
+            if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, NULL, logits, vocab);
+        }
     }
     return RG_OK;
 }
@@ -675,12 +681,12 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
-                              void *scratch, int64_t scratch_bytes, int64_t threads) {
+                              void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
     (void)layers, (void)n_layers, (void)final_norm, (void)lm_head, (void)vocab, (void)logits, (void)embed;
     (void)ids, (void)M, (void)hidden, (void)H, (void)Hkv, (void)D, (void)inter, (void)eps, (void)scale;
     (void)positions, (void)cos_sin, (void)out_slots, (void)table, (void)table_stride, (void)rows, (void)splits;
     (void)x, (void)out, (void)res_a, (void)res_b, (void)qkv, (void)attn, (void)gu, (void)part, (void)scratch;
-    (void)scratch_bytes, (void)threads;
+    (void)scratch_bytes, (void)threads, (void)par;
     return RG_ERR_UNSUPPORTED;
 }
 rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,

@@ -85,6 +85,8 @@ def _other_value(f: dataclasses.Field, hint: Any) -> tuple[list[str], Any]:
         value = next(c for c in choices if c != f.default)
     elif f.name == "device":
         value = "cuda:1"
+    elif f.name == "dist_init_addr":
+        value = "127.0.0.1:29500"
     elif hint is int:
         value = f.default + 3
     elif hint is float:
@@ -94,6 +96,11 @@ def _other_value(f: dataclasses.Field, hint: Any) -> tuple[list[str], Any]:
     return [name, str(value)], value
 
 
+# fields valid only beside others (a group over several nodes): the flags that make them so
+COMPANIONS = {"nnodes": {"tp_size": 4, "dist_init_addr": "127.0.0.1:29500"},
+              "node_rank": {"nnodes": 4, "tp_size": 4, "dist_init_addr": "127.0.0.1:29500"}}
+
+
 def test_every_runtime_field_reaches_the_config():
     hints = typing.get_type_hints(RuntimeConfig)
     for f in dataclasses.fields(RuntimeConfig):
@@ -101,8 +108,11 @@ def test_every_runtime_field_reaches_the_config():
         if typing.get_origin(hint) is not tuple:  # X | None: X
             hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         argv, value = _other_value(f, hint)
+        extra = COMPANIONS.get(f.name, {})
+        for name, v in extra.items():
+            argv += [flag(name), str(v)]
         args = parse(*argv)
-        assert args.engine == {f.name: value}, argv
+        assert args.engine == {f.name: value, **extra}, argv
         assert getattr(RuntimeConfig(**args.engine), f.name) == value
 
 
@@ -145,6 +155,7 @@ def test_sglang_lora_command_line():
     (["--lora-paths", "a=/x", "a=/y"], "two adapters named 'a'"),
     (["--lora-paths", "a="], "'a=' has no path"),
     (["--max-loras", "0"], "max_loras must be >= 1"),
+    (["--lora-paths", "a=/x", "--tp-size", "2"], "not supported with tensor or pipeline parallelism (tp_size=2"),
     (["--lora-target-modules", "lm_head"], "unknown module(s) ['lm_head']"),
     (["--max-kv-memory-gb", "lots"], "argument --max-kv-memory-gb: invalid float value"),
     (["--schedule-policy", "random"], "argument --schedule-policy: invalid choice: 'random'"),

@@ -9,6 +9,9 @@ requests. KV slots belong to the KV cache manager (kv_manager.py); the order of 
 One request never takes the scheduler down: an exception while taking in, admitting or processing one request
 fails that request alone (an abort with a message and status code 400 for a ValueError, else 500); a failed
 forward fails the requests of its batch. `finish` is the one way a request ends, and it always reports.
+
+About 440 lines: admission, decode and retraction hold their LoRA slot calls beside their KV ones, which
+keeps each request's two resources paired in one place.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.distributed import GroupError
 from radixgen.runtime.lora.adapter import LoRAAdapterError
 from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.model_runner import ModelRunner
@@ -62,6 +66,7 @@ class Scheduler:
         self.grammar_wait: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
         self.running: list[Req] = []  # decoding, in admission order (the newest is retracted first)
+        self.busy: set[int] = set()  # id() of the requests of steps in flight (pipeline stages: pipeline.py)
         self.rids: dict[str, Req] = {}
         self.outbox: list = []
         self.step_no = 0
@@ -88,7 +93,7 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         self.poll_grammars()
         self.poll_lora()
-        if self.last_was_extend and self.running:
+        if self.last_was_extend and self.decode_candidates():
             self.last_was_extend = False
             return self.schedule_decode()
         batch = self.schedule_extend()
@@ -99,6 +104,8 @@ class Scheduler:
         """The step's logits; None when the forward failed (its requests are failed, their KV given back)."""
         try:
             return self.runner.forward(batch.forward_input(self.kv.table.table))
+        except GroupError:  # a parallel group that lost a rank cannot run any step: fatal
+            raise
         except Exception as e:  # noqa: BLE001 - fails this batch's requests, the scheduler goes on
             logger.exception("the forward of a batch of %d requests failed", len(batch.reqs))
             for i, req in enumerate(batch.reqs):
@@ -235,7 +242,7 @@ class Scheduler:
             reqs.append(req)
             extend_lens.append(n)
 
-        for req in list(self.prefilling):  # chunked requests continue first
+        for req in self.idle_requests(self.prefilling):  # chunked requests continue first
             n = min(req.remaining_prefill, budget, chunk or budget)
             if n <= 0 or not self.kv.can_allocate(n):
                 break
@@ -245,7 +252,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or self.num_active + len(reqs) >= self.cfg.max_running_requests:
                 break
-            if self.policy.shares_uncached_prefix(req, reqs, cached_lens.get(id(req))):
+            if self.policy.shares_uncached_prefix(req, [*reqs, *self.extending_in_flight()],
+                                                  cached_lens.get(id(req))):
                 continue
             if req.lora is not None and not self.lora.acquire(req):
                 continue  # its adapter is being read into a slot (or waits for one): the others go on
@@ -289,18 +297,33 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode and retraction
 
+    def idle_requests(self, queue: list[Req]) -> list[Req]:
+        """The requests of `queue` that no step in flight holds (all of them but with pipeline stages)."""
+        return [r for r in queue if id(r) not in self.busy] if self.busy else list(queue)
+
+    def extending_in_flight(self) -> list[Req]:
+        """Requests whose prompts steps in flight compute (pipeline stages): a sharer waits for them too."""
+        return []
+
+    def decode_candidates(self) -> list[Req]:
+        """The running requests the next decode step takes (before retraction)."""
+        return self.idle_requests(self.running)
+
     def schedule_decode(self) -> Batch | None:
-        if not self.running:
+        reqs = self.decode_candidates()
+        if not reqs:
             return None
-        while not self.kv.can_allocate(len(self.running)):
-            if len(self.running) > 1:
-                self.retract(self.running.pop())
-            elif self.prefilling:  # a partly computed prompt holds the slots the last decoder needs
-                self.retract(self.prefilling.pop())
-            else:
-                self.finish(self.running[0], FinishReason.abort("the KV cache is too small for this request", 400))
+        while not self.kv.can_allocate(len(reqs)):
+            prefilling = self.idle_requests(self.prefilling)
+            if len(reqs) > 1:
+                self.retract(reqs.pop())
+            elif prefilling:  # a partly computed prompt holds the slots the last decoder needs
+                self.retract(prefilling[-1])
+            elif self.busy:  # steps in flight hold the slots: wait for them
                 return None
-        reqs = list(self.running)
+            else:
+                self.finish(reqs[0], FinishReason.abort("the KV cache is too small for this request", 400))
+                return None
         prefix_lens = [r.kv_len for r in reqs]
         self.kv.extend_by_one(reqs)
         return Batch(reqs, is_decode=True, prefix_lens=prefix_lens, extend_lens=[1] * len(reqs))
@@ -308,6 +331,7 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
         self.counters["retractions"] += 1
+        (self.running if req in self.running else self.prefilling).remove(req)
         self.kv.release(req)
         self.lora.release(req)
         self.waiting.appendleft(req)
@@ -386,7 +410,7 @@ class Scheduler:
 
     def handle_aborts(self) -> None:
         for queue in (self.waiting, self.running, self.prefilling):
-            for req in [r for r in queue if r.to_abort]:
+            for req in [r for r in queue if r.to_abort and id(r) not in self.busy]:  # in flight: when it is back
                 self.finish(req, FinishReason.abort(req.to_abort))
 
     def emit(self, reqs: list[Req]) -> None:

@@ -6,6 +6,7 @@ work without it. Kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET
 """
 
 from .attention import decode_attention, decode_attention_ref, extend_attention, extend_attention_ref
+from .lora import lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
 from .norm import AddNormResult, fused_add_rmsnorm, fused_add_rmsnorm_ref
 from .rotary import rotary_embedding_, rotary_embedding_ref_
 from .store_kv import store_kv, store_kv_ref
@@ -28,6 +29,10 @@ __all__ = [
     "extend_attention_ref",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_ref",
+    "lora_expand_",
+    "lora_expand_ref_",
+    "lora_shrink",
+    "lora_shrink_ref",
     "rotary_embedding_",
     "rotary_embedding_ref_",
     "store_kv",

@@ -83,6 +83,12 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
         ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t"),
         ("par", "const rg_parallel *")]),
+    "rg_lora_delta_bf16": ("rg_status", [
+        ("x", "const uint16_t *"), ("K", "int64_t"), ("y", "uint16_t *"), ("N", "int64_t"), ("a", "const uint16_t *"),
+        ("b", "const uint16_t *"), ("scales", "const float *"), ("ranks", "const int32_t *"),
+        ("rank_stride", "int64_t"), ("R", "int64_t"), ("seg_end", "const int64_t *"), ("nseg", "int64_t"),
+        ("rows", "const int64_t *"), ("start", "const int64_t *"), ("len", "const int64_t *"),
+        ("slot", "const int64_t *"), ("n_groups", "int64_t"), ("h", "uint16_t *")]),
     "rg_extend_attention_bf16": ("rg_status", [
         ("q", "const uint16_t *"), ("q_stride", "int64_t"), ("k_buf", "const uint16_t *"),
         ("v_buf", "const uint16_t *"), ("table", "const int64_t *"), ("table_stride", "int64_t"),
@@ -115,12 +121,33 @@ class CKernelError(RuntimeError):
 
 
 class LayerBF16(ctypes.Structure):
-    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses."""
+    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses, and
+    its LoRA descriptor's (a LoRALayerBF16, or None)."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
                                                        "down", "k_buf", "v_buf", "q_norm", "k_norm", "k_scale",
                                                        "v_scale")),
-                ("kv_format", ctypes.c_int64)]  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
+                ("kv_format", ctypes.c_int64),  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
+                ("lora", ctypes.c_void_p)]
+
+
+LORA_MAX_ROWS, LORA_MATMULS = 64, 4  # csrc/cpu_lora.h's RG_LORA_MAX_ROWS, RG_LORA_MATMULS
+
+
+class LoRAStepBF16(ctypes.Structure):
+    """csrc/cpu_lora.h's rg_lora_step_bf16: one fused step's adapter rows, grouped by slot."""
+
+    _fields_ = [("n_groups", ctypes.c_int64), *((name, ctypes.c_int64 * LORA_MAX_ROWS) for name in
+                                                 ("slot", "start", "len", "rows")),
+                ("h", ctypes.c_void_p), ("h_stride", ctypes.c_int64)]
+
+
+class LoRALayerBF16(ctypes.Structure):
+    """csrc/cpu_lora.h's rg_lora_layer_bf16: one layer's adapter weights (addresses) and the step's rows."""
+
+    _fields_ = [("step", ctypes.POINTER(LoRAStepBF16)), ("scales", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
+                ("max_rank", ctypes.c_int64), ("a", ctypes.c_void_p * LORA_MATMULS),
+                ("b", ctypes.c_void_p * LORA_MATMULS)]
 
 
 ALL_REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)  # rg_parallel.all_reduce

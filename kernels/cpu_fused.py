@@ -12,7 +12,16 @@ from typing import NamedTuple
 import torch
 
 from ._checks import check_tensor, expect
-from ._cpu_bindings import ALL_REDUCE_FN, CKernels, LayerBF16, ParallelBF16
+from ._cpu_bindings import (
+    ALL_REDUCE_FN,
+    LORA_MATMULS,
+    LORA_MAX_ROWS,
+    CKernels,
+    LayerBF16,
+    LoRALayerBF16,
+    LoRAStepBF16,
+    ParallelBF16,
+)
 from .cpu import _ptr, num_splits
 from .kv_quant import SCALE_DTYPE
 
@@ -104,6 +113,7 @@ class DecodeStepWeights:
                     t = self._pack(kl, t)
                 setattr(arr[i], name, t.data_ptr())
             self._set_pool(arr[i], i, ly, num_kv_heads, head_dim)
+            arr[i].lora = ly.get("lora")  # a LoRAStepWeights.address, or None
         self.vocab = 0
         self.lm_head: torch.Tensor | None = None
         if lm_head is not None:
@@ -168,6 +178,58 @@ class DecodeStepWeights:
         kl.fn("rg_pack_kpairs_bf16")(w=w.data_ptr(), N=n, K=k, out=packed.data_ptr())
         self.packed.append(packed)
         return packed
+
+
+class LoRAStepWeights:
+    """A LoRA pool as the fused step reads it (csrc/cpu_lora.h): one descriptor per layer holding the addresses of
+    the pool's stacked buffers (which must stay alive and in place), and the step's rows grouped by adapter slot,
+    rewritten by `set_rows` before each step. layers[l][mat] (mat: qkv, o, gate_up, down) is (a (S, nseg R / 16,
+    K/2, 16, 2), b (S, N/16, R/2, 16, 2)) bf16 (kernels/lora.py's K-pair blocks), or None where the pool holds no
+    weights for it;
+    scales (S,) float32; ranks (L, S, 4) int32, each slot's rank per layer and matmul (0: no delta)."""
+
+    def __init__(self, layers: list[list[tuple[torch.Tensor, torch.Tensor] | None]], scales: torch.Tensor,
+                 ranks: torch.Tensor, max_rank: int) -> None:
+        expect(scales.dtype == torch.float32 and scales.is_contiguous(), "scales: expected contiguous float32")
+        expect(ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (len(layers), scales.shape[0],
+               LORA_MATMULS), f"ranks: expected contiguous int32 ({len(layers)}, {scales.shape[0]}, {LORA_MATMULS})")
+        self.step = LoRAStepBF16()
+        h_stride = -(-3 * max_rank // 16) * 16  # q | k | v: the widest shrink, in whole blocks of 16
+        self.h = torch.empty(LORA_MAX_ROWS * h_stride, dtype=torch.bfloat16)
+        self.step.h, self.step.h_stride = self.h.data_ptr(), h_stride
+        self.layers = []
+        for i, mats in enumerate(layers):
+            d = LoRALayerBF16(step=ctypes.pointer(self.step), scales=scales.data_ptr(), ranks=ranks[i].data_ptr(),
+                              max_rank=max_rank)
+            for j, ab in enumerate(mats):
+                if ab is None:
+                    continue
+                a, b = ab
+                expect(all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.is_cpu for t in ab)
+                       and a.dim() == 5 and b.dim() == 5 and a.shape[0] == b.shape[0] == scales.shape[0]
+                       and 2 * b.shape[2] == max_rank and a.shape[3:] == b.shape[3:] == (16, 2),
+                       f"layer {i} matmul {j}: expected contiguous bf16 a (S, nseg {max_rank} / 16, K/2, 16, 2), "
+                       f"b (S, N/16, {max_rank // 2}, 16, 2)")
+                d.a[j], d.b[j] = a.data_ptr(), b.data_ptr()
+            self.layers.append(d)
+        self.keep = (layers, scales, ranks)
+
+    def address(self, layer: int) -> int:
+        return ctypes.addressof(self.layers[layer])
+
+    def set_rows(self, row_slots: list[int] | None) -> None:
+        """The step's rows: row i has adapter slot row_slots[i] (-1: the base model); None: no row has one."""
+        groups: dict[int, list[int]] = {}
+        for i, slot in enumerate(row_slots or ()):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(i)
+        st, pos = self.step, 0
+        for g, (slot, rows) in enumerate(groups.items()):
+            st.slot[g], st.start[g], st.len[g] = slot, pos, len(rows)
+            for r in rows:
+                st.rows[pos] = r
+                pos += 1
+        st.n_groups = len(groups)
 
 
 def decode_step(kl: CKernels, w: DecodeStepWeights, embed: torch.Tensor | None, ids: torch.Tensor,

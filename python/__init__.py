@@ -70,6 +70,7 @@ _LAZY = {
     # the offline API in vLLM's shape; its SamplingParams (max_tokens...) is radixgen.offline.SamplingParams
     "LLM": ("radixgen.offline", "LLM"),
     "GuidedDecodingParams": ("radixgen.offline", "GuidedDecodingParams"),
+    "LoRARequest": ("radixgen.offline", "LoRARequest"),
     "RequestOutput": ("radixgen.offline", "RequestOutput"),
     "CompletionOutput": ("radixgen.offline", "CompletionOutput"),
 }

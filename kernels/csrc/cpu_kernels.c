@@ -136,12 +136,15 @@ int rg_d_max(void) { return D_MAX; }
 #define IS_BF16 1
 #include "cpu_kernels_impl.h" /* undefines T, LD, ST, FN, LOAD16 and IS_BF16 */
 
+#include "cpu_lora.h" /* LoRA deltas of the fused decode step */
+
 typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
     void *k_buf, *v_buf; /* (slots, Hkv, D): bf16, or the 8-bit codes of kv_format */
     const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
     uint16_t *k_scale, *v_scale; /* (slots, Hkv) bf16 scales of an 8-bit pool, else NULL */
     int64_t kv_format; /* KV_PLAIN, KV_INT8 or KV_FP8 (cpu_kv_quant.h) */
+    const rg_lora_layer_bf16 *lora;  /* the adapters' weights for this layer (cpu_lora.h), or NULL */
 } rg_layer_bf16;
 
 #include "cpu_parallel.h" /* rg_parallel: the fused decode step on one rank of a tensor / pipeline parallel group */
@@ -401,6 +404,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
             gemv_team_bf16(hp, M, hidden, ly->qkv, ly->qkv_bias, qkv, NULL, qkv_n);
+            lora_add_team(ly->lora, 0, hp, hidden, qkv, qkv_n, (const int64_t[]){qsz, qsz + kvsz, qkv_n}, 3);
 #pragma omp single
             {
                 for (int64_t m = 0; m < M && ly->q_norm; ++m) /* in place, one row per head */
@@ -413,14 +417,17 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
                                              scale, splits, part, qf, sc);
             gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, NULL, hidden);
+            lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
             memcpy(rp, res[cur], row_bytes);
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
             gemv_team_bf16(hp, M, hidden, ly->gate_up, NULL, gu, NULL, 2 * inter);
+            lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * inter, (const int64_t[]){inter, 2 * inter}, 2);
             silu_mul_bf16(gu, ap, M, inter);
             gemv_team_bf16(ap, M, inter, ly->down, NULL, x, NULL, hidden);
+            lora_add_team(ly->lora, 3, ap, inter, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
         }
         if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */

@@ -35,6 +35,7 @@ class GenRequest(NamedTuple):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     chat: ChatContext | None = None
+    lora_path: str | None = None  # the LoRA adapter to run on (the program's run option); None: the base model
 
     @property
     def n(self) -> int:
@@ -48,6 +49,7 @@ class GenRequest(NamedTuple):
             self.logprob_start_len,
             self.top_logprobs_num,
             self.return_text_in_logprobs,
+            self.lora_path,
         )
 
 
@@ -72,7 +74,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-def plan_choices(prompt_ids: list[int], fulls: list[list[int]], choices: list[str]) -> ScorePlan:
+def plan_choices(prompt_ids: list[int], fulls: list[list[int]], choices: list[str],
+                 lora_path: str | None = None) -> ScorePlan:
     """Spell each choice after the prompt in tokens (`fulls`: the tokens of prompt+choice). The
     prompt's last token may merge with the choice (" Paris" vs " Par" + "is"), so the scored span
     starts where the tokens of prompt+choice stop matching the prompt's own tokens."""
@@ -81,9 +84,9 @@ def plan_choices(prompt_ids: list[int], fulls: list[list[int]], choices: list[st
         if k >= len(f):
             raise ValueError(f"select: choice {c!r} adds no token after the prompt")
     k_min = min(starts)
-    warm = GenRequest(None, prompt_ids[:k_min], dict(PREFILL_ONLY)) if k_min > 0 else None
+    warm = GenRequest(None, prompt_ids[:k_min], dict(PREFILL_ONLY), lora_path=lora_path) if k_min > 0 else None
     # One logprob_start_len for the batch (the smallest); each choice skips what precedes its span.
-    requests = [GenRequest(None, f, dict(PREFILL_ONLY), True, k_min, 0, True) for f in fulls]
+    requests = [GenRequest(None, f, dict(PREFILL_ONLY), True, k_min, 0, True, lora_path=lora_path) for f in fulls]
     return ScorePlan(list(choices), warm, requests, [k - k_min for k in starts])
 
 
@@ -179,8 +182,9 @@ class BaseBackend:
         flat = {key: await self._agenerate_group(group) for key, group in _groups(requests)}
         return _regroup(requests, flat)
 
-    def score_choices(self, prompt: str, choices: list[str], unconditional: str | None) -> ScoredChoices:
-        steps = self._score_steps(prompt, choices, unconditional)
+    def score_choices(self, prompt: str, choices: list[str], unconditional: str | None,
+                      lora_path: str | None = None) -> ScoredChoices:
+        steps = self._score_steps(prompt, choices, unconditional, lora_path)
         results = None
         while True:
             try:
@@ -189,8 +193,9 @@ class BaseBackend:
                 return stop.value
             results = self.generate(requests)
 
-    async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None) -> ScoredChoices:
-        steps = self._score_steps(prompt, choices, unconditional)
+    async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None,
+                             lora_path: str | None = None) -> ScoredChoices:
+        steps = self._score_steps(prompt, choices, unconditional, lora_path)
         results = None
         while True:
             try:
@@ -200,13 +205,13 @@ class BaseBackend:
             results = await self.agenerate(requests)
 
     def _score_steps(
-        self, prompt: str, choices: list[str], unconditional: str | None
+        self, prompt: str, choices: list[str], unconditional: str | None, lora_path: str | None
     ) -> Generator[list[GenRequest], list[dict], ScoredChoices]:
         prompts = [prompt] if unconditional is None else [prompt, unconditional]
         ids = self.tokenize([t for p in prompts for t in (p, *(p + c for c in choices))])
         n = len(choices)
         plans = [
-            plan_choices(ids[i * (n + 1)], ids[i * (n + 1) + 1 : (i + 1) * (n + 1)], choices)
+            plan_choices(ids[i * (n + 1)], ids[i * (n + 1) + 1 : (i + 1) * (n + 1)], choices, lora_path)
             for i in range(len(prompts))
         ]
         warm = [p.warm for p in plans if p.warm is not None]

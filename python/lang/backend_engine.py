@@ -18,6 +18,8 @@ def engine_kwargs(requests: list[GenRequest]) -> dict[str, Any]:
         "top_logprobs_num": first.top_logprobs_num,
         "return_text_in_logprobs": first.return_text_in_logprobs,
     }
+    if first.lora_path is not None:
+        kwargs["lora_path"] = first.lora_path
     if first.text is None:
         kwargs["input_ids"] = [r.input_ids for r in requests]
     else:

@@ -57,7 +57,7 @@ class OpenAI(BaseBackend):
     def _kwargs(self, request: GenRequest, stream: bool) -> dict[str, Any]:
         p = request.sampling_params
         kwargs: dict[str, Any] = {
-            "model": self.model_name,
+            "model": request.lora_path or self.model_name,  # a LoRA adapter is a model name on OpenAI-shaped servers
             "max_tokens": p["max_new_tokens"],
             "temperature": p["temperature"],
             "top_p": p["top_p"],
@@ -176,14 +176,14 @@ class OpenAI(BaseBackend):
                 yield chunk
 
     # ---- select
-    def _score_kwargs(self, prompt: str, choice: str) -> dict[str, Any]:
+    def _score_kwargs(self, prompt: str, choice: str, lora_path: str | None) -> dict[str, Any]:
         if self.is_chat_model:
             raise NotImplementedError(
                 f"select needs prompt logprobs, which the chat API of {self.model_name!r} does not give; "
                 "use OpenAI(..., is_chat_model=False) with a server whose /v1/completions supports echo"
             )
         return {
-            "model": self.model_name,
+            "model": lora_path or self.model_name,
             "prompt": prompt + choice,
             "max_tokens": 0,
             "echo": True,
@@ -191,20 +191,22 @@ class OpenAI(BaseBackend):
             "temperature": 0,
         }
 
-    def score_choices(self, prompt: str, choices: list[str], unconditional: str | None) -> ScoredChoices:
+    def score_choices(self, prompt: str, choices: list[str], unconditional: str | None,
+                      lora_path: str | None = None) -> ScoredChoices:
         def score(context: str) -> list[TokenLogprobs]:
             return [
-                choice_span(self.client.completions.create(**self._score_kwargs(context, c)), context, c)
+                choice_span(self.client.completions.create(**self._score_kwargs(context, c, lora_path)), context, c)
                 for c in choices
             ]
 
         return ScoredChoices(score(prompt), None if unconditional is None else score(unconditional))
 
-    async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None) -> ScoredChoices:
+    async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None,
+                             lora_path: str | None = None) -> ScoredChoices:
         async def score(context: str) -> list[TokenLogprobs]:
             out = []
             for c in choices:
-                response = await self.aclient.completions.create(**self._score_kwargs(context, c))
+                response = await self.aclient.completions.create(**self._score_kwargs(context, c, lora_path))
                 out.append(choice_span(response, context, c))
             return out
 

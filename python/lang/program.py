@@ -115,6 +115,7 @@ class Function:
         stream: bool = False,
         backend: Any = None,
         use_thread: bool = True,
+        lora_path: str | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program. With stream=False it returns when the program has finished (raising
@@ -122,10 +123,12 @@ class Function:
         as soon as the body has queued its expressions: iterate `state.text_iter()`.
         `n`: the number of samples of every gen that does not set its own (its variable is then a
         list of n texts). `use_thread=False`: each expression runs in the calling thread when it is
-        appended, instead of in a worker thread of the state (fork branches still get threads)."""
+        appended, instead of in a worker thread of the state (fork branches still get threads).
+        `lora_path`: the LoRA adapter every request of the run uses (gens, selects' scoring, fork and cache
+        prefills), by name; None: the base model."""
         self._check_sync("run")
         local = locals()
-        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
+        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS}, lora_path=lora_path)
         arguments = self._arguments(args, kwargs)
         state = self._start(resolve_backend(backend), defaults, stream, "thread" if use_thread else "inline")
         try:
@@ -165,13 +168,14 @@ class Function:
         return_text_in_logprobs: bool | None = None,
         stream: bool = False,
         backend: Any = None,
+        lora_path: str | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program on the running event loop: generation awaits the backend's async API.
         An `async def` body runs on the loop too (read values with `await s.aget_var(name)`);
         a plain `def` body runs in a worker thread so that `s["x"]` may block."""
         local = locals()
-        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
+        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS}, lora_path=lora_path)
         arguments = self._arguments(args, kwargs)
         state = self._start(resolve_backend(backend), defaults, stream, "async")
         core = state._core
@@ -213,6 +217,7 @@ class Function:
         top_logprobs_num: int | None = None,
         return_text_in_logprobs: bool | None = None,
         backend: Any = None,
+        lora_path: str | None = None,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
         generator_style: bool = False,
@@ -235,7 +240,7 @@ class Function:
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"run_batch.num_threads: must be 'auto' or a positive integer (got {num_threads!r})")
         local = locals()
-        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS})
+        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS}, lora_path=lora_path)
         resolved = resolve_backend(backend)
         states = self._batch_states(arguments, resolved, defaults, num_threads, progress_bar)
         return states if generator_style else list(states)
@@ -248,7 +253,7 @@ class Function:
         if len(arguments) > 1 and backend.can_prefill and global_config.enable_precache_with_tracing:
             prefix = self.shared_prefix(arguments[:4], backend, defaults)
             if prefix:
-                backend.generate([GenRequest(prefix, None, dict(PREFILL_ONLY))])
+                backend.generate([GenRequest(prefix, None, dict(PREFILL_ONLY), lora_path=defaults.lora_path)])
 
         def one(args: dict[str, Any]) -> ProgramState:
             state = self._start(backend, defaults, False, "thread")

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from radixgen.offline.lora import LoRARegistry
 from radixgen.offline.outputs import RequestOutput, request_output
 from radixgen.offline.params import SamplingParams
 
@@ -81,6 +82,7 @@ class LLM:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"LLM.seed: must be an integer (got {seed!r})")
         self.engine = Engine(model, **engine_options(options))
+        self._loras = LoRARegistry(self.engine)
         self._seeds = None if seed is None else itertools.count(seed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
@@ -102,11 +104,11 @@ class LLM:
         `{"prompt": str}` / `{"prompt_token_ids": [...]}` dict or a list of them (or token ids through
         `prompt_token_ids`). `sampling_params`: one for all prompts or a list with one per prompt; each
         a radixgen.offline.SamplingParams, the runtime's radixgen.SamplingParams or a dict of its fields
-        (None: SamplingParams())."""
-        if lora_request is not None:
-            raise ValueError("LLM.generate.lora_request: radixgen serves no LoRA adapters yet")
+        (None: SamplingParams()). `lora_request`: a LoRARequest for all prompts or a list with one per prompt
+        (None entries: the base model)."""
         items = self._prompts(prompts, prompt_token_ids)
-        return self._run(items, self._params(sampling_params, len(items)), use_tqdm)
+        loras = self._loras.names(lora_request, len(items))
+        return self._run(items, self._params(sampling_params, len(items)), use_tqdm, loras)
 
     def chat(
         self,
@@ -123,8 +125,6 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate the next assistant turn of one conversation (a list of messages) or of each of a
         list of conversations, rendered with the model's chat template (or `chat_template`)."""
-        if lora_request is not None:
-            raise ValueError("LLM.chat.lora_request: radixgen serves no LoRA adapters yet")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("LLM.chat: messages must be a non-empty list of messages (or of conversations)")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -144,7 +144,8 @@ class LLM:
             )
             # the template already holds any special tokens the model wants
             items.append((text, tok(text, add_special_tokens=False).input_ids))
-        return self._run(items, self._params(sampling_params, len(items)), use_tqdm)
+        loras = self._loras.names(lora_request, len(items))
+        return self._run(items, self._params(sampling_params, len(items)), use_tqdm, loras)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -233,8 +234,11 @@ class LLM:
                 threading.Thread(target=self._loop.run_forever, daemon=True, name="radixgen-llm").start()
             return self._loop
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: list[Any], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[str | None, list[int]]], params: list[Any], use_tqdm: bool,
+             loras: list[str | None] | None = None) -> list[RequestOutput]:
         requests = [self._request(ids, p) for (_, ids), p in zip(items, params, strict=True)]
+        for (_, kwargs), lora in zip(requests, loras or [None] * len(requests), strict=True):
+            kwargs["lora_path"] = lora
         eos = set(self.engine.model_info.get("eos_token_ids") or [])
 
         async def one(kwargs: dict[str, Any]) -> list[dict]:

@@ -160,6 +160,26 @@ def create_router_app(args: RouterConfig, worker_urls: tuple[str, ...] = ()) -> 
         body = error_body(status, message, None, "worker_error")
         return JSONResponse({**body, "workers": results}, status_code=status)
 
+    async def lora_update(request: Request) -> Response:
+        """A LoRA load or unload on every worker (each serves every adapter); its success needs all of them."""
+        results = await fan_out(request, "POST", request.url.path)
+        if not results:
+            raise APIError(503, "no healthy worker", None, "no_healthy_worker")
+        failed = [r for r in results if r["status"] != 200]
+        if not failed:
+            return JSONResponse({"success": True, "error_message": None,
+                                 "loaded_adapters": results[0]["body"].get("loaded_adapters"), "workers": results})
+        status = 400 if all(r["status"] == 400 for r in failed) else 503
+        first = failed[0].get("body")
+        detail = first.get("error_message") if isinstance(first, dict) else failed[0].get("error")
+        message = f"{request.url.path} failed on {len(failed)} of {len(results)} workers: {detail}"
+        body = error_body(status, message, None, "worker_error")
+        return JSONResponse({**body, "success": False, "error_message": message, "workers": results},
+                            status_code=status)
+
+    for path in ("/load_lora_adapter", "/unload_lora_adapter"):
+        app.add_api_route(path, lora_update, methods=["POST"])
+
     @app.post("/abort_request")
     async def abort_request(request: Request):
         results = await fan_out(request, "POST", "/abort_request")

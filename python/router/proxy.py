@@ -61,15 +61,28 @@ def response_headers(response: httpx.Response) -> dict[str, str]:
 
 def prompt_text(payload: Any) -> str:
     """The text a request's prompt starts with, for prefix matching: chat messages serialized in order,
-    else `text` / `prompt` / `input_ids` (a batch: its prompts one after another)."""
+    else `text` / `prompt` / `input_ids` (a batch: its prompts one after another), led by the LoRA adapter
+    or model it names (a worker caches each adapter's prefixes apart)."""
     if not isinstance(payload, dict):
         return ""
+    head = _adapter_key(payload)
     if isinstance(payload.get("messages"), list):
-        return "".join(_message_text(m) for m in payload["messages"])
+        return head + "".join(_message_text(m) for m in payload["messages"])
     for key in ("text", "prompt", "input_ids"):
         if payload.get(key) is not None:
-            return _flatten(payload[key])
-    return ""
+            return head + _flatten(payload[key])
+    return head
+
+
+def _adapter_key(payload: dict) -> str:
+    """`lora_path` (native and extra-body) or `model` (OpenAI: it may name an adapter), in a form no prompt
+    text starts with; "" for neither."""
+    names = payload.get("lora_path")
+    if names is None:
+        names = payload.get("model")
+    if isinstance(names, list):
+        names = ",".join(str(n) for n in names)
+    return f"\x00{names}\x00" if isinstance(names, str) else ""
 
 
 def _message_text(message: Any) -> str:

@@ -24,6 +24,7 @@ class ForwardInput(NamedTuple):
     # a verification of draft tokens: each request's new tokens are its last token and its drafts, consecutive
     # positions, logits at every row (the fused CPU step takes these: cpu_decode.FusedDecode.applies)
     verify: bool = False
+    lora_slots: list[int] | None = None  # (B,) each request's LoRA pool slot (-1: base model); None: no adapter
 
     @property
     def is_decode(self) -> bool:
@@ -101,4 +102,5 @@ class Batch:
             extend_lens=list(self.extend_lens),
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.int64),
             verify=self.drafts is not None,
+            lora_slots=[r.lora_slot for r in self.reqs] if any(r.lora_slot >= 0 for r in self.reqs) else None,
         )

@@ -100,13 +100,14 @@ class ModelConfig:
 
 
 def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = (),
-           any_case: bool = False) -> Any:
+           any_case: bool = False, several: bool = False) -> Any:
     """A config field and its command-line flag in one place: `radixgen serve` builds its flags from these
     (radixgen.runtime.flags). `flags`: the flag names when not just `--name-with-dashes` (the first is the
     main one; the others are aliases, e.g. SGLang's). `any_case`: the flag takes its (lowercase) choices in
-    any case (the field's check lowers the value too)."""
+    any case (the field's check lowers the value too). `several` (tuple fields): one flag may take several
+    values (`--lora-paths a=x b=y`, SGLang's form), besides being repeated."""
     meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags),
-            "any_case": any_case}
+            "any_case": any_case, "several": several}
     return field(default=default, metadata=meta)
 
 
@@ -163,6 +164,18 @@ class RuntimeConfig:
     dist_init_addr: str | None = option(None, "host:port where node 0 meets the other ranks (needed with "
                                         "--nnodes > 1; default: a free loopback port)")
     dist_timeout: float = option(120.0, "seconds: a collective, transfer or join that takes longer fails the group")
+    # ---- LoRA adapters (runtime/lora/): many adapters over the base model, mixed in one batch
+    enable_lora: bool = option(False, "serve LoRA adapters (implied by --lora-paths); load more at run time "
+                               "with /load_lora_adapter")
+    lora_paths: tuple[str, ...] = option((), "LoRA adapters (PEFT folders) loaded at start: NAME=PATH, or PATH "
+                                         "(named after its folder)", several=True)
+    max_loras: int = option(8, "LoRA adapters resident at once (the pool's slots); others are read from disk when "
+                            "a request needs them, replacing the least recently used",
+                            flags=("--max-loras", "--max-loras-per-batch"))
+    max_lora_rank: int = option(0, "largest LoRA rank the pool holds; 0: the largest of --lora-paths (16 without)")
+    lora_target_modules: tuple[str, ...] = option(
+        (), "modules the pool holds LoRA weights for (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
+        "or all); default: those of --lora-paths, all without", several=True)
 
     # ---- speculative decoding (runtime/speculative/)
     speculative_algorithm: str = option(
@@ -199,6 +212,7 @@ class RuntimeConfig:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         self._check_parallel()
         self._check_speculative()
+        self._check_lora()
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "pp_size", "nnodes"):
@@ -244,6 +258,24 @@ class RuntimeConfig:
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    def _check_lora(self) -> None:
+        from radixgen.runtime.lora.adapter import check_target_names, parse_lora_paths
+
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
+        parse_lora_paths(self.lora_paths)
+        check_target_names(self.lora_target_modules)
+        if self.lora_enabled and self.world_size > 1:  # the adapter pool and its loads live on one rank
+            raise ValueError(f"LoRA adapters (enable_lora / lora_paths) are not supported with tensor or pipeline "
+                             f"parallelism (tp_size={self.tp_size}, pp_size={self.pp_size}): serve them with "
+                             f"tp_size=1 and pp_size=1")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> RuntimeConfig:

@@ -32,16 +32,18 @@ class FusedDecode:
     and LM head around it)."""
 
     def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, model, cos_sin_cache: torch.Tensor,
-                 scale: float) -> None:
+                 scale: float, lora: cpu_fused.LoRAStepWeights | None = None) -> None:
         self.kl, self.weights, self.model, self.cos_sin_cache, self.scale = kl, weights, model, cos_sin_cache, scale
+        self.lora = lora
         tp = distributed.tp_size() > 1
         self.hook = cpu_fused.TensorParallelHook(distributed.all_reduce) if tp else None
         # at tp 1 the C step reads the embedding rows itself; a vocabulary-parallel one is looked up here
         self.embed = model.embed_tokens.weight if model.is_first_stage and not tp else None
 
     @classmethod
-    def build(cls, model, kv_pool, kl: CKernels) -> FusedDecode | None:
-        """The fused step for `model` over `kv_pool` on the kernels `kl`, or None where it does not apply."""
+    def build(cls, model, kv_pool, kl: CKernels, lora_pool=None) -> FusedDecode | None:
+        """The fused step for `model` over `kv_pool` on the kernels `kl` (with the LoRA deltas of `lora_pool`, a
+        lora.pool.LoRAPool, added after each matmul), or None where it does not apply."""
         from radixgen.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
         if not kl.has_decode_step or not isinstance(model, LlamaForCausalLM):
@@ -56,6 +58,7 @@ class FusedDecode:
                 or weight.dtype != torch.bfloat16 or not weight.is_cpu or attn.head_dim > kl.d_max
                 or (model.config.hidden_size | attn.num_heads * attn.head_dim | inter) % 2):  # the K-pair layout
             return None
+        lora = lora_pool.fused_weights() if lora_pool is not None else None
         layers = []
         for i, layer in enumerate(mine):
             a, mlp = layer.self_attn, layer.mlp
@@ -63,13 +66,14 @@ class FusedDecode:
                            "qkv_bias": a.qkv_proj.bias, "o": a.o_proj.weight,
                            "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
                            "down": mlp.down_proj.weight, "q_norm": a.q_norm.weight if qk_norms else None,
-                           "k_norm": a.k_norm.weight if qk_norms else None, **_pool_of(kv_pool, i)})
+                           "k_norm": a.k_norm.weight if qk_norms else None, **_pool_of(kv_pool, i),
+                           "lora": lora.address(model.start_layer + i) if lora is not None else None})
         last = model.is_last_stage
         weights = cpu_fused.DecodeStepWeights(
             kl, layers, model.norm.weight if last else None, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
             eps=model.config.rms_norm_eps, lm_head=model.lm_head.weight if last else None)
-        return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale)
+        return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale, lora)
 
     def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
         """Whether a step with these per-request new-token counts is one the fused path takes: a decode step, or
@@ -95,6 +99,9 @@ class FusedDecode:
             rows = rows.repeat_interleave(torch.tensor(fi.extend_lens), output_size=ids.shape[0])
         max_len = max(p + e for p, e in zip(fi.prefix_lens, fi.extend_lens, strict=True))
         model = self.model
+        if self.lora is not None:  # adapter slots per row: a verification has several rows per request
+            self.lora.set_rows(fi.lora_slots if fi.lora_slots is None or ids.shape[0] == n else
+                               [s for s, e in zip(fi.lora_slots, fi.extend_lens, strict=True) for _ in range(e)])
         io = cpu_fused.StageIO(final=model.is_last_stage, hook=self.hook)
         if stage_input is not None:
             io = io._replace(hidden=stage_input.hidden, residual=stage_input.residual)

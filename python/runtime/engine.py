@@ -23,7 +23,7 @@ from typing import Any
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine_client import SchedulerClient, call_soon
 from radixgen.runtime.loader import load_tokenizer, resolve_model_path
-from radixgen.runtime.messages import GenerateRequest
+from radixgen.runtime.messages import GenerateRequest, LoadLoRAAdapter, LoRAUpdate, UnloadLoRAAdapter
 from radixgen.runtime.request_state import RequestError, RequestFailed, RequestState
 from radixgen.runtime.request_validation import (
     ModelLimits,
@@ -37,6 +37,7 @@ from radixgen.runtime.request_validation import (
 __all__ = ["Engine", "RequestError", "RequestFailed"]
 
 TOKENIZER_THREADS = 4  # the fast tokenizers release the GIL while encoding
+LORA_UPDATE_TIMEOUT_S = 300.0  # reading an adapter; a pinned one may wait for a slot to drain
 
 
 class Engine:
@@ -49,6 +50,9 @@ class Engine:
         self.model_info = self._build_model_info(ready)
         self.limits = ModelLimits(ready.vocab_size, ready.context_length, ready.num_slots, ready.grammar,
                                   self.config.grammar_strict_json)
+        # the LoRA adapters the scheduler serves (name -> path), kept as its load / unload replies say; None: LoRA
+        # is not enabled
+        self.lora_adapters: dict[str, str] | None = ready.lora_adapters
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixgen-tokenize")
 
     def _build_model_info(self, ready) -> dict:
@@ -123,14 +127,14 @@ class Engine:
         batched, ids, texts = self._ids(prompt, input_ids)
         if texts is not None:
             ids = self.tokenize(texts)
-        return build_requests(batched, ids, sampling_params, self.limits, **kw)
+        return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
     async def _aprepare(self, prompt, input_ids, sampling_params, **kw) -> Prepared:
         """As `_prepare`, tokenizing off the event loop."""
         batched, ids, texts = self._ids(prompt, input_ids)
         if texts is not None:
             ids = await self.async_tokenize(texts)
-        return build_requests(batched, ids, sampling_params, self.limits, **kw)
+        return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
     def _states(self, reqs: list[GenerateRequest], text_in_logprobs: bool) -> list[RequestState]:
         return [RequestState(r.rid, r.input_ids, r.params, self.tokenizer, r.return_logprob, text_in_logprobs)
@@ -139,11 +143,13 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
                  rid: str | None = None, cache_salt: str | None = None,
-                 return_text_in_logprobs: bool = False):
-        """Generate for one prompt (a dict) or a list (a list of dicts); see the module docstring."""
+                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None):
+        """Generate for one prompt (a dict) or a list (a list of dicts); see the module docstring. `lora_path`:
+        the name of a loaded LoRA adapter (or a list with one per prompt, None for the base model)."""
         batched, base, reqs = self._prepare(prompt, input_ids, sampling_params, return_logprob=return_logprob,
                                             logprob_start_len=logprob_start_len,
-                                            top_logprobs_num=top_logprobs_num, rid=rid, cache_salt=cache_salt)
+                                            top_logprobs_num=top_logprobs_num, rid=rid, cache_salt=cache_salt,
+                                            lora_path=lora_path)
         if stream:
             if batched:
                 raise RequestError("stream=True takes a single prompt with n=1")
@@ -204,14 +210,15 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob: bool = False, logprob_start_len: int = -1,
                              top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None,
-                             cache_salt: str | None = None, return_text_in_logprobs: bool = False):
+                             cache_salt: str | None = None, return_text_in_logprobs: bool = False,
+                             lora_path: str | list[str | None] | None = None):
         """Like generate; with stream=True returns an async iterator of chunks. Prompts are tokenized off
         the event loop (see `async_tokenize`)."""
         batched, base, reqs = await self._aprepare(prompt, input_ids, sampling_params,
                                                    return_logprob=return_logprob,
                                                    logprob_start_len=logprob_start_len,
                                                    top_logprobs_num=top_logprobs_num, rid=rid,
-                                                   cache_salt=cache_salt)
+                                                   cache_salt=cache_salt, lora_path=lora_path)
         loop = asyncio.get_running_loop()
         if stream:
             if batched:
@@ -268,6 +275,28 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return bool(self._client.control("flush_cache"))
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, str]:
+        """Serve the PEFT adapter folder `path` as `name` (read and checked in the scheduler, off its loop);
+        returns the loaded adapters (name -> path). A bad adapter (unreadable, rank above max_lora_rank, modules
+        the model or the pool lacks, a name in use...) is a RequestError naming the problem. `pinned`: never
+        replaced in the pool."""
+        return self._lora_update(lambda reply_id: LoadLoRAAdapter(reply_id, name, path, pinned), "load_lora_adapter")
+
+    def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Stop serving adapter `name`: new requests naming it are refused, those in flight finish, then its pool
+        slot and its cached prefixes are freed. Returns the loaded adapters; an unknown name is a RequestError."""
+        return self._lora_update(lambda reply_id: UnloadLoRAAdapter(reply_id, name), "unload_lora_adapter")
+
+    def _lora_update(self, make_message, what: str) -> dict[str, str]:
+        update: LoRAUpdate = self._client.call(make_message, what, timeout=LORA_UPDATE_TIMEOUT_S)
+        if self.lora_adapters is not None:
+            self.lora_adapters = dict(update.adapters)
+        if update.error is not None:
+            raise RequestError(update.error)
+        return dict(update.adapters)
 
     def get_server_info(self) -> dict:
         info = self._client.control("server_info")

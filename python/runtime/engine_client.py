@@ -244,13 +244,17 @@ class SchedulerClient:
 
     def control(self, kind: str, timeout: float = 60.0):
         """Send a control request and wait for its reply."""
+        return self.call(lambda reply_id: ControlRequest(reply_id, kind), kind, timeout)
+
+    def call(self, make_message, what: str, timeout: float = 60.0):
+        """Send make_message(reply_id) (a message answered by a ControlReply) and wait for the reply's payload."""
         reply_id = next(self._reply_ids)
         event, box = threading.Event(), []
         self._replies[reply_id] = (event, box)
-        self.send(ControlRequest(reply_id, kind))
+        self.send(make_message(reply_id))
         if not event.wait(timeout) or not box:
             self._replies.pop(reply_id, None)
-            raise RuntimeError(self.fatal or f"no answer from the scheduler to {kind!r}")
+            raise RuntimeError(self.fatal or f"no answer from the scheduler to {what!r}")
         return box[0]
 
     def submit(self, base: str, reqs: list[GenerateRequest], states: list[RequestState]) -> None:

@@ -42,7 +42,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         if meta.get("choices"):
             # argparse shows them: {a,b,c}
             opts = {"type": str.lower if meta.get("any_case") else kind, "choices": meta["choices"]}
-        if container is not None:
+        if container is not None and meta.get("several"):
+            opts.update(action="extend", nargs="+")
+            help_text += " (several after one flag, or the flag repeated)"
+        elif container is not None:
             opts["action"] = "append"
             help_text += " (repeat the flag for several)"
         parser.add_argument(*names, help=_with_default(help_text, default), **opts, **common)

@@ -33,6 +33,9 @@ class ForwardContext:
     # (otherwise it sets None) and leaves their attention metadata in rows_meta.
     keep_rows: torch.Tensor | None = None
     rows_meta: object | None = None
+    # The step's rows that have a LoRA adapter (lora.pool.LoRABatch: each row's pool slot), read by the LoRA
+    # layers around the linear methods; None when no row has one.
+    lora: object | None = None
 
     @property
     def seq_lens(self) -> list[int]:

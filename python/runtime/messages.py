@@ -1,8 +1,9 @@
 """The messages between the Engine and the scheduler process (pickled over zmq): small typed records only.
 
-Engine -> scheduler: `GenerateRequest`, `AbortRequest`, `ControlRequest`.
-Scheduler -> Engine: `ReadySignal` (once, at start), `ReqOutput` (per step and request), `ControlReply`,
-`FatalError` (the scheduler cannot go on).
+Engine -> scheduler: `GenerateRequest`, `AbortRequest`, `ControlRequest`, `LoadLoRAAdapter`,
+`UnloadLoRAAdapter`.
+Scheduler -> Engine: `ReadySignal` (once, at start), `ReqOutput` (per step and request), `ControlReply`
+(a `LoRAUpdate` for the LoRA messages), `FatalError` (the scheduler cannot go on).
 Rank 0 -> the other ranks of a tensor / pipeline parallel group: `StepDescription` (per step, as tensors).
 """
 
@@ -84,6 +85,7 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    lora_path: str | None = None  # a LoRA adapter's name (None: the base model)
 
 
 @dataclass
@@ -108,7 +110,35 @@ class ControlRequest:
         self.kind = ControlKind(self.kind)  # ValueError names an unknown kind
 
 
+@dataclass
+class LoadLoRAAdapter:
+    """Register the PEFT adapter folder `path` under `name` (read off the scheduler's loop); answered by a
+    ControlReply with the same id whose payload is a LoRAUpdate. A pinned adapter is never replaced."""
+
+    reply_id: int
+    name: str
+    path: str
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapter:
+    """Forget the adapter `name` (requests in flight for it finish); answered by a LoRAUpdate."""
+
+    reply_id: int
+    name: str
+
+
 # ---------------------------------------------------------------- scheduler -> Engine
+
+
+@dataclass
+class LoRAUpdate:
+    """The answer to a LoRA load or unload: `error` None on success, else what was wrong; the adapters loaded
+    after it (name -> path) either way."""
+
+    error: str | None
+    adapters: dict[str, str]
 
 
 @dataclass
@@ -121,6 +151,7 @@ class ReadySignal:
     dtype: str
     max_running_requests: int
     grammar: bool  # constrained decoding available
+    lora_adapters: dict[str, str] | None = None  # the LoRA adapters loaded at start (name -> path); None: no LoRA
 
 
 @dataclass

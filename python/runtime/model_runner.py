@@ -17,6 +17,8 @@ from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
 from radixgen.runtime.loader import load_weights, read_hf_config, resolve_model_path
+from radixgen.runtime.lora.layer import attach as attach_lora
+from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class ModelRunner:
         self.padding_row = cfg.max_running_requests
         self.table_log = TableWriteLog() if par.world_size > 1 else None
         self.fused_decode: FusedDecode | None = None
+        # the resident LoRA adapters' weights (the scheduler's LoRA manager decides which sit where)
+        self.lora_pool = LoRAPool.for_config(cfg, mc, self.dtype, self.device) if cfg.lora_enabled else None
         self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
         logger.info("model %s loaded: %s, %d KV slots (KV cache %s)", self.model_path, self.dtype, num_slots,
                     cfg.kv_cache_dtype)
@@ -109,11 +113,20 @@ class ModelRunner:
         how the CUDA path's wiring is checked without a GPU) or TorchOps."""
         self.ops = ops
         ops.install(self.model)
+        if self.lora_pool is not None:  # the LoRA layers wrap whatever linear methods the ops set installed
+            attach_lora(self.model, self.lora_pool, ops)
         logger.info("ops: %s (linear layers: %s)", ops.name, ops.linear_method.name)
         # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
         # that does not apply)
         kl = ops.kl if isinstance(ops, CpuOps) else None
-        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl) if kl is not None else None
+        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl, self.lora_pool) if kl is not None else None
+
+    def _lora_batch(self, fi: ForwardInput):
+        if fi.lora_slots is None:
+            return None
+        if self.lora_pool is None:
+            raise ValueError("a step with LoRA adapter rows, but LoRA is not enabled")
+        return self.lora_pool.batch(fi.lora_slots, fi.extend_lens)
 
     def _slots_from_memory(self) -> int:
         """KV slots from max_kv_memory_gb (per rank): the same on every rank of a group (one slot table), sized
@@ -170,7 +183,7 @@ class ModelRunner:
         others), the StageHidden for the next stage elsewhere; a stage after the first starts from
         `stage_input`."""
         g = self.cuda_graph_runner
-        if g is not None and g.can_run(fi):
+        if g is not None and fi.lora_slots is None and g.can_run(fi):  # graphs are captured without adapters
             return g.replay(fi)
         return self.forward_eager(fi, stage_input)
 
@@ -194,7 +207,7 @@ class ModelRunner:
         ctx = ForwardContext(
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_to_slot, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
-            extend_lens=fi.extend_lens, backend=self.ops.attention, keep_rows=keep,
+            extend_lens=fi.extend_lens, backend=self.ops.attention, keep_rows=keep, lora=self._lora_batch(fi),
         )
         self.ops.attention.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
         with forward_context(ctx):

@@ -11,10 +11,11 @@ Contract, in the order a request uses it:
   3. `evict(n)` frees least-recently-used unlocked leaves first; it may free more than asked (whole
      nodes) and less when not enough is evictable.
 
-Namespaces ("cache salt"): `None` is the default namespace, stored directly under the root; every
-other namespace is a subtree under a child of the root keyed by `NamespaceKey(name)`. That subtree
-root has an empty key (it holds no token) and is removed as soon as its last child is evicted.
-Requests in different namespaces never share slots.
+Namespaces ("cache salt"; with a LoRA adapter, the tuple (salt, adapter load id)): `None` is the default
+namespace, stored directly under the root; every other namespace is a subtree under a child of the root
+keyed by `NamespaceKey(name)`. That subtree root has an empty key (it holds no token) and is removed as
+soon as its last child is evicted. Requests in different namespaces never share slots; `evict_namespace`
+drops one namespace's unlocked entries (an adapter's unload).
 
 With page_size > 1 keys are compared in whole pages: a child is looked up by the token tuple of its
 first page, and matches and inserts are rounded down to whole pages.
@@ -34,7 +35,7 @@ import torch
 class NamespaceKey:
     """The root's child key of a non-default namespace; never equal to a token or a page tuple."""
 
-    name: str
+    name: str | tuple
 
 
 class TreeNode:
@@ -100,7 +101,7 @@ class RadixCache:
 
     # ---- queries -------------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int] | torch.Tensor, namespace: str | None = None) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int] | torch.Tensor, namespace: str | tuple | None = None) -> MatchResult:
         """Longest cached prefix of `tokens` (whole pages). Splits the last node when the match ends
         inside it, and refreshes last-access times along the path. Lock `last_node` before use."""
         key = self._as_key(tokens)
@@ -165,7 +166,7 @@ class RadixCache:
     # ---- updates -------------------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, namespace: str | None = None
+        self, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, namespace: str | tuple | None = None
     ) -> int:
         """Store `tokens` -> `slots` and return how many leading tokens were ALREADY in the tree.
 
@@ -251,6 +252,28 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return torch.cat(freed) if freed else self._empty()
 
+    def namespaces(self) -> list[str | tuple]:
+        """The names of the non-default namespaces that hold entries."""
+        return [k.name for k in self.root.children if isinstance(k, NamespaceKey)]
+
+    def evict_namespace(self, namespace: str | tuple) -> torch.Tensor:
+        """Free every unlocked token of one namespace, whatever its last access; locked paths (and the nodes
+        above them) stay. Returns the freed slot indices for the caller's allocator."""
+        top = self._namespace_root(namespace, create=False)
+        if top is None:
+            return self._empty()
+        order, stack = [], [top]
+        while stack:  # parents before children; reversed below, children go first
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        freed = []
+        for node in reversed(order):
+            if len(node) and not node.children and node.lock_ref == 0:
+                freed.append(node.value)
+                self._remove_leaf(node)
+        return torch.cat(freed) if freed else self._empty()
+
     # ---- debug ---------------------------------------------------------------------------------
 
     def pretty_print(self) -> str:
@@ -286,11 +309,11 @@ class RadixCache:
         self._next_id += 1
         return TreeNode(key, value, parent, self._clock, self._next_id)
 
-    def _namespace_root(self, namespace: str | None, create: bool) -> TreeNode | None:
+    def _namespace_root(self, namespace: str | tuple | None, create: bool) -> TreeNode | None:
         if namespace is None:
             return self.root
-        if not isinstance(namespace, str):
-            raise ValueError(f"namespace must be a str or None, got {type(namespace).__name__}")
+        if not isinstance(namespace, (str, tuple)):
+            raise ValueError(f"namespace must be a str, a tuple or None, got {type(namespace).__name__}")
         ns_key = NamespaceKey(namespace)
         node = self.root.children.get(ns_key)
         if node is None and create:

@@ -13,9 +13,12 @@ from radixgen.runtime.messages import (  # noqa: F401 - re-exported
     FatalError,
     FinishReason,
     GenerateRequest,
+    LoadLoRAAdapter,
+    LoRAUpdate,
     ReadySignal,
     ReqOutput,
     SpecCounts,
+    UnloadLoRAAdapter,
 )
 from radixgen.runtime.sampler import make_generator
 
@@ -30,7 +33,10 @@ class Req:
         self.return_logprob = msg.return_logprob
         self.logprob_start_len = msg.logprob_start_len
         self.top_logprobs_num = msg.top_logprobs_num
-        self.namespace = msg.cache_salt
+        self.namespace = msg.cache_salt  # the LoRA manager composes it with the adapter's (take_in)
+        self.lora_name = msg.lora_path  # the adapter asked for (None: the base model)
+        self.lora = None  # its lora.manager.AdapterEntry, set at take_in
+        self.lora_slot = -1  # the pool slot it holds while admitted (-1: none)
         self.arrival_step = arrival_step
         self.output_ids: list[int] = []
         self.generator: torch.Generator | None = (

@@ -121,11 +121,33 @@ def sampling_params_list(sampling_params: Any, count: int) -> list[SamplingParam
     return [SamplingParams.from_dict(sampling_params)] * count
 
 
+def lora_names(lora_path: Any, count: int, loras: dict[str, str] | None) -> list[str | None]:
+    """One LoRA adapter name (None: the base model) per prompt, from a name for all or a list with one per prompt;
+    each must be loaded (`loras`: the loaded adapters, None when LoRA is not enabled)."""
+    if lora_path is None:
+        return [None] * count
+    names = list(lora_path) if isinstance(lora_path, (list, tuple)) else [lora_path] * count
+    if len(names) != count:
+        raise _reject(f"lora_path: got {len(names)} for {count} prompts")
+    for name in names:
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise _reject(f"lora_path: must be an adapter name (a string) or a list of them, got {name!r}")
+        if loras is None:
+            raise _reject("lora_path: LoRA adapters are not enabled on this server (start it with --lora-paths "
+                          "or --enable-lora)")
+        if name not in loras:
+            raise _reject(f"lora_path: unknown LoRA adapter {name!r} (loaded: {sorted(loras)})")
+    return names
+
+
 def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: Any, limits: ModelLimits,
                    **kw: Any) -> Prepared:
     """Validate one generate call and build its scheduler requests (one per prompt and choice); nothing is
     sent. A request with n > 1 becomes n requests with n=1, choice k seeded with seed + k. Keyword arguments:
-    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt (as Engine.generate)."""
+    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, lora_path (as Engine.generate), and
+    loras (the loaded LoRA adapters, see lora_names)."""
     try:
         return _build(batched, ids_list, sampling_params, limits, **kw)
     except RequestError:
@@ -136,8 +158,10 @@ def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: An
 
 def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limits: ModelLimits, *,
            return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-           rid: str | None = None, cache_salt: str | None = None) -> Prepared:
+           rid: str | None = None, cache_salt: str | None = None, lora_path: Any = None,
+           loras: dict[str, str] | None = None) -> Prepared:
     params_list = sampling_params_list(sampling_params, len(ids_list))
+    adapters = lora_names(lora_path, len(ids_list), loras)
     if not isinstance(return_logprob, bool):
         raise _reject(f"return_logprob: must be a boolean, got {return_logprob!r}")
     if not is_int(logprob_start_len) or logprob_start_len < -1:
@@ -155,7 +179,7 @@ def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limit
     base = rid or uuid.uuid4().hex
     reqs = []
     single = len(ids_list) == 1 and params_list[0].n == 1
-    for i, (ids, params) in enumerate(zip(ids_list, params_list, strict=True)):
+    for i, (ids, params, adapter) in enumerate(zip(ids_list, params_list, adapters, strict=True)):
         check_fits(len(ids), params.max_new_tokens, limits)
         if logprob_start_len > len(ids):
             raise _reject(f"logprob_start_len: {logprob_start_len} is past the prompt ({len(ids)} tokens)")
@@ -165,5 +189,5 @@ def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limit
             p = params if params.n == 1 else SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
             sub = base if single else f"{base}-{i}-{k}"
             reqs.append(GenerateRequest(sub, ids, p, return_logprob, logprob_start_len, top_logprobs_num,
-                                        cache_salt))
+                                        cache_salt, adapter))
     return Prepared(batched or len(reqs) > 1, base, reqs)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testutil import CODE_DTYPES, TOL, make_pool, quantize_pool, rel_err
+from kernel_testutil import CODE_DTYPES, TOL, lora_case, make_pool, quantize_pool, rel_err
 
 from radixgen.kernels import (
     _cpu_build,
@@ -143,7 +143,8 @@ def test_rotary(kl, dtype, gen):
 
 
 def test_bf16_kernels(kl, gen):
-    """Extend attention, SiLU, the K-pair matmul: checked where the build has them, refused where it has not."""
+    """Extend attention, SiLU, the K-pair matmul, the LoRA deltas: checked where the build has them, refused where
+    it has not."""
     pool = make_pool([19, 40], 2, 64, torch.bfloat16, max_context_len=64, gen=gen)
     q = torch.randn(24, 6, 64, generator=gen).to(torch.bfloat16)
     args = (q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, torch.tensor([11, 24]),
@@ -151,12 +152,18 @@ def test_bf16_kernels(kl, gen):
     x = (3 * torch.randn(5, 2 * 40, generator=gen)).to(torch.bfloat16)
     w = torch.randn(37, 24, generator=gen).to(torch.bfloat16)
     h = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
+    lora = lora_case(gen)
     if not kl.has_decode_step:
         with pytest.raises(ValueError, match="AVX512-BF16"):
             cpu.extend_attention(*args, kl=kl)
         with pytest.raises(ValueError, match="AVX512-BF16"):
             cpu.silu_and_mul(x, kl=kl)
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            cpu.lora_delta_(*lora.args(lora.y.clone()), kl=kl)
         return
+    y = lora.y.clone()
+    cpu.lora_delta_(*lora.args(y), kl=kl)
+    assert rel_err(y.float() - lora.y.float(), lora.reference().float() - lora.y.float()) < TOL[torch.bfloat16]
     assert rel_err(cpu.extend_attention(*args, kl=kl), extend_attention_ref(*args)) < TOL[torch.bfloat16]
     assert torch.equal(cpu.silu_and_mul(x, kl=kl), cpu.silu_and_mul_ref(x))
     packed = torch.empty(48 * 24, dtype=torch.bfloat16)
@@ -174,6 +181,7 @@ def test_stubs_refuse(kl):
     for name, kw in (("rg_pack_kpairs_bf16", dict(w=0, N=1, K=2, out=0)),
                      ("rg_gemv_kpairs_bf16", dict(x=0, M=1, K=2, wp=0, yf=0, N=1)),
                      ("rg_silu_and_mul_bf16", dict(gu=0, out=0, M=1, I=1)),
+                     ("rg_lora_delta_bf16", dict.fromkeys(kl.fn("rg_lora_delta_bf16").argnames, 0)),
                      *((name, dict.fromkeys(kl.fn(name).argnames, 0))
                        for name in ("rg_extend_attention_i8_bf16", "rg_extend_attention_f8_bf16"))):
         with pytest.raises(cpu.CKernelError, match=f"{name} failed: not supported"):

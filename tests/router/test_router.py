@@ -191,6 +191,11 @@ def test_router_routes(rhttp, router, workers):
     assert rhttp.post("/tokenize", json={"text": "hello"}).json()["count"] >= 1
     flushed = rhttp.post("/flush_cache")
     assert flushed.status_code == 200 and len(flushed.json()["workers"]) == 2
+    for path, body in (("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"}),
+                       ("/unload_lora_adapter", {"lora_name": "x"})):  # to every worker (these serve no LoRA)
+        lora = rhttp.post(path, json=body)
+        assert lora.status_code == 400 and lora.json()["success"] is False, lora.text
+        assert "failed on 2 of 2 workers" in lora.json()["error"]["message"] and "not enabled" in lora.text
     text = rhttp.get("/metrics").text
     for w in workers:
         assert metric(text, f'radixgen_router_worker_healthy{{worker="{w.url}"}}') == 1

@@ -148,3 +148,19 @@ def test_layout_fingerprint_names_the_difference():
 
     diff = distributed._differences(json.loads(a), json.loads(b))
     assert diff == "config.max_running_requests=64 (node 0: 128)"  # threads may differ between nodes
+
+
+def test_lora_with_parallelism_is_refused_at_start_naming_the_sizes():
+    """The adapter pool, its loads and each step's adapter rows live on one rank: an Engine, the offline LLM or
+    a config asking for LoRA with tp or pp above 1 fails before any process starts, naming both."""
+    from radixgen.offline import LLM
+    from radixgen.runtime.engine import Engine
+
+    match = r"LoRA adapters .* not supported with tensor or pipeline parallelism \(tp_size=2, pp_size=1\)"
+    with pytest.raises(ValueError, match=match):
+        Engine(enable_lora=True, tp_size=2)
+    with pytest.raises(ValueError, match=match):
+        LLM(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"\(tp_size=1, pp_size=2\)"):
+        RuntimeConfig(lora_paths=("a=/x",), pp_size=2)
+    assert RuntimeConfig(enable_lora=True).lora_enabled and RuntimeConfig(tp_size=2).world_size == 2

@@ -280,6 +280,31 @@ def test_empty_namespace_subtree_is_removed():
     check_structure(cache)
 
 
+def test_evict_namespace_frees_that_namespace_only_and_keeps_locked_paths():
+    """An adapter's unload: every unlocked entry of its namespaces (tuples, as the LoRA manager keys them) goes,
+    whatever its recency; locked paths and every other namespace stay."""
+    cache = RadixCache()
+    lora = (None, 7)
+    cache.insert([1, 2, 3, 4], slots(0, 1, 2, 3), namespace=lora)
+    cache.insert([1, 2, 5], slots(0, 1, 4), namespace=lora)
+    cache.insert([1, 2, 9], slots(5, 6, 7), namespace=lora)
+    cache.insert([1, 2, 3], slots(10, 11, 12))  # the base model's entries, and another adapter's
+    cache.insert([1, 2, 3], slots(13, 14, 15), namespace=(None, 8))
+    held = cache.match_prefix([1, 2, 5], namespace=lora).last_node
+    cache.lock(held)
+    assert sorted(cache.namespaces(), key=str) == [(None, 7), (None, 8)]
+    assert sorted(ids(cache.evict_namespace(lora))) == [2, 3, 7]  # [1, 2] and [5] stay under the lock
+    assert ids(cache.match_prefix([1, 2, 5], namespace=lora).slots) == [0, 1, 4]
+    assert ids(cache.match_prefix([1, 2, 3, 4], namespace=lora).slots) == [0, 1]
+    assert ids(cache.match_prefix([1, 2, 3]).slots) == [10, 11, 12]
+    assert ids(cache.match_prefix([1, 2, 3], namespace=(None, 8)).slots) == [13, 14, 15]
+    check_structure(cache)
+    cache.unlock(held)
+    assert sorted(ids(cache.evict_namespace(lora))) == [0, 1, 4]
+    assert cache.namespaces() == [(None, 8)] and ids(cache.evict_namespace(("x", 1))) == []
+    check_structure(cache)
+
+
 def test_match_in_missing_namespace_creates_nothing():
     cache = RadixCache()
     cache.match_prefix([1, 2], namespace="z")

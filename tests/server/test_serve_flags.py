@@ -8,6 +8,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+import typing
 from typing import Any
 
 import pytest
@@ -77,6 +78,9 @@ def _other_value(f: dataclasses.Field, hint: Any) -> tuple[list[str], Any]:
     name = (f.metadata.get("flags") or (flag(f.name),))[0]
     if hint is bool:
         return [name], True
+    if typing.get_origin(hint) is tuple:  # a repeatable flag: one value of the element type
+        item = "q_proj" if f.name == "lora_target_modules" else f"/tmp/{f.name}"
+        return [name, item], (item,)
     if choices:
         value = next(c for c in choices if c != f.default)
     elif f.name == "device":
@@ -98,12 +102,11 @@ COMPANIONS = {"nnodes": {"tp_size": 4, "dist_init_addr": "127.0.0.1:29500"},
 
 
 def test_every_runtime_field_reaches_the_config():
-    import typing
-
     hints = typing.get_type_hints(RuntimeConfig)
     for f in dataclasses.fields(RuntimeConfig):
         hint = hints[f.name]
-        hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if typing.get_origin(hint) is not tuple:  # X | None: X
+            hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         argv, value = _other_value(f, hint)
         extra = COMPANIONS.get(f.name, {})
         for name, v in extra.items():
@@ -132,8 +135,28 @@ def test_sglang_command_line():
     assert parse("--model", "/models/m").engine == {"model": "/models/m"}  # our own name for it
 
 
+def test_sglang_lora_command_line():
+    """SGLang's LoRA flags: several adapters after one --lora-paths (NAME=PATH, or a bare path named after its
+    folder), --max-loras-per-batch for --max-loras; the flag repeated adds more."""
+    args = parse("--enable-lora", "--lora-paths", "sql=/ad/sql", "/ad/chat", "--max-loras-per-batch", "4",
+                 "--max-lora-rank", "32", "--lora-target-modules", "q_proj", "v_proj", "--lora-paths", "x=/ad/x")
+    cfg = RuntimeConfig(**args.engine)
+    assert cfg.lora_paths == ("sql=/ad/sql", "/ad/chat", "x=/ad/x") and cfg.lora_enabled
+    assert (cfg.max_loras, cfg.max_lora_rank, cfg.lora_target_modules) == (4, 32, ("q_proj", "v_proj"))
+    assert RuntimeConfig(lora_paths=("/ad/chat/",)).lora_enabled and not RuntimeConfig().lora_enabled
+    from radixgen.runtime.lora.adapter import parse_lora_paths
+
+    assert parse_lora_paths(cfg.lora_paths) == [("sql", "/ad/sql"), ("chat", "/ad/chat"), ("x", "/ad/x")]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--lora-paths", "=/ad/x"], "LoRA adapter name ''"),
+    (["--lora-paths", "a=/x", "a=/y"], "two adapters named 'a'"),
+    (["--lora-paths", "a="], "'a=' has no path"),
+    (["--max-loras", "0"], "max_loras must be >= 1"),
+    (["--lora-paths", "a=/x", "--tp-size", "2"], "not supported with tensor or pipeline parallelism (tp_size=2"),
+    (["--lora-target-modules", "lm_head"], "unknown module(s) ['lm_head']"),
     (["--max-kv-memory-gb", "lots"], "argument --max-kv-memory-gb: invalid float value"),
     (["--schedule-policy", "random"], "argument --schedule-policy: invalid choice: 'random'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),

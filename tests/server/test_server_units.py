@@ -317,6 +317,6 @@ def test_values_are_strict_and_legacy_functions_map_to_tools():
     assert req.no_effect_fields() == ["store", "user"]
     req = ChatCompletionRequest.model_validate({"messages": chat, "reasoning_effort": "high"})
     assert req.template_kwargs() == {"reasoning_effort": "high"}
-    for feature in ({"lora_path": "a"}, {"audio": {"voice": "x"}}, {"return_hidden_states": True}):
+    for feature in ({"audio": {"voice": "x"}}, {"return_hidden_states": True}):
         with pytest.raises(ValidationError, match="not supported"):
             ChatCompletionRequest.model_validate({"messages": chat, **feature})

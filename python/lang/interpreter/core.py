@@ -43,6 +43,7 @@ class SamplingDefaults:
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
+    lora_path: str | None = None  # the LoRA adapter of every request the run sends (None: the base model)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
@@ -53,6 +54,8 @@ class SamplingDefaults:
             object.__setattr__(self, "stop_regex", self.stop_regex[0] if self.stop_regex else None)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"run.n: must be a positive integer (got {self.n!r})")
+        if self.lora_path is not None and not isinstance(self.lora_path, str):
+            raise ValueError(f"run.lora_path: must be a LoRA adapter's name (got {self.lora_path!r})")
 
 
 class LogEntry(NamedTuple):

@@ -49,6 +49,7 @@ class Score(NamedTuple):
     prompt: str
     choices: list[str]
     unconditional: str | None
+    lora_path: str | None = None
 
 
 class Wait(NamedTuple):
@@ -175,6 +176,7 @@ def gen_request(core: StateCore, node: Gen) -> GenRequest:
         top_logprobs_num=_pick(node.top_logprobs_num, d.top_logprobs_num, 0) if return_logprob else 0,
         return_text_in_logprobs=bool(return_logprob and text_in_logprobs),
         chat=chat,
+        lora_path=d.lora_path,
     )
 
 
@@ -218,7 +220,7 @@ def execute_select(core: StateCore, node: Select) -> Generator[Any, Any, None]:
     if getattr(node.method, "requires_unconditional_logprobs", False):
         # "No context": just the turn's header when inside a turn, else the BOS/EOS token.
         unconditional = core.role.frame.prefix if core.role else core.backend.unconditional_prompt()
-    scored: ScoredChoices = yield Score(core.text, list(node.choices), unconditional)
+    scored: ScoredChoices = yield Score(core.text, list(node.choices), unconditional, core.defaults.lora_path)
     decision = decide(
         node.method,
         list(node.choices),
@@ -239,7 +241,7 @@ def execute_fork(core: StateCore, children: tuple[StateCore, ...]) -> Generator[
     if len(core.text) > core.cached_len and core.backend.can_prefill:
         # Cache the shared prefix once, so the branches' requests all start from a cache hit
         # (not needed when the text is what the last request read or wrote: that is cached).
-        yield Generate([GenRequest(core.text, None, dict(PREFILL_ONLY))])
+        yield Generate([GenRequest(core.text, None, dict(PREFILL_ONLY), lora_path=core.defaults.lora_path)])
         core.cached_len = len(core.text)
     for child in children:
         child.init_from(core)

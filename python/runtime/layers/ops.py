@@ -1,6 +1,7 @@
 """The device's ops: one set chosen once at start (`ops_for`), installed on the model's layers, which call
-`ops.rms_norm`, `ops.add_rms_norm`, `ops.rotary`, `ops.silu_and_mul`; attention goes through `ops.attention`
-(the backend the runner puts in each step's ForwardContext) and linear layers through `ops.linear_method`.
+`ops.rms_norm`, `ops.add_rms_norm`, `ops.rotary`, `ops.silu_and_mul`, `ops.lora_delta_` (LoRA layers);
+attention goes through `ops.attention` (the backend the runner puts in each step's ForwardContext) and linear
+layers through `ops.linear_method`.
 
 - `TorchOps`: plain torch, any device. The reference the others are tested against (disable_cpu_kernels
   selects it for a whole model), and what their ops fall back to for a shape or stride they do not cover.
@@ -66,6 +67,24 @@ class TorchOps:
         """(..., 2N) gate|up -> (..., N) silu(gate) * up."""
         return cpu_kernels.silu_and_mul_ref(x)
 
+    def lora_delta_(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+                    ranks: torch.Tensor, segments: list[tuple[int, int]], rows) -> None:
+        """y (T, N) += the LoRA deltas of a merged projection with input x (T, K), in place: for each group
+        (slot s, its rows, its scale) of `rows` (lora.pool.LoRARows) and each output segment g = [c0, c1),
+        y[rows, c0:c1] += (x[rows] @ A_s^T)[:, g R : (g+1) R] @ B_s[:, c0:c1] * scale, each product rounded to
+        the dtype. a (S, nseg R / 16, K/2, 16, 2), b (S, N/16, R/2, 16, 2) (K-pair blocks: lora/pool.py,
+        kernels/lora.py); ranks (S,) int32 on the host, 0: slot s has no weights here."""
+        from radixgen.kernels.lora import expand_weights, unpack_kpairs
+
+        r = 2 * b.shape[2]
+        held = ranks.tolist()
+        for slot, idx, scale in rows.groups:
+            if held[slot] == 0:
+                continue
+            h = x[idx] @ unpack_kpairs(a[slot]).t()  # (n, 16 ceil(nseg R / 16))
+            for g, (c0, c1) in enumerate(segments):
+                y[idx, c0:c1] += (h[:, g * r:(g + 1) * r] @ expand_weights(b, slot, c0, c1)) * scale
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -120,6 +139,16 @@ class CpuOps(TorchOps):
             return cpu_kernels._silu_and_mul(self.kl, x)
         return super().silu_and_mul(x)
 
+    def lora_delta_(self, y, x, a, b, scales, ranks, segments, rows):
+        # one C call for bf16 on AVX512-BF16 CPUs: a few torch ops per adapter and segment cost more than the math
+        if (self.kl is not None and self.kl.has_decode_step and y.dtype == torch.bfloat16 and x.dtype == y.dtype
+                and x.is_contiguous() and y.is_contiguous() and y.is_cpu):
+            t = rows.as_tensors(y.device)
+            cpu_kernels._lora_delta(self.kl, y, x, a, b, scales, ranks, rows.seg_end(segments), t["rows"],
+                                    t["starts"], t["lens"], t["slots"])
+            return
+        super().lora_delta_(y, x, a, b, scales, ranks, segments, rows)
+
 
 class TritonOps(TorchOps):
     """radixgen.kernels' Triton kernels: attention, fused add-RMSNorm over (T, N) rows, rotary in place; the
@@ -151,6 +180,17 @@ class TritonOps(TorchOps):
 
         kernels.rotary_embedding_(positions, q, k, cos_sin_cache, q.shape[2])
         return q, k
+
+    def lora_delta_(self, y, x, a, b, scales, ranks, segments, rows):
+        # one shrink for every segment (q | k | v at once), one expand per output segment; rank-0 slots add zeros
+        from radixgen import kernels
+
+        t = rows.as_tensors(y.device)
+        seg = (t["rows"], t["starts"], t["lens"], t["slots"], t["max_len"])
+        h = kernels.lora_shrink(x, a, *seg)
+        r = 2 * b.shape[2]
+        for g, (c0, c1) in enumerate(segments):
+            kernels.lora_expand_(y, h, b, scales, *seg, c0, c1, g * r)
 
 
 def ops_for(device: torch.device | str, disable_cpu_kernels: bool = False) -> TorchOps:

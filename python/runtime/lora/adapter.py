@@ -18,10 +18,97 @@ import torch
 TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
+# adapter_config.json keys whose non-default value changes the math in a way radixgen does not implement
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora)", "fan_in_fan_out": "fan_in_fan_out", "lora_bias": "LoRA biases (lora_bias)",
+    "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)", "megatron_config": "Megatron layers",
+}
 
 
 class LoRAAdapterError(ValueError):
     pass
+
+
+def check_adapter_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise LoRAAdapterError(f"LoRA adapter name {name!r}: 1-128 letters, digits or the characters _ . - /")
+    return name
+
+
+def parse_lora_paths(specs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """(name, path) of each `--lora-paths` entry: NAME=PATH, or a bare PATH named after its folder."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        if not isinstance(spec, str) or not spec:
+            raise LoRAAdapterError(f"lora_paths: an entry must be NAME=PATH or PATH, got {spec!r}")
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec.rstrip("/")).name, spec
+        check_adapter_name(name)
+        if not path:
+            raise LoRAAdapterError(f"lora_paths: {spec!r} has no path")
+        if name in out:
+            raise LoRAAdapterError(f"lora_paths: two adapters named {name!r}")
+        out[name] = path
+    return list(out.items())
+
+
+def check_target_names(modules: tuple[str, ...] | list[str]) -> None:
+    unknown = sorted(set(modules) - TARGETS.keys() - {"all"})
+    if unknown:
+        raise LoRAAdapterError(f"lora_target_modules: unknown module(s) {unknown} (known: {sorted(TARGETS)}, all)")
+
+
+def read_adapter_config(name: str, folder: Path) -> dict:
+    """adapter_config.json as a dict, checked for what radixgen serves (LoRA, no DoRA, no per-module ranks...)."""
+    cfg_file = folder / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: no adapter_config.json in {folder}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: unreadable adapter_config.json: {e}") from e
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: adapter_config.json is not an object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key, feature in _UNSUPPORTED.items():
+        if cfg.get(key):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {feature} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: trained biases (bias={cfg['bias']!r}) are not supported")
+    return cfg
+
+
+def peek_adapter(name: str, path: str | Path) -> tuple[int, tuple[str, ...]]:
+    """(rank, target modules) of an adapter folder from its config alone (sizes the pool before any weight is
+    read); the same checks as load_lora_adapter."""
+    cfg = read_adapter_config(name, Path(path))
+    return _rank(name, cfg), _targets(name, cfg)
+
+
+def _rank(name: str, cfg: dict) -> int:
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: r must be a positive integer, got {r!r}")
+    return r
+
+
+def _targets(name: str, cfg: dict) -> tuple[str, ...]:
+    targets = cfg.get("target_modules")
+    if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+        targets = list(TARGETS)
+    elif isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not targets:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: target_modules must be a non-empty list")
+    unknown = sorted(set(targets) - TARGETS.keys())
+    if unknown:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: unknown target modules {unknown} "
+                               f"(supported: {sorted(TARGETS)})")
+    return tuple(targets)
 
 
 @dataclass
@@ -37,33 +124,14 @@ class LoRAAdapter:
 
 def load_lora_adapter(name: str, path: str | Path, max_lora_rank: int | None = None) -> LoRAAdapter:
     folder = Path(path)
-    cfg_file = folder / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: no adapter_config.json in {folder}")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: unreadable adapter_config.json: {e}") from e
-    if not isinstance(cfg, dict):
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: adapter_config.json is not an object")
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: r must be a positive integer, got {r!r}")
+    cfg = read_adapter_config(name, folder)
+    r = _rank(name, cfg)
+    alpha = cfg.get("lora_alpha", r)
     if max_lora_rank is not None and r > max_lora_rank:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_lora_rank}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise LoRAAdapterError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        targets = [targets]
-    if not isinstance(targets, list) or not targets:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: target_modules must be a non-empty list")
-    unknown = sorted(set(targets) - TARGETS.keys())
-    if unknown:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: unknown target modules {unknown} "
-                               f"(supported: {sorted(TARGETS)})")
+    targets = _targets(name, cfg)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     weights = _read_weights(name, folder)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -10,6 +10,9 @@ requests. KV slots belong to the KV cache manager (kv_manager.py); the order of 
 One request never takes the scheduler down: an exception while taking in, admitting or processing one request
 fails that request alone (an abort with a message and status code 400 for a ValueError, else 500); a failed
 forward fails the requests of its batch. `finish` is the one way a request ends, and it always reports.
+
+About 440 lines: admission, decode and retraction hold their LoRA slot calls beside their KV ones, which
+keeps each request's two resources paired in one place.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.distributed import GroupError
+from radixgen.runtime.lora.adapter import LoRAAdapterError
+from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
     AbortRequest,
@@ -30,8 +35,10 @@ from radixgen.runtime.request import (
     ControlRequest,
     FinishReason,
     GenerateRequest,
+    LoadLoRAAdapter,
     Req,
     ReqOutput,
+    UnloadLoRAAdapter,
 )
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
@@ -49,6 +56,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.grammar = grammar_backend
         self.kv = KVCacheManager.for_runner(runner, cfg.page_size, cfg.disable_radix_cache)
+        self.lora = LoRAManager.for_scheduler(cfg, runner, self.kv.evict_namespaces)  # owns the adapter slots
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
         self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,
@@ -91,6 +99,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         self.poll_grammars()
+        self.poll_lora()
         if self.last_was_extend and self.decode_candidates():
             self.last_was_extend = False
             return self.schedule_decode()
@@ -140,6 +149,8 @@ class Scheduler:
                     req.to_abort = "aborted by the client"
             case ControlRequest(reply_id=reply_id, kind=kind):
                 self.outbox.append(ControlReply(reply_id, self.control(kind)))
+            case LoadLoRAAdapter() | UnloadLoRAAdapter():
+                self.lora.handle(msg, self.outbox.append)
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 
@@ -163,6 +174,12 @@ class Scheduler:
             self.fail(req, "taking in", e)
 
     def take_in(self, req: Req) -> None:
+        if req.lora_name is not None:
+            try:
+                self.lora.start(req)
+            except LoRAAdapterError as e:
+                self.finish(req, FinishReason.abort(str(e), 400))
+                return
         p = req.params
         need = len(req.input_ids) + max(p.max_new_tokens - 1, 0)  # the last token's K/V is never computed
         if need > self.kv.capacity:
@@ -200,6 +217,17 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 self.fail(req, "compiling the grammar of", e)
 
+    def poll_lora(self) -> None:
+        """Adapters read from disk go into their slots; a request whose adapter could not be read fails."""
+        for entry, exc in self.lora.poll():
+            for req in [r for r in self.waiting if r.lora is entry]:
+                self.finish(req, FinishReason.abort(f"LoRA adapter {entry.name!r} could not be read: {exc}", 500))
+
+    @property
+    def waits_in_background(self) -> bool:
+        """Grammars compiling or LoRA adapters being read: the step loop has something to poll for."""
+        return bool(self.grammar_wait) or self.lora.busy
+
     def control(self, kind: ControlKind):
         if kind == ControlKind.SERVER_INFO:
             return self.server_info()
@@ -223,6 +251,7 @@ class Scheduler:
             "kv_cache": self.runner.kv_cache_info(),
             "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
             "speculative": self.spec.info() if self.spec is not None else None,
+            "lora": self.lora.info(),
         }
 
     # ------------------------------------------------------------------ admission (extend)
@@ -251,8 +280,11 @@ class Scheduler:
             if self.policy.shares_uncached_prefix(req, [*reqs, *self.extending_in_flight()],
                                                   cached_lens.get(id(req))):
                 continue
+            if req.lora is not None and not self.lora.acquire(req):
+                continue  # its adapter is being read into a slot (or waits for one): the others go on
             try:
                 if not self.admit(req):
+                    self.lora.release(req)
                     break
             except Exception as e:  # noqa: BLE001
                 self.fail(req, "admitting", e)
@@ -261,11 +293,11 @@ class Scheduler:
             if chunk is not None:
                 n = min(n, chunk, budget)
             elif n > budget and reqs:
-                self.kv.unadmit(req)
+                self.unadmit(req)
                 break
             # keep a slot per running request free for their next decode step
             if not self.kv.can_allocate(n + len(self.running)):
-                self.kv.unadmit(req)
+                self.unadmit(req)
                 break
             self.waiting.remove(req)
             take(req, n)
@@ -283,6 +315,10 @@ class Scheduler:
             self.counters["prompt_tokens"] += len(req.input_ids)
             self.counters["cached_tokens"] += req.cached_len
         return True
+
+    def unadmit(self, req: Req) -> None:
+        self.kv.unadmit(req)
+        self.lora.release(req)
 
     # ------------------------------------------------------------------ decode and retraction
 
@@ -322,6 +358,7 @@ class Scheduler:
         self.counters["retractions"] += 1
         (self.running if req in self.running else self.prefilling).remove(req)
         self.kv.release(req)
+        self.lora.release(req)
         self.waiting.appendleft(req)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
 
@@ -388,6 +425,7 @@ class Scheduler:
                 queue.remove(req)
         try:
             self.kv.release(req)
+            self.lora.end(req)
         except Exception:  # noqa: BLE001 - a bug; the idle invariant check will report the slots
             logger.exception("releasing the KV of %s failed", req.rid)
         if self.rids.get(req.rid) is req:

@@ -12,8 +12,8 @@ All of [0, kv_len) are listed in its table row. `cache_computed` moves the compu
 `release` gives everything back, `free_tail` drops owned positions from the end (rejected speculative tokens,
 or a step that failed before computing them).
 
-Namespaces: a request's `namespace` (its cache salt; per-adapter LoRA later) keys its own subtree: requests
-in different namespaces never share slots.
+Namespaces: a request's `namespace` (its cache salt, with its LoRA adapter's load id when it has one) keys
+its own subtree: requests in different namespaces never share slots.
 """
 
 from __future__ import annotations
@@ -186,6 +186,16 @@ class KVCacheManager:
         """Drop every cached prefix. Only when no request holds slots (nothing may be locked)."""
         self.allocator.free(self.tree.evict(self.tree.evictable_size()))
         self.tree.reset()
+
+    def evict_namespaces(self, belongs) -> int:
+        """Free the unlocked entries of every namespace for which belongs(namespace) holds (an adapter's unload);
+        returns how many slots went back to the allocator."""
+        freed = [self.tree.evict_namespace(ns) for ns in self.tree.namespaces() if belongs(ns)]
+        n = sum(f.numel() for f in freed)
+        for f in freed:
+            self.allocator.free(f)
+        self.evicted_tokens += n
+        return n
 
     def usage(self) -> dict:
         return {"free": self.allocator.available(), "evictable": self.tree.evictable_size(),

@@ -77,7 +77,8 @@ def run_scheduler_process(args: RankArgs) -> int:
             distributed.mark_started()
         send(ReadySignal(num_slots=sched.kv.capacity, context_length=runner.context_length,
                          vocab_size=runner.vocab_size, dtype=str(runner.dtype).removeprefix("torch."),
-                         max_running_requests=cfg.max_running_requests, grammar=grammar is not None))
+                         max_running_requests=cfg.max_running_requests, grammar=grammar is not None,
+                         lora_adapters=None if runner.lora_pool is None else sched.lora.listing()))
     except Exception:  # noqa: BLE001 - reported to the Engine, which raises it
         send(FatalError(traceback.format_exc()))
         time.sleep(0.05)
@@ -86,6 +87,7 @@ def run_scheduler_process(args: RankArgs) -> int:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_checked = True
+    ran = False
     parent = os.getppid()
     group = runner.group
     code = 0
@@ -93,7 +95,9 @@ def run_scheduler_process(args: RankArgs) -> int:
         while True:
             if sched.is_idle() and os.getppid() != parent:
                 return 0  # the Engine's process is gone: nobody will read our outputs
-            timeout = 0 if not sched.is_idle() else (5 if sched.grammar_wait else 100)
+            # a step that ran nothing leaves the state as it was until a message or a background job (a grammar
+            # compiling, a LoRA adapter being read) arrives: wait for it instead of spinning
+            timeout = 0 if ran else (5 if sched.waits_in_background or not sched.is_idle() else 100)
             events = dict(poller.poll(timeout))
             while inbox in events:
                 msg = pickle.loads(inbox.recv())

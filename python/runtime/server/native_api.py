@@ -1,6 +1,7 @@
 """The native API, wire-compatible with SGLang's: /generate (one prompt, a batch, n > 1, streamed or not),
-/tokenize and /detokenize, and the small routes SGLang's clients call (/server_info, /get_load,
-/flush_cache, /concate_and_append_request...). The request bodies are in native_protocol.py.
+/tokenize and /detokenize, /load_lora_adapter and /unload_lora_adapter, and the small routes SGLang's clients
+call (/server_info, /get_load, /flush_cache, /concate_and_append_request...). The request bodies are in
+native_protocol.py.
 
 Results have SGLang's shape: `{"text", "output_ids", "meta_info"}` for one prompt with n = 1, a flat list
 (prompt-major, then the n samples) otherwise. Streams send `data:` chunks whose `text` and `output_ids`
@@ -21,14 +22,17 @@ from fastapi import APIRouter, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixgen.runtime.request_state import RequestError
 from radixgen.runtime.sampling_params import choice_seeds
-from radixgen.runtime.server.errors import APIError, JSONResponse, bad_request, error_of
+from radixgen.runtime.server.errors import APIError, JSONResponse, bad_request, error_body, error_of
 from radixgen.runtime.server.native_protocol import (
     ConcateAndAppendRequest,
     DetokenizeRequest,
     GenerateRequest,
+    LoadLoRAAdapterRequest,
     NativeSamplingParams,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     parse_sampling_params,
 )
 from radixgen.runtime.server.openai_api import SSE_DONE, EventStream, OpenAIServing, sse
@@ -116,6 +120,7 @@ class NativeServing:
                 "top_logprobs_num": _pick(req.top_logprobs_num, i, 0),
                 "return_text_in_logprobs": req.return_text_in_logprobs,
                 "cache_salt": _salt(_pick(req.cache_salt, i, None), _pick(req.extra_key, i, None)),
+                "lora_path": _pick(req.lora_path, i, None),
             }
             ids = None if ids_list is None else list(ids_list[i])
             items.append(_Item(None if texts is None else texts[i], ids, params[i], rid, kwargs))
@@ -336,6 +341,25 @@ def native_router(native: NativeServing, server_info: Any) -> APIRouter:
                 raise APIError(400, "the cache can only be flushed while no request is running", None, "busy")
             await asyncio.sleep(0.05)
         return JSONResponse({"success": True})
+
+    async def lora_update(call, *args) -> JSONResponse:
+        """SGLang's answer {success, error_message, loaded_adapters}; a failure is a 400 that also carries the
+        OpenAI-shaped error."""
+        try:
+            adapters = await asyncio.to_thread(call, *args)
+        except RequestError as e:
+            body = {**error_body(400, str(e), "lora_name", "lora_adapter_error"), "success": False,
+                    "error_message": str(e), "loaded_adapters": engine.lora_adapters or {}}
+            return JSONResponse(body, status_code=400)
+        return JSONResponse({"success": True, "error_message": None, "loaded_adapters": adapters})
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        return await lora_update(engine.load_lora_adapter, req.lora_name, req.lora_path, req.pinned)
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        return await lora_update(engine.unload_lora_adapter, req.lora_name)
 
     @router.post("/concate_and_append_request")
     async def concate_and_append(req: ConcateAndAppendRequest):

@@ -2,8 +2,8 @@
 `SamplingParams`) as of sglang 0.5.23.
 
 Every field SGLang's `/generate` takes is accepted. Three kinds:
-- fields with an effect here (text, input_ids, sampling, logprobs, rid, cache salts, stream...);
-- fields naming a feature radixgen lacks (images, LoRA, hidden states, disaggregation...): accepted only
+- fields with an effect here (text, input_ids, sampling, logprobs, rid, cache salts, LoRA adapters, stream...);
+- fields naming a feature radixgen lacks (images, hidden states, disaggregation...): accepted only
   when empty (null / false / 0 / [] / {} / a list of those), any other value is a 400 naming the feature;
 - anything else (a field no version of the protocol has) is a 400, as is a value of the wrong type:
   strict mode, no coercion (`"max_new_tokens": "10"` and `input_ids: [true]` are errors).
@@ -163,8 +163,7 @@ _GENERATE_FEATURES = {
     "return_indexer_topk": "indexer top-k (return_indexer_topk) is",
     "session_params": "sessions (session_params) are",
     "session_id": "sessions (session_id) are",
-    "lora_path": "LoRA adapters (lora_path) are",
-    "lora_id": "LoRA adapters (lora_id) are",
+    "lora_id": "LoRA adapter ids (lora_id; name the adapter with lora_path) are",
     "custom_logit_processor": "custom logit processors (custom_logit_processor) are",
     "positional_embed_overrides": "embedding overrides (positional_embed_overrides) are",
     "bootstrap_host": "prefill/decode disaggregation (bootstrap_host) is",
@@ -207,6 +206,7 @@ class GenerateRequest(_Strict):
     no_logs: bool = False  # radixgen never logs request contents: honoured either way
     cache_salt: str | list[str] | None = None  # requests share cached prefixes only with the same salt
     extra_key: str | list[str] | None = None  # SGLang's other cache namespace key: joined to the salt
+    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (per prompt in a list)
     routed_dp_rank: int | None = None  # one data-parallel rank here: only 0
     data_parallel_rank: int | None = None
     # features radixgen lacks: only empty values
@@ -240,7 +240,6 @@ class GenerateRequest(_Strict):
     return_indexer_topk: Any = None
     session_params: Any = None
     session_id: Any = None
-    lora_path: Any = None
     lora_id: Any = None
     custom_logit_processor: Any = None
     positional_embed_overrides: Any = None
@@ -283,7 +282,7 @@ class GenerateRequest(_Strict):
                 raise ValueError(f"{name}: this server has one data-parallel rank (0)")
         size = self.batch_size
         for name in ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt",
-                     "extra_key", "sampling_params"):
+                     "extra_key", "lora_path", "sampling_params"):
             value = getattr(self, name)
             if isinstance(value, list) and (size is None or len(value) != size):
                 raise ValueError(f"{name}: a list needs a batch of prompts of the same length "
@@ -305,6 +304,31 @@ class GenerateRequest(_Strict):
             return len(self.text) if isinstance(self.text, list) else None
         ids = self.input_ids or []
         return len(ids) if ids and isinstance(ids[0], list) else None
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+class _LoRABody(_Strict):
+    lora_id: str | None = None  # SGLang assigns it itself; only null here
+
+    @model_validator(mode="after")
+    def _no_id(self) -> _LoRABody:
+        if self.lora_id is not None:
+            raise ValueError("lora_id: adapters are known by lora_name here (send null)")
+        return self
+
+
+class LoadLoRAAdapterRequest(_LoRABody):
+    """SGLang's /load_lora_adapter body: serve the PEFT folder `lora_path` as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # never replaced in the adapter pool
+
+
+class UnloadLoRAAdapterRequest(_LoRABody):
+    lora_name: str
 
 
 # ---------------------------------------------------------------- other routes

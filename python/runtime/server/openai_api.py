@@ -69,24 +69,60 @@ class OpenAIServing:
             "max_model_len": self.context_length,
         }
 
+    def adapter_card(self, name: str, path: str) -> dict:
+        """A LoRA adapter served over the base model: its id is the `model` that selects it."""
+        return {**self.model_card(), "id": name, "root": path, "parent": self.model_name}
+
     def list_models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        adapters = self.engine.lora_adapters or {}
+        return {"object": "list", "data": [self.model_card(), *(self.adapter_card(n, p) for n, p in adapters.items())]}
 
     def retrieve_model(self, model_id: str) -> dict:
-        if model_id != self.model_name:  # a lookup by name: only the served name exists
+        adapters = self.engine.lora_adapters or {}
+        if model_id in adapters:
+            return self.adapter_card(model_id, adapters[model_id])
+        if model_id != self.model_name:  # a lookup by name: only the served name and the adapters exist
             raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
         return self.model_card()
 
     # ------------------------------------------------------------ shared request building
 
-    def admit(self, req: SamplingFields) -> None:
-        """Checks every /v1 request passes first: the model name (when strict), and a debug note of the
-        fields it sets that change nothing here."""
-        if self.strict_model_name and req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    def admit(self, req: SamplingFields) -> str | list[str | None] | None:
+        """Checks every /v1 request passes first: the model name, and a debug note of the fields it sets that
+        change nothing here. Returns the request's LoRA adapter(s) (None: the base model; see lora_of)."""
+        lora = self.lora_of(req)
         ignored = req.no_effect_fields()
         if ignored and logger.isEnabledFor(logging.DEBUG):
             logger.debug("fields with no effect here: %s", {f: NO_EFFECT[f] for f in ignored})
+        return lora
+
+    def lora_of(self, req: SamplingFields) -> str | list[str | None] | None:
+        """The adapter a request runs on: `model` naming a loaded LoRA adapter (or SGLang's "base:adapter"), or
+        SGLang's `lora_path` extra field. With LoRA enabled, any other model than the served one is a 404 (it
+        would otherwise run silently on the base model); without, only when the names are strict."""
+        adapters = self.engine.lora_adapters
+        model, chosen = req.model, None
+        if model is not None and model != self.model_name:
+            base, sep, name = model.partition(":")
+            if adapters is not None and model in adapters:
+                chosen = model
+            elif adapters is not None and sep and base == self.model_name and name in adapters:
+                chosen = name
+            elif adapters is not None or self.strict_model_name:
+                known = ", ".join([self.model_name, *adapters]) if adapters else self.model_name
+                raise APIError(404, f"The model `{model}` does not exist (served: {known}).", "model",
+                               "model_not_found")
+        if req.lora_path is not None:
+            if chosen is not None and req.lora_path != chosen:
+                raise bad_request(f"lora_path: {req.lora_path!r} differs from the adapter the model names "
+                                  f"({chosen!r})", "lora_path")
+            return req.lora_path
+        return chosen
+
+    def response_model(self, req: SamplingFields) -> str:
+        """The `model` of a response: the adapter the request runs on, else the served model."""
+        lora = self.lora_of(req)
+        return lora if isinstance(lora, str) else self.model_name
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, on the Engine's tokenizer threads: a huge prompt must not stall the other
@@ -160,8 +196,12 @@ class OpenAIServing:
         return {kind: json.dumps(value) if isinstance(value, dict) else value}
 
     def jobs(
-        self, prompts: list[list[int]], req: SamplingFields, sp: list[dict], rid: str, **kw
+        self, prompts: list[list[int]], req: SamplingFields, sp: list[dict], rid: str,
+        lora: str | list[str | None] | None = None, **kw
     ) -> list[Job]:
+        """One engine request per (prompt, choice); `lora`: the adapter (admit's answer), or one per prompt."""
+        if isinstance(lora, list) and len(lora) != len(prompts):
+            raise bad_request(f"lora_path: got {len(lora)} for {len(prompts)} prompts", "lora_path")
         n = req.n
         out = []
         seeds = choice_seeds(req.seed, n)  # distinct, reproducible samples per choice
@@ -172,7 +212,8 @@ class OpenAIServing:
                     params["seed"] = seeds[j]
                 k = p * n + j
                 job_rid = rid if len(prompts) * n == 1 else f"{rid}-{k}"
-                kwargs = {"input_ids": ids, "sampling_params": params, "cache_salt": req.cache_salt, **kw}
+                kwargs = {"input_ids": ids, "sampling_params": params, "cache_salt": req.cache_salt,
+                          "lora_path": lora[p] if isinstance(lora, list) else lora, **kw}
                 out.append(Job(k, p, job_rid, kwargs))
         return out
 

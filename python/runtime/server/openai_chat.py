@@ -150,7 +150,7 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrived = time.perf_counter()
         api = self.api
-        api.admit(req)
+        lora = api.admit(req)
         choice = req.effective_tool_choice
         with_tools = bool(req.tools) and choice != "none"
         ids = await self.prompt(req, with_tools)
@@ -171,6 +171,7 @@ class ChatServing:
             req,
             [sp],
             rid,
+            lora=lora,
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
             logprob_start_len=-1,
@@ -196,7 +197,7 @@ class ChatServing:
                 "id": rid,
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": api.model_name,
+                "model": api.response_model(req),
                 "choices": choices,
                 "usage": api.usage(outs, req.n),
             }
@@ -227,7 +228,8 @@ class ChatServing:
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.api.model_name}
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.api.response_model(req)}
 
         def chunk(index: int, delta: dict, lp: list | None = None, finish: str | None = None) -> bytes:
             logprobs = None if lp is None else {"content": lp, "refusal": None}

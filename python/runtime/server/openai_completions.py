@@ -44,7 +44,7 @@ class CompletionServing:
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         arrived = time.perf_counter()
         api = self.api
-        api.admit(req)
+        lora = api.admit(req)
         prompts, texts = await self.prompts(req)
         for ids in prompts:
             if not ids:
@@ -61,6 +61,7 @@ class CompletionServing:
             req,
             sps,
             rid,
+            lora=lora,
             return_logprob=want_lp,
             top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if (want_lp and req.echo) else -1,
@@ -90,7 +91,7 @@ class CompletionServing:
                 "id": rid,
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": api.model_name,
+                "model": api.response_model(req),
                 "choices": choices,
                 "usage": api.usage(outs, req.n),
             }
@@ -130,7 +131,8 @@ class CompletionServing:
         created = int(time.time())
         want_lp = req.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.api.model_name}
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.api.response_model(req)}
 
         def chunk(index: int, text: str, lp: dict | None, finish: str | None) -> bytes:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}

@@ -84,7 +84,7 @@ class SamplingFields(_Strict):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     rid: str | None = None
-    lora_path: str | list[str | None] | None = None
+    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter (as `model` may name it)
     session_params: dict[str, Any] | None = None
     return_hidden_states: bool = False
 
@@ -97,7 +97,6 @@ class SamplingFields(_Strict):
         _refuse_if_set(
             self,
             {
-                "lora_path": "LoRA adapters",
                 "session_params": "sessions",
                 "return_hidden_states": "returning hidden states",
             },

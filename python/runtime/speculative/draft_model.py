@@ -34,8 +34,11 @@ class DraftModelDrafter:
         if load_tokenizer(cfg.speculative_draft_model).get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"speculative_draft_model {cfg.speculative_draft_model!r}: its tokenizer's vocabulary "
                              "differs from the target model's; a draft model must share the target's vocabulary")
+        # the draft model drafts with its own weights only: a request's LoRA adapter is the target's, whose
+        # verification keeps exactly the target's (adapted) tokens whatever the draft proposes
         draft_cfg = dataclasses.replace(cfg, model=cfg.speculative_draft_model, speculative_algorithm="none",
-                                        speculative_draft_model=None, context_length=target.context_length,
+                                        speculative_draft_model=None, enable_lora=False, lora_paths=(),
+                                        context_length=target.context_length,
                                         max_total_tokens=target.kv_pool.num_slots - 1)
         self.runner = ModelRunner(draft_cfg, req_to_slot=target.req_to_slot)
         self.vocab_size = min(self.runner.vocab_size, target.vocab_size)  # beyond: padding rows of either model
@@ -46,7 +49,7 @@ class DraftModelDrafter:
 
     def mirror(self, fi: ForwardInput) -> None:
         """The draft's K/V of an extend step the target just ran (its logits are not needed)."""
-        self.runner.forward(fi._replace(logit_rows=fi.logit_rows[:0]))
+        self.runner.forward(fi._replace(logit_rows=fi.logit_rows[:0], lora_slots=None))
 
     def draft(self, batch: Batch, lengths: list[int]) -> list[list[int]]:
         """Up to lengths[i] greedy draft tokens for each request of a decode batch, whose slots for positions

@@ -13,6 +13,9 @@ Hostile values never crash a step and never yield a token outside [0, vocab_size
 finite. A row left with no allowed token (every logit NaN / -inf, or every token masked) gets token 0 and is
 listed in `SampleOutput.failed_rows`: the caller fails that request (token 0 is only a placeholder).
 Logprobs that would be -inf or NaN are reported as LOGPROB_FLOOR, so they stay plain JSON numbers.
+
+About 420 lines: the truncations (top-k / top-p / min-p) share one sorted-candidates pass with the draw, and
+splitting them from it would pass that pass's intermediate tensors across modules.
 """
 
 from __future__ import annotations

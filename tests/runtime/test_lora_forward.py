@@ -56,13 +56,14 @@ def steps(runner: ModelRunner, prompts: list[list[int]], adapters: list[str | No
     pos = torch.cat([torch.arange(n) for n in lens])
     logit_rows = torch.arange(sum(lens)) if logits_of_all else torch.tensor(lens).cumsum(0) - 1
     out = [runner.forward(ForwardInput(ids, pos, torch.cat(slots), torch.tensor(rows), [0] * len(lens), lens,
-                                       logit_rows, slots_of))]
+                                       logit_rows, lora_slots=slots_of))]
     for tokens in forced:
         s = kv.allocator.allocate(len(rows))
         for i, row in enumerate(rows):
             kv.table.write(row, lens[i], s[i:i + 1])
         out.append(runner.forward(ForwardInput(torch.tensor(tokens), torch.tensor(lens), s, torch.tensor(rows),
-                                               list(lens), [1] * len(rows), torch.arange(len(rows)), slots_of)))
+                                               list(lens), [1] * len(rows), torch.arange(len(rows)),
+                                               lora_slots=slots_of)))
         lens = [n + 1 for n in lens]
     for row in rows:
         kv.table.free(row)
@@ -161,7 +162,7 @@ def test_kept_rows_with_adapters_are_bit_exact(arch_adapters):
         for row, s in zip(rows, slots, strict=True):
             kv.table.write(row, 0, s)
         out = runner.forward(ForwardInput(ids, pos, torch.cat(slots), torch.tensor(rows), [0] * 3, lens,
-                                          torch.tensor(logit_rows), uses))
+                                          torch.tensor(logit_rows), lora_slots=uses))
         for row in rows:
             kv.table.free(row)
         return out

@@ -11,8 +11,9 @@ One request never takes the scheduler down: an exception while taking in, admitt
 fails that request alone (an abort with a message and status code 400 for a ValueError, else 500); a failed
 forward fails the requests of its batch. `finish` is the one way a request ends, and it always reports.
 
-About 440 lines: admission, decode and retraction hold their LoRA slot calls beside their KV ones, which
-keeps each request's two resources paired in one place.
+About 470 lines: admission, decode and retraction hold their LoRA slot calls beside their KV ones, which
+keeps each request's two resources paired in one place, and the step has its speculative stage (draft, then
+verify) beside the forward it wraps.
 """
 
 from __future__ import annotations

@@ -4,25 +4,26 @@ decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu_f
 Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
 adds on top (a Python call, a tensor allocation and a thread fork/join per op, a cold start of every matmul)
 is most of the rest of the step. The fused step runs the same math with the same bf16 roundings inside one
-OpenMP team, LM head included, on its own copy of the matmul weights in a layout its kernel streams at 45-55
-GB/s here (oneDNN reaches about 20-30 on the same matrices at batch 1). Larger batches, prefill and float32
-keep the unfused path.
+OpenMP team, LM head and embedding gather included, reading the linear layers' own packed weights
+(radixgen.kernels.cpu_linear: bf16 K pairs, which its kernel streams at 45-55 GB/s here where oneDNN reaches
+about 20-30 on the same matrices at batch 1, or int8 / int4 dequantized in registers). Larger batches, prefill,
+float32 and layers in another layout (fp8, GPTQ's activation order) keep the unfused path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixgen.kernels import cpu_fused
+from radixgen.kernels import cpu_fused, cpu_linear
 from radixgen.kernels.cpu import CKernels
 
 MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even at 96, slower at 128
 
 
 class FusedDecode:
-    def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, embed: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, scale: float) -> None:
-        self.kl, self.weights, self.embed, self.cos_sin_cache, self.scale = kl, weights, embed, cos_sin_cache, scale
+    def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, cos_sin_cache: torch.Tensor,
+                 scale: float) -> None:
+        self.kl, self.weights, self.cos_sin_cache, self.scale = kl, weights, cos_sin_cache, scale
 
     @classmethod
     def build(cls, model, kv_pool, kl: CKernels) -> FusedDecode | None:
@@ -37,24 +38,35 @@ class FusedDecode:
         # per-head q/k norms are supported in Qwen3's form (q_norm / k_norm RMSNorms), no other override
         qk_norms = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         if ((type(attn).qk_norm is not LlamaAttention.qk_norm and not qk_norms)
-                or model.embed_tokens.weight.dtype != torch.bfloat16 or not model.embed_tokens.weight.is_cpu
+                or model.norm.weight.dtype != torch.bfloat16 or not model.norm.weight.is_cpu
                 or attn.head_dim > kl.d_max):
             return None
+
+        def packed(layer):  # the layer's own weight as the C matmuls read it, or None
+            return layer.method.packed_weight(layer)
+
         layers = []
         for i, layer in enumerate(model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            layers.append({"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.weight,
-                           "qkv_bias": a.qkv_proj.bias, "o": a.o_proj.weight,
-                           "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
-                           "down": mlp.down_proj.weight, "k_buf": kv_pool.k_buffers[i], "v_buf": kv_pool.v_buffers[i],
-                           "q_norm": a.q_norm.weight if qk_norms else None,
+            matmuls = {"qkv": packed(a.qkv_proj), "o": packed(a.o_proj), "gate_up": packed(mlp.gate_up_proj),
+                       "down": packed(mlp.down_proj)}
+            if any(w is None for w in matmuls.values()):
+                return None
+            layers.append({"input_norm": layer.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias, **matmuls,
+                           "post_norm": layer.post_attention_layernorm.weight, "k_buf": kv_pool.k_buffers[i],
+                           "v_buf": kv_pool.v_buffers[i], "q_norm": a.q_norm.weight if qk_norms else None,
                            "k_norm": a.k_norm.weight if qk_norms else None})
+        table = model.embed_tokens.table
+        embed = packed(table) if table is model.lm_head else cpu_linear.pack_rows(table.weight)
+        lm_head = packed(model.lm_head)
+        if embed is None or lm_head is None:
+            return None
         cfg = model.config
         weights = cpu_fused.DecodeStepWeights(
             kl, layers, model.norm.weight, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-            lm_head=model.lm_head.weight)
-        return cls(kl, weights, model.embed_tokens.weight, attn.rotary.cos_sin_cache, attn.attn.scale)
+            head_dim=attn.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, embed=embed,
+            lm_head=lm_head)
+        return cls(kl, weights, attn.rotary.cos_sin_cache, attn.attn.scale)
 
     def applies(self, extend_lens: list[int]) -> bool:
         """Whether a step with these per-request new-token counts is a decode step the fused path takes."""
@@ -66,11 +78,11 @@ class FusedDecode:
         its usual price right after the step has streamed the weights through the caches."""
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
-        _, logits = cpu_fused.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
-                                            req_to_slot, rows, max(fi.prefix_lens) + 1, self.scale)
+        _, logits = cpu_fused.decode_step(self.kl, self.weights, ids, pos, self.cos_sin_cache, slots, req_to_slot,
+                                          rows, max(fi.prefix_lens) + 1, self.scale)
         return logits.index_select(0, fi.logit_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The float32 logits of up to MAX_BATCH bf16 final hidden states on the step's packed LM head (a prefill's
-        sampled rows): oneDNN streams the head at about half the speed at so few rows."""
+        """The float32 logits of up to MAX_BATCH bf16 final hidden states on the step's LM head (a prefill's sampled
+        rows), straight into float32 (the head's C matmul writes the bf16-rounded logits widened)."""
         return cpu_fused.lm_head_logits(self.kl, self.weights, hidden)

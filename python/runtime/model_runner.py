@@ -14,8 +14,9 @@ from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, new_req_to_slot_table
+from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
-from radixgen.runtime.loader import load_weights, read_hf_config, resolve_model_path
+from radixgen.runtime.loader import is_gguf_native, load_weights, read_hf_config, resolve_model_path
 from radixgen.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,15 @@ def keep_freed_host_memory() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RuntimeConfig, model_path=None) -> None:
+    def __init__(self, cfg: RuntimeConfig, model_path=None, ops: TorchOps | None = None) -> None:
+        """ops: the ops set (default: the device's, `ops_for`); tests pass TritonOps to run a CPU model on the
+        Triton kernels under TRITON_INTERPRET=1, how the CUDA path's wiring is checked without a GPU."""
         self.runtime_config = cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
-        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model)
+        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model, cfg.quantization)
         self.hf_config = read_hf_config(self.model_path)
+        self.quantization = quantization.resolve(cfg.quantization, self.hf_config, is_gguf_native(self.model_path))
         self.model_config = ModelConfig.from_hf(self.hf_config)
         mc = self.model_config
         self.context_length = cfg.context_length or min(mc.max_position_embeddings, 8192)
@@ -62,9 +66,12 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = model_class(mc.architecture)(mc)
+                self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels)  # the device's ops, chosen once
+                self.ops.prepare(model, self.quantization)  # linear methods: the parameters the checkpoint fills
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed)
+        load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed, quantized=self.quantization.method)
+        self.ops.install(model)  # each linear layer re-lays out its weight (one copy), before mallopt below
         self.model = model.eval()
         if self.device.type == "cpu":
             keep_freed_host_memory()
@@ -75,25 +82,17 @@ class ModelRunner:
         # only reads it (row `padding_row` stays all padding slots)
         self.req_to_slot = new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
-        self.fused_decode: FusedDecode | None = None
-        self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
-        logger.info("model %s loaded: %s, %d KV slots", self.model_path, self.dtype, num_slots)
+        logger.info("ops: %s (linear layers: %s)", self.ops.name, ", ".join(self.ops.linear_methods(self.model)))
+        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
+        # that does not apply)
+        kl = self.ops.kl if isinstance(self.ops, CpuOps) else None
+        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl) if kl is not None else None
+        logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots", self.model_path, self.dtype,
+                    self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.disable_cuda_graph:
             self.cuda_graph_runner = CudaGraphRunner(self)
-
-    def set_ops(self, ops: TorchOps) -> None:
-        """Install the ops set (layers/ops.py) on the model: its layers' kernels, its attention backend, its linear
-        method. __init__ installs the device's; tests switch a CPU runner to TritonOps (under TRITON_INTERPRET=1,
-        how the CUDA path's wiring is checked without a GPU) or TorchOps."""
-        self.ops = ops
-        ops.install(self.model)
-        logger.info("ops: %s (linear layers: %s)", ops.name, ops.linear_method.name)
-        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
-        # that does not apply)
-        kl = ops.kl if isinstance(ops, CpuOps) else None
-        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl) if kl is not None else None
 
     def _slots_from_memory(self) -> int:
         mc = self.model_config

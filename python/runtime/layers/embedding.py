@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from radixgen.runtime.layers.linear import DENSE, LinearMethod, TPInfo
+from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearMethod, TPInfo
 
 
 class VocabParallelEmbedding(nn.Module):
+    """A table of vocabulary rows; tied to an LM head (ParallelLMHead.tie) it has none of its own and reads the
+    rows through the head's layout, which holds the one copy of the shared weight."""
+
+    method: LinearMethod = DENSE  # how its own table is read: as loaded
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.shard = vocab_size // TPInfo.size
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+
+    @property
+    def table(self) -> nn.Module:
+        """The module whose weight holds the rows: this one, or the LM head it is tied to."""
+        return self.__dict__.get("_tied_head") or self
 
     def weight_loader(self, param, loaded, shard_id=None):
         part = loaded.narrow(0, TPInfo.rank * self.shard, self.shard)
@@ -24,23 +33,22 @@ class VocabParallelEmbedding(nn.Module):
         param.data.copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        table = self.table
+        return table.method.embed(table, ids)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> vocabulary logits; shares the embedding's weight when the model ties them."""
+class ParallelLMHead(ColumnParallelLinear):
+    """hidden -> vocabulary logits, a linear layer over the vocabulary shard (so any linear method applies); tied,
+    it is also the embedding's table."""
 
-    packed: torch.Tensor | None = None
-    bias = None
-    method: LinearMethod = DENSE
+    tied = False
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__(hidden, vocab_size, bias=False)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
-
-    def set_linear_method(self, method: LinearMethod) -> None:
-        """As LinearBase's: the (possibly tied) weight applied by `method`."""
-        self.method = method
-        method.process_weights(self)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, hidden)
+        """Share the weight with `embedding`: the checkpoint's embedding loads into this head (the model's
+        load_weights renames it), and the embedding gives up its own table."""
+        embedding.weight = None
+        embedding.__dict__["_tied_head"] = self  # not a submodule: the model holds the head already
+        self.tied = True

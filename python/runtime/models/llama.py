@@ -125,19 +125,22 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+        tied = self.config.tie_word_embeddings
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
                 continue
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            name = ckpt_name.removeprefix("model.")
+            if name == "lm_head.weight" and tied:
                 continue
+            if name == "embed_tokens.weight" and tied:  # the head holds the shared weight (ParallelLMHead.tie)
+                name = "lm_head.weight"
             shard = None
             for ckpt, (ours, shard_id) in self.stacked.items():
                 if f".{ckpt}." in name:
                     name, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
                     break
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
@@ -145,10 +148,11 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"shape mismatch for {name}: {tuple(param.shape)} vs {tuple(tensor.shape)}")
                 param.data.copy_(tensor)
             else:
-                loader(param, tensor, shard)
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} (into {name}): {e}") from e
             loaded.add(name)
-        missing = set(params) - loaded
-        if self.config.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+        missing = {n for n, p in params.items() if n not in loaded and not getattr(p, "optional", False)}
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")

@@ -70,7 +70,7 @@ def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> Quant
     if requested != (found or "none"):
         have = f"quantized with {found}" if found else "not quantized"
         where = {"gguf": "a .gguf file", "none": "an unquantized checkpoint", "int8": "a float checkpoint",
-                 "fp8": "an fp8 or float checkpoint"}.get(requested, f"a {requested} checkpoint")
+                 "fp8": "an fp8 or float checkpoint", "awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint"}[requested]
         raise ValueError(f"quantization={requested!r} needs {where}, but the checkpoint is {have}"
                          + ("" if found is None or found == "gguf" else " (config.json quantization_config)"))
     if requested == "awq":

@@ -47,9 +47,11 @@ def _dequant_matmul_kernel(
             s = tl.load(S + g[:, None] * N + rn[None, :], mask=wm, other=0.0)
             w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         elif MODE == 1:  # GPTQ: input row k is nibble k % 8 of packed row k // 8; its group is g_idx[k]
-            q = (tl.load(W + (rk[:, None] // 8) * N + rn[None, :], mask=wm, other=0) >> ((rk[:, None] % 8) * 4)) & 15
+            packed = tl.load(W + (rk[:, None] // 8) * N + rn[None, :], mask=wm, other=0)
+            q = (packed >> ((rk[:, None] % 8) * 4)) & 15
             g = tl.load(G + rk, mask=mk, other=0)
-            z = (tl.load(Z + g[:, None] * (N // 8) + rn[None, :] // 8, mask=wm, other=0) >> ((rn[None, :] % 8) * 4)) & 15
+            zeros = tl.load(Z + g[:, None] * (N // 8) + rn[None, :] // 8, mask=wm, other=0)
+            z = (zeros >> ((rn[None, :] % 8) * 4)) & 15
             s = tl.load(S + g[:, None] * N + rn[None, :], mask=wm, other=0.0)
             w = ((q - (z + zero_offset)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         else:  # int8 / fp8 values (N, K), scaled per output column after the loop

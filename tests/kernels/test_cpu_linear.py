@@ -27,12 +27,12 @@ def layouts(n: int, k: int, group: int, gen: torch.Generator) -> dict:
     s4 = (torch.rand(n, k // group, generator=gen) * 0.1).half().float()  # fp16 exactly: stored as fp16
     m4 = (torch.randn(n, k // group, generator=gen) * 0.1).half().float()
     z4 = torch.randint(0, 17, (n, k // group), generator=gen).float()  # 16: GPTQ v1's stored 15 + 1
-    rep = torch.Tensor.repeat_interleave
+    s, m, z = (t.repeat_interleave(group, 1) for t in (s4, m4, z4))
     return {
         "bf16": (cpu_linear.pack_bf16(w), w.bfloat16().float()),
-        "int8": (cpu_linear.pack_int8(q8, s8, 16), q8.float() * rep(s8, 16, 1)),
-        "int4 offsets": (cpu_linear.pack_int4(q4, s4, m4, group, False), q4.float() * rep(s4, group, 1) + rep(m4, group, 1)),
-        "int4 zero points": (cpu_linear.pack_int4(q4, s4, z4, group, True), rep(s4, group, 1) * (q4.float() - rep(z4, group, 1))),
+        "int8": (cpu_linear.pack_int8(q8, s8, 16), q8.float() * s8.repeat_interleave(16, 1)),
+        "int4 offsets": (cpu_linear.pack_int4(q4, s4, m4, group, False), q4.float() * s + m),
+        "int4 zero points": (cpu_linear.pack_int4(q4, s4, z4, group, True), s * (q4.float() - z)),
     }
 
 

@@ -70,7 +70,8 @@ def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> Quant
     if requested != (found or "none"):
         have = f"quantized with {found}" if found else "not quantized"
         where = {"gguf": "a .gguf file", "none": "an unquantized checkpoint", "int8": "a float checkpoint",
-                 "fp8": "an fp8 or float checkpoint", "awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint"}[requested]
+                 "fp8": "an fp8 or float checkpoint", "awq": "an AWQ checkpoint",
+                 "gptq": "a GPTQ checkpoint"}[requested]
         raise ValueError(f"quantization={requested!r} needs {where}, but the checkpoint is {have}"
                          + ("" if found is None or found == "gguf" else " (config.json quantization_config)"))
     if requested == "awq":
@@ -112,7 +113,8 @@ def linear_method(ops: str, spec: QuantSpec, layer, kl):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """The bytes a loaded model's weights take, each in the one layout its layer holds."""
+    """The bytes a loaded model's weights take, each in the one layout its layer holds (tables derived from the
+    config, such as the rotary one, are not weights)."""
     from radixgen.runtime.layers.linear import LinearBase
 
     total = 0
@@ -120,6 +122,5 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(m, LinearBase):
             total += m.method.nbytes(m)
         else:
-            total += sum(t.numel() * t.element_size() for t in (*m.parameters(recurse=False),
-                                                                *m.buffers(recurse=False)))
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     return total

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from radixgen.runtime.layers.linear import LinearMethod, new_param
+from radixgen.runtime.layers.linear import LinearMethod, RowParallelLinear, TPInfo, new_param
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear, Format, QuantizedWeight, TorchQuantizedLinear
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -58,10 +58,17 @@ class GPTQFormat(Format):
         """(in / group, out) float32 zero points."""
         return unpack_cols(layer.qzeros.data).float() + self.zero_offset
 
+    def local_groups(self, layer) -> torch.Tensor:
+        """g_idx as indices of the layer's own scales: a row-parallel rank holds the groups from its first on."""
+        groups = layer.g_idx.data.long()
+        if isinstance(layer, RowParallelLinear) and TPInfo.size > 1:
+            groups = groups - TPInfo.rank * (layer.in_features // self.group(layer))
+        return groups
+
     def quantized(self, layer):
         k, g = layer.in_features, self.group(layer)
         q = unpack_rows(layer.qweight.data)  # (in, out)
-        groups = layer.g_idx.data.long()
+        groups = self.local_groups(layer)
         perm = None
         if not torch.equal(groups, torch.arange(k) // g):
             perm = torch.argsort(groups, stable=True)
@@ -85,6 +92,9 @@ class TritonGPTQLinear(LinearMethod):
 
     def create_weights(self, layer):
         self.fmt.create_weights(layer)
+
+    def process_weights(self, layer):
+        layer.g_idx.data = self.fmt.local_groups(layer).int()
 
     def apply(self, layer, x):
         from radixgen import kernels

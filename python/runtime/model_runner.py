@@ -24,14 +24,8 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-def keep_freed_host_memory() -> bool:
-    """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse instead of returning them to the kernel.
-
-    By default every block over 128 KiB is mmap'ed on allocation and unmapped on release, so each of a forward
-    pass's activation tensors (a 1024-token prefill makes about 15 MB of them per layer) starts as fresh pages
-    that the kernel faults in and zeroes: about 15,000 page faults and 5-8% of the prefill on this CPU. With the
-    thresholds raised, the blocks are reused from one op, layer and step to the next, the way the caching
-    allocators of GPU runtimes work. Process-wide and idempotent; False where the C library is not glibc."""
+def _mallopt(settings: dict[int, int]) -> bool:
+    """glibc malloc settings (mallopt parameter -> value), process-wide; False where the C library is not glibc."""
     import ctypes
     import ctypes.util
 
@@ -40,7 +34,28 @@ def keep_freed_host_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return all(bool(mallopt(param, value)) for param, value in settings.items())
+
+
+def map_large_blocks() -> bool:
+    """While the weights load: every block over 64 KiB its own mapping, given back to the kernel when freed.
+
+    glibc otherwise raises its mmap threshold to the size of each large block freed, so after the first few
+    loading temporaries (a checkpoint tensor, a dequantized or repacked weight) the next ones come from the heap,
+    between the layouts that stay; freed, they cannot be returned, and the process keeps them resident (about
+    200 MB for the bundled model's GGUF blocks)."""
+    return _mallopt({_M_MMAP_THRESHOLD: 64 << 10})
+
+
+def keep_freed_host_memory() -> bool:
+    """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse instead of returning them to the kernel.
+
+    By default every block over 128 KiB is mmap'ed on allocation and unmapped on release, so each of a forward
+    pass's activation tensors (a 1024-token prefill makes about 15 MB of them per layer) starts as fresh pages
+    that the kernel faults in and zeroes: about 15,000 page faults and 5-8% of the prefill on this CPU. With the
+    thresholds raised, the blocks are reused from one op, layer and step to the next, the way the caching
+    allocators of GPU runtimes work. Process-wide and idempotent; False where the C library is not glibc."""
+    return _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30})
 
 
 class ModelRunner:
@@ -61,6 +76,8 @@ class ModelRunner:
                              f"max_position_embeddings={mc.max_position_embeddings}")
 
         # parameters are allocated uninitialized, directly on the device and in the target dtype
+        if self.device.type == "cpu":
+            map_large_blocks()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -102,6 +119,12 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def memory_info(self) -> dict:
+        """What the weights (each in its one layout) and the KV pool's buffers take, in bytes; the weight format."""
+        kv = sum(t.numel() * t.element_size() for t in (*self.kv_pool.k_buffers, *self.kv_pool.v_buffers))
+        return {"weight_bytes": quantization.weight_bytes(self.model), "kv_pool_bytes": kv,
+                "quantization": str(self.quantization)}
 
     def cuda_graph_info(self) -> dict:
         g = self.cuda_graph_runner

@@ -192,6 +192,7 @@ class Scheduler:
             "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
             "cuda_graph": self.runner.cuda_graph_info(),
+            "memory": self.runner.memory_info(),
         }
 
     # ------------------------------------------------------------------ admission (extend)

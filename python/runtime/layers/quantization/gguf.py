@@ -143,7 +143,7 @@ class Decoded(Format):
         return self.qw
 
     def drop(self, layer):
-        pass
+        self.qw = None  # the method holds its own layout now
 
 
 def _part_order(layer) -> list:

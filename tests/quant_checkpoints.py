@@ -62,13 +62,18 @@ def pack_along_rows(v: torch.Tensor) -> torch.Tensor:
     return pack_along_cols(v.t().contiguous()).t().contiguous()
 
 
-def _copy_model(arch: str, out: Path) -> tuple[dict, dict]:
+def _copy_model(arch: str, out: Path) -> tuple[dict, dict, dict]:
+    """The tiny model's files but its weights into `out`: (its other tensors, its linear layers' weights by name,
+    its config)."""
     src = tiny_model_dir(arch)
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name not in ("DONE", "model.safetensors"):
             shutil.copy(f, out / f.name)
-    return load_file(str(src / "model.safetensors")), json.loads((src / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    linear = {n: t for n, t in state.items() if n.endswith(".weight") and n.rsplit(".", 2)[-2] in LINEARS}
+    others = {n: t for n, t in state.items() if n not in linear}
+    return others, linear, json.loads((src / "config.json").read_text())
 
 
 def _finish(out: Path, tensors: dict, config: dict, quant: dict | None) -> None:
@@ -79,12 +84,9 @@ def _finish(out: Path, tensors: dict, config: dict, quant: dict | None) -> None:
 
 
 def write_awq(out: Path, arch: str = "llama", group: int = 32, config_group: int | None = None):
-    state, config = _copy_model(arch, out)
-    tensors, dense = {}, {}
-    for name, t in state.items():
-        if name.rsplit(".", 2)[-2] not in LINEARS or not name.endswith(".weight"):
-            tensors[name] = t
-            continue
+    tensors, linear, config = _copy_model(arch, out)
+    dense = {}
+    for name, t in linear.items():
         k = t.shape[1]
         q, z, s, d = quantize_groups(t.float(), torch.arange(k) // group, k // group)
         base = name.removesuffix(".weight")
@@ -100,15 +102,12 @@ def write_awq(out: Path, arch: str = "llama", group: int = 32, config_group: int
 def write_gptq(out: Path, arch: str = "llama", group: int = 32, act_order: bool = False, v2: bool = False):
     """GPTQ with `group`; act_order: every linear's groups over a permuted column order (the same permutation
     for the projections that share an input, as GPTQ's activation order gives them)."""
-    state, config = _copy_model(arch, out)
+    tensors, linear, config = _copy_model(arch, out)
     gen = torch.Generator().manual_seed(7)
     perms: dict[tuple[str, int], torch.Tensor] = {}
-    tensors, dense = {}, {}
-    for name, t in state.items():
+    dense = {}
+    for name, t in linear.items():
         proj = name.rsplit(".", 2)[-2]
-        if proj not in LINEARS or not name.endswith(".weight"):
-            tensors[name] = t
-            continue
         k = t.shape[1]
         shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj)
         key = (name.rsplit(".", 3)[0] + shared_input, k)
@@ -133,15 +132,11 @@ def write_gptq(out: Path, arch: str = "llama", group: int = 32, act_order: bool 
 
 def write_fp8(out: Path, arch: str = "llama"):
     """FP8 weights: per-tensor scales for attention, per-channel (out, 1) for the MLP."""
-    state, config = _copy_model(arch, out)
-    tensors, dense = {}, {}
-    for name, t in state.items():
-        proj = name.rsplit(".", 2)[-2]
-        if proj not in LINEARS or not name.endswith(".weight"):
-            tensors[name] = t
-            continue
+    tensors, linear, config = _copy_model(arch, out)
+    dense = {}
+    for name, t in linear.items():
         w = t.float()
-        per_channel = proj in ("gate_proj", "up_proj", "down_proj")
+        per_channel = name.rsplit(".", 2)[-2] in ("gate_proj", "up_proj", "down_proj")
         amax = w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax()
         scale = (amax / 448).float()
         values = (w / scale).to(torch.float8_e4m3fn)

@@ -159,6 +159,7 @@ static rg_status linear_portable(const rg_weight *w, const float *xf, int64_t M,
 
 /* ------------------------------------------------------------------------- AVX512-BF16 decode and prefill */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <omp.h>
 
 #define GEMV_PREFETCH 1024 /* bytes ahead within each weight stream, into L2: a T0 prefetch ties up one of the
                             * few L1 miss buffers for a whole DRAM round trip and capped the stream at ~30 GB/s */
@@ -467,30 +468,23 @@ rg_status rg_linear_bf16(const rg_weight *w, const uint16_t *x, int64_t M, const
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     const int64_t K = w->K;
     const int gemm = M > GEMV_MAX_M;
-    /* per thread: the dequantized panel of the GEMM, or the group sums of the gemv on int4 weights */
-    const size_t bytes = gemm ? (w->kind == RG_W_BF16 ? 0 : sizeof(uint16_t) * (size_t)(GEMM_NC * K * 16))
-                              : (w->kind == RG_W_INT4 ? sizeof(float) * (size_t)(M * (K / w->group)) : 0);
-    int failed = 0;
-#pragma omp parallel
+    /* per thread: the dequantized panel of the GEMM, or the group sums of the gemv on int4 weights; one
+     * allocation for the team, made before it starts */
+    const size_t bytes = gemm ? (w->kind == RG_W_BF16 ? 0 : rg_span(GEMM_NC * K * 16, sizeof(uint16_t)))
+                              : (w->kind == RG_W_INT4 ? rg_span(M * (K / w->group), sizeof(float)) : 0);
+    const int threads = omp_get_max_threads();
+    char *scratch = bytes ? (char *)malloc(bytes * (size_t)threads) : NULL;
+    if (bytes && !scratch) return RG_ERR_ALLOC;
+#pragma omp parallel num_threads(threads)
     {
-        void *mine = bytes ? malloc(bytes) : NULL;
-        if (bytes && !mine) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        int stop;
-#pragma omp atomic read
-        stop = failed;
-        if (!stop) { /* the same answer in every thread: all of them meet the worksharing loops, or none */
-            if (gemm)
-                gemm_team_bf16(w, x, M, bias, y, yf, (uint16_t *)mine);
-            else
-                linear_team_bf16(w, x, M, bias, y, yf, (float *)mine);
-        }
-        free(mine);
+        void *mine = scratch ? scratch + bytes * (size_t)omp_get_thread_num() : NULL;
+        if (gemm)
+            gemm_team_bf16(w, x, M, bias, y, yf, (uint16_t *)mine);
+        else
+            linear_team_bf16(w, x, M, bias, y, yf, (float *)mine);
     }
-    return failed ? RG_ERR_ALLOC : RG_OK;
+    free(scratch);
+    return RG_OK;
 #else
     const int64_t K = w->K;
     float *xf = widen_bf16(x, M * K), *bf = widen_bf16(bias, w->N);

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from radixgen.runtime.layers.linear import LinearMethod, new_param
-from radixgen.runtime.layers.quantization.base import CpuPackedLinear, Format, QuantizedWeight, TorchQuantizedLinear
+from radixgen.runtime.layers.linear import new_param
+from radixgen.runtime.layers.quantization.base import (
+    CheckpointLinear,
+    CpuPackedLinear,
+    Format,
+    QuantizedWeight,
+    TorchQuantizedLinear,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -55,16 +61,10 @@ class AWQFormat(Format):
         layer.qweight = layer.qzeros = layer.scales = None
 
 
-class TritonAWQLinear(LinearMethod):
+class TritonAWQLinear(CheckpointLinear):
     """CUDA: the checkpoint's tensors as loaded, through the Triton AWQ dequantizing matmul."""
 
     name = "awq (triton)"
-
-    def __init__(self, fmt: AWQFormat) -> None:
-        self.fmt = fmt
-
-    def create_weights(self, layer):
-        self.fmt.create_weights(layer)
 
     def apply(self, layer, x):
         from radixgen import kernels
@@ -72,9 +72,6 @@ class TritonAWQLinear(LinearMethod):
         y = kernels.awq_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.qzeros, layer.scales,
                                self.fmt.group(layer), layer.bias)
         return y.view(*x.shape[:-1], layer.out_features)
-
-    def dequantize(self, layer):
-        return self.fmt.quantized(layer).dequantize()
 
 
 def method(ops: str, spec, layer, kl):

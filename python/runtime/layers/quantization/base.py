@@ -93,6 +93,19 @@ class Format:
         layer.weight = None
 
 
+class CheckpointLinear(LinearMethod):
+    """A method over a format's checkpoint tensors as loaded (the CUDA kernels read them so); subclasses apply."""
+
+    def __init__(self, fmt: Format) -> None:
+        self.fmt = fmt
+
+    def create_weights(self, layer):
+        self.fmt.create_weights(layer)
+
+    def dequantize(self, layer):
+        return self.fmt.quantized(layer).dequantize()
+
+
 def _rows_2d(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, layer.in_features)
 

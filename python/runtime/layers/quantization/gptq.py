@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from radixgen.runtime.layers.linear import LinearMethod, RowParallelLinear, TPInfo, new_param
-from radixgen.runtime.layers.quantization.base import CpuPackedLinear, Format, QuantizedWeight, TorchQuantizedLinear
+from radixgen.runtime.layers.linear import RowParallelLinear, TPInfo, new_param
+from radixgen.runtime.layers.quantization.base import (
+    CheckpointLinear,
+    CpuPackedLinear,
+    Format,
+    QuantizedWeight,
+    TorchQuantizedLinear,
+)
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -82,16 +88,10 @@ class GPTQFormat(Format):
         layer.qweight = layer.qzeros = layer.scales = layer.g_idx = None
 
 
-class TritonGPTQLinear(LinearMethod):
+class TritonGPTQLinear(CheckpointLinear):
     """CUDA: the checkpoint's tensors as loaded, through the Triton GPTQ dequantizing matmul (g_idx included)."""
 
     name = "gptq (triton)"
-
-    def __init__(self, fmt: GPTQFormat) -> None:
-        self.fmt = fmt
-
-    def create_weights(self, layer):
-        self.fmt.create_weights(layer)
 
     def process_weights(self, layer):
         layer.g_idx.data = self.fmt.local_groups(layer).int()
@@ -102,9 +102,6 @@ class TritonGPTQLinear(LinearMethod):
         y = kernels.gptq_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.qzeros, layer.scales,
                                 layer.g_idx, self.fmt.zero_offset, layer.bias)
         return y.view(*x.shape[:-1], layer.out_features)
-
-    def dequantize(self, layer):
-        return self.fmt.quantized(layer).dequantize()
 
 
 def method(ops: str, spec, layer, kl):

@@ -242,9 +242,13 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
     for (int b = 0; b < NB; ++b)
         for (int i = 0; i < MB; ++i) acc[b][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
-        __m512 ag[4][4];
-        for (int b = 0; b < NB; ++b)
+        /* the group's sums; a single input row keeps its quads' two halves apart (ah), so that each block has two
+         * independent vdpbf16ps chains: one chain of two a quad held the stream to half the memory's speed */
+        __m512 ag[4][4], ah[4];
+        for (int b = 0; b < NB; ++b) {
+            ah[b] = _mm512_setzero_ps();
             for (int i = 0; i < MB; ++i) ag[b][i] = _mm512_setzero_ps();
+        }
         const uint16_t *xg = x + m0 * K + g * G;
         if (INT4) {
             for (int64_t c = 0; c < G / 4; ++c) { /* a quad: pairs 2c and 2c+1 of the group */
@@ -256,10 +260,17 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
                 }
                 for (int i = 0; i < MB; ++i) {
                     const __m512bh x0 = bcast_pair(xg + i * K + 4 * c), x1 = bcast_pair(xg + i * K + 4 * c + 2);
-                    for (int b = 0; b < NB; ++b)
-                        ag[b][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(ag[b][i], x0, lo[b]), x1, hi[b]);
+                    for (int b = 0; b < NB; ++b) {
+                        ag[b][i] = _mm512_dpbf16_ps(ag[b][i], x0, lo[b]);
+                        if (MB == 1)
+                            ah[b] = _mm512_dpbf16_ps(ah[b], x1, hi[b]);
+                        else
+                            ag[b][i] = _mm512_dpbf16_ps(ag[b][i], x1, hi[b]);
+                    }
                 }
             }
+            if (MB == 1)
+                for (int b = 0; b < NB; ++b) ag[b][0] = _mm512_add_ps(ag[b][0], ah[b]);
             for (int b = 0; b < NB; ++b) {
                 const uint8_t *gp = wb[b] + g * gb;
                 const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gp));

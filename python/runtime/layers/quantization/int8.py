@@ -38,6 +38,9 @@ class TritonInt8Linear(LinearMethod):
     def dequantize(self, layer):
         return layer.qweight.float() * layer.weight_scale[:, None]
 
+    def embed(self, layer, ids):  # only the rows asked for
+        return (layer.qweight[ids].float() * layer.weight_scale[ids, None]).to(layer.dtype)
+
 
 def method(ops: str, spec, layer, kl):
     if ops == "cpu" and kl is not None:

@@ -3,7 +3,9 @@ at load from that bf16) and int4 (the GGUF's own Q4_1 blocks, quantization="gguf
 batch 1 and 8 over 256-token contexts and a 1024-token prefill (the engines taking turns inside each measurement
 window, the machine's copy bandwidth measured right before and after it), the scheduler process's resident memory
 against the weights' bytes, and perplexity on a fixed text written for this benchmark (data/quant_text.txt).
-Then issue 15's targets, each checked on figures of this run.
+The int8 KV cache's row comes from benchmarks/bench_kv_cache.py (`kv_cache_row`: its decode, prefill, capacity
+and perplexity against the bf16 cache, also taking turns, in this run). Then issue 15's targets, each checked on
+figures of this run.
 
     python benchmarks/bench_quant.py [--quick] [--reps N] [--windows N]
 """
@@ -21,6 +23,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the Engine's scheduler 
 
 import torch
 from bench_forward import OurModel, measure_peaks
+from bench_kv_cache import kv_cache_row
 
 from radixgen.runtime.kv_pool import KVPool
 from radixgen.runtime.layers import quantization
@@ -40,7 +43,6 @@ def engine_cases() -> dict[str, dict]:
         "bf16": {},
         "int8": {"quantization": "int8"},
         "int4": {"quantization": "gguf"},
-        # the int8 KV cache row goes here (the KV-cache dtype branch adds it when the branches are merged)
     }
 
 
@@ -183,7 +185,17 @@ def main() -> None:
         print(f"perplexity on {TEXT.name}, {what} ({n} tokens): "
               + ", ".join(f"{name} {v:.3f} ({v / p['bf16'] - 1:+.2%})" for name, v in p.items()))
 
-    engines = None  # free the in-process models before the Engines start
+    engines = None  # free the in-process models before the KV cache's and the Engines start
+    kv8 = kv_cache_row("int8", args.quick)
+    print("\nint8 KV cache (bf16 weights) against the bf16 cache, taking turns (bench_kv_cache.kv_cache_row):")
+    for key in sorted(k for k in kv8 if k.startswith("decode") and k.endswith("tok_s")):
+        case = key.removesuffix("_tok_s")
+        print(f"  {case:22} {kv8[key]:8.1f} tok/s  {kv8[case + '_vs_bf16']:.2f}x the bf16 cache")
+    print(f"  {'prefill_1024':22} {kv8['prefill_1024_tok_s']:8.1f} tok/s  {kv8['prefill_1024_vs_bf16']:.2f}x the bf16 "
+          f"cache")
+    print(f"  capacity at 2 GiB {kv8['capacity_tokens_2gb']} tokens, {kv8['capacity_vs_bf16']:.2f}x the bf16 cache's; "
+          f"perplexity {kv8['ppl']:.3f} against {kv8['ppl_bf16']:.3f} ({kv8['ppl'] / kv8['ppl_bf16'] - 1:+.2%}), "
+          f"logits' relative error {kv8['logit_rel_err_vs_bf16']:.4f}")
     floor = process_floor()
     print(f"\nresident memory of the scheduler process, after a short generation (torch, the tokenizer and the grammar "
           f"backend alone: {floor / 1e6:.1f} MB):")
@@ -208,6 +220,8 @@ def main() -> None:
           for what, p in (("prefill", ppl), ("decode", dppl))),
         *((f"int8 {what} perplexity within 5% of bf16", agree(p, "int8"), 0.95, "%")
           for what, p in (("prefill", ppl), ("decode", dppl))),
+        # 2D / (D + 2) with a bf16 scale per token and KV head: 1.94x at the bundled model's head size 64
+        ("int8 KV cache holds about 2x the tokens at the same memory (>= 1.9x)", kv8["capacity_vs_bf16"], 1.9, "x"),
         *((f"{n} resident <= 1.3 x weights + KV pool + 300 MB", (1.3 * wb + kv + 300e6) / rss, 1.0, "x")
           for n, (rss, wb, kv) in memory.items()),
         *((f"{n} resident above the process floor <= 1.3 x weights + KV pool", (1.3 * wb + kv) / (rss - floor), 1.0,

@@ -17,20 +17,18 @@ import argparse
 import asyncio
 import random
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
+from serve_proc import free_port, serve_command, start, stop
 
 WORDS = (
     "river stone market winter lantern orbit copper meadow signal harbor velvet engine garden thunder "
     "pocket silver island canvas mirror forest ladder rocket planet violin amber basket candle desert "
     "falcon glacier hammer jungle kettle lemon marble needle oyster pepper quartz ribbon saddle tunnel"
 ).split()
-START_TIMEOUT_S = 600.0
 
 
 def workload(groups: int, rounds: int, prefix_words: int, seed: int) -> list[str]:
@@ -42,39 +40,6 @@ def workload(groups: int, rounds: int, prefix_words: int, seed: int) -> list[str
         for g in range(groups)
     ]
     return [f"{prefixes[g]}\nQuestion {r}.{g}: which word comes first?" for r in range(rounds) for g in range(groups)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], url: str, name: str) -> subprocess.Popen:
-    log = tempfile.NamedTemporaryFile(prefix=f"bench-router-{name}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{name} did not become healthy; see {log.name}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def stats(worker_urls: list[str]) -> tuple[int, int]:
@@ -134,9 +99,8 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     try:
         for i, port in enumerate(ports):  # one thread each: the machine has 2 cores
-            cmd = [py, "-m", "radixgen.serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
-                   "--max-total-tokens", str(args.max_total_tokens), "--log-level", "warning"]
-            procs.append(start(cmd, worker_urls[i], f"worker{i}"))
+            cmd = serve_command(port, "--num-threads", "1", "--max-total-tokens", str(args.max_total_tokens))
+            procs.append(start(cmd, worker_urls[i], f"router-worker{i}")[0])
         prefix_tokens = httpx.post(worker_urls[0] + "/tokenize", json={"text": prompts[0]}, timeout=60).json()["count"]
         if args.groups * prefix_tokens <= args.max_total_tokens:
             print("warning: one worker's KV pool holds every prefix: the comparison shows little")
@@ -150,8 +114,8 @@ def main() -> int:
         for policy in ("cache_aware", "round_robin"):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            router = start([py, "-m", "radixgen.router", "--port", str(port), "--policy", policy,
-                            "--log-level", "warning", "--worker-urls", *worker_urls], url, f"router-{policy}")
+            router, _ = start([py, "-m", "radixgen.router", "--port", str(port), "--policy", policy,
+                               "--log-level", "warning", "--worker-urls", *worker_urls], url, f"router-{policy}")
             try:
                 results.append(run(f"router {policy} (2 workers)", url, worker_urls, prompts, args))
             finally:

@@ -19,15 +19,12 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
+from serve_proc import free_port, serve_command, start, stop
 
 WORDS = (
     "river stone market winter lantern orbit copper meadow signal harbor velvet engine garden thunder "
@@ -144,57 +141,18 @@ async def run_workload(
 # ---------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, disable_cache: bool) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixgen.serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        args.dtype,
-        "--log-level",
-        "warning",
-    ]
+    flags = ["--dtype", args.dtype]
     if args.model:
-        cmd += ["--model", args.model]
+        flags += ["--model", args.model]
     if args.num_threads is not None:
-        cmd += ["--num-threads", str(args.num_threads)]
+        flags += ["--num-threads", str(args.num_threads)]
     if disable_cache:
-        cmd.append("--disable-radix-cache")
-    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        flags.append("--disable-radix-cache")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log.name
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not start; log: {log.name}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    proc, log = start(serve_command(port, *flags), url, "serving")
+    return proc, url, log
 
 
 # ---------------------------------------------------------------- report
@@ -311,7 +269,7 @@ def main() -> None:
             try:
                 rows[name] = bench(url)
             finally:
-                stop_server(proc)
+                stop(proc)
             print(f"{name}: done in {time.perf_counter() - t0:.1f}s", flush=True)
     print_table(rows)
 

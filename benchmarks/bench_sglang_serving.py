@@ -23,14 +23,12 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
+from serve_proc import free_port, serve_command, start, stop
 
 BACKENDS = ("sglang", "sglang-oai")
 FIGURES = (  # (key in SGLang's result JSON, label)
@@ -83,44 +81,16 @@ def make_sharegpt_file(path: str, conversations: int, seed: int) -> None:
         json.dump(data, f)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "radixgen.serve", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--log-level", "warning"]
+    flags = ["--dtype", args.dtype]
     if args.model:
-        cmd += ["--model", args.model]
+        flags += ["--model", args.model]
     if args.num_threads is not None:
-        cmd += ["--num-threads", str(args.num_threads)]
-    log = tempfile.NamedTemporaryFile(prefix="bench-sglang-serving-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        flags += ["--num-threads", str(args.num_threads)]
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log.name
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not start; log: {log.name}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    proc, log = start(serve_command(port, *flags), url, "sglang-serving")
+    return proc, url, log
 
 
 def run_bench(args, url: str, backend: str, dataset: str, tokenizer: str, model: str, out: str) -> dict:
@@ -133,7 +103,10 @@ def run_bench(args, url: str, backend: str, dataset: str, tokenizer: str, model:
         "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
         "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
-        "--seed", str(args.seed), "--warmup-requests", "1", "--disable-tqdm", "--output-file", out,
+        "--seed", str(args.seed),
+        # as many warm-up requests as run at once: the server's first batches of each size pay one-time costs
+        # (oneDNN primitives, the fused step's buffers) that would otherwise land on the first backend measured
+        "--warmup-requests", str(args.max_concurrency), "--disable-tqdm", "--output-file", out,
         "--flush-cache",  # each backend starts from an empty radix cache (same prompts in both runs)
     ]
     # offline: the tokenizer is a local folder; the hub is never asked (it would retry for a minute)
@@ -178,7 +151,7 @@ def main() -> None:
                 results[backend] = run_bench(args, url, backend, dataset, info["model_path"], model, out)
     finally:
         if proc is not None:
-            stop_server(proc)
+            stop(proc)
 
     print(f"\nSGLang bench_serving against radixgen: random dataset, {args.num_prompts} prompts, "
           f"input ~{args.input_len} / output ~{args.output_len} tokens (range ratio {args.range_ratio}), "

@@ -9,7 +9,13 @@
    again on an Engine with disable_cuda_graph=True (eager decode) and the graphs' speed-up over it.
    A decode step's time = (time of a run with N new tokens - time of a prefill-only run) / (N - 1).
 
---cpu-smoke runs the same code paths on tiny shapes on the CPU (Triton interpreted) to check the script.
+4. Tensor parallelism, where the machine has two GPUs or more (tp 2, and tp 4 with four): greedy tokens of tp N
+   against tp 1 on the same random checkpoint (a small Llama, so both load identical weights; bf16 partial sums
+   may flip a near-tie, so the agreement is reported, not required), then decode tokens/s of the
+   Llama-3-8B-shaped dummy model at tp N beside tp 1 (dummy weights are drawn per rank: speed only).
+
+--cpu-smoke runs the same code paths on tiny shapes on the CPU (Triton interpreted; tp 2 on gloo) to check the
+script.
 """
 
 from __future__ import annotations
@@ -377,6 +383,63 @@ def bench_engine(cfg: dict, device: str, dtype: str, batches: list[int], prompt_
         report("engine", f"{label}cuda graphs", "    off")
 
 
+# ------------------------------------------------------------------------------------------- tensor parallelism
+
+MID = {**LLAMA3_8B, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
+       "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000,
+       "bos_token_id": 1, "eos_token_id": 2}
+
+
+def write_checkpoint(folder: Path, config: dict, dtype: str) -> Path:
+    """write_model_dir plus random weights in safetensors (transformers' model of the config, seeded)."""
+    import torch
+    import transformers
+
+    write_model_dir(folder, config)
+    torch.manual_seed(0)
+    hf = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    model = transformers.LlamaForCausalLM(hf).to(getattr(torch, dtype))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))  # ours, as write_model_dir wrote it
+    return folder
+
+
+def bench_tp(device: str, dtype: str, tp: int, smoke: bool, new_tokens: int) -> None:
+    from radixgen.runtime.engine import Engine
+
+    cfg = TINY if smoke else MID
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(16)] for _ in range(8)]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    outs = {}
+    with tempfile.TemporaryDirectory(prefix="radixgen-gpucheck-tp-") as tmp:
+        folder = write_checkpoint(Path(tmp) / "model", cfg, dtype)
+        for size in (1, tp):
+            with Engine(model=str(folder), dtype=dtype, device=device, tp_size=size, max_total_tokens=4096) as eng:
+                outs[size] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    same = sum(a == b for a, b in zip(outs[1], outs[tp], strict=True))
+    tokens = sum(x == y for a, b in zip(outs[1], outs[tp], strict=True) for x, y in zip(a, b, strict=True))
+    report("tp", f"tp {tp} greedy vs tp 1 ({cfg['num_hidden_layers']}-layer random checkpoint, {dtype})",
+           f"{same}/{len(prompts)} sequences, {tokens}/{16 * len(prompts)} tokens identical")
+    big = TINY if smoke else LLAMA3_8B
+    batches = [1, 4] if smoke else [1, 32]
+    prompt_len = 8 if smoke else 128
+    steps: dict[int, dict[int, float]] = {1: {}, tp: {}}
+    with tempfile.TemporaryDirectory(prefix="radixgen-gpucheck-tp-") as tmp:
+        cfg_dir = write_model_dir(Path(tmp) / "model", big)
+        for size in (1, tp):
+            label = f"tp {size} "
+
+            def on_step(batch: int, step: float, size=size, label=label) -> None:
+                steps[size][batch] = step
+                report("tp", f"{label}decode batch {batch}", f"{batch / step:8.1f} tok/s  ({1e3 * step:.2f} ms/step)")
+                if size != 1 and batch in steps[1]:
+                    report("tp", f"tp {size} speed-up over tp 1 at batch {batch}", f"{steps[1][batch] / step:8.2f} x")
+
+            engine_decode_steps(cfg_dir, big, device, dtype, batches, prompt_len, new_tokens, on_step,
+                                {"tp_size": size}, label)
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -450,6 +513,14 @@ def main() -> int:
         eager = lambda: bench_engine(cfg, device.type, dtype, batches[:1], prompt_len, new_tokens, ceilings[0],
                                      steps, eager=True)
         ok &= run_part("engine-eager", eager)
+    gpus = 2 if args.cpu_smoke else torch.cuda.device_count()
+    if gpus < 2:
+        report("tp", "tensor parallelism", "skipped: this machine has one GPU")
+    else:
+        dtype = "float32" if args.cpu_smoke else "bfloat16"
+        for tp in [t for t in (2, 4) if t <= gpus]:
+            ok &= run_part(f"tp{tp}", lambda tp=tp: bench_tp(device.type, dtype, tp, args.cpu_smoke,
+                                                              4 if args.cpu_smoke else args.new_tokens))
 
     width = max(len(r.name) for r in ROWS) if ROWS else 10
     print(f"\n=== radixgen GPU check: {name} ===")

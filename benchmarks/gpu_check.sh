@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # radixgen GPU check, for a GPU machine with python3, torch, triton and transformers but no internet and
 # none of our other dependencies. From the repository root (or anywhere):
-#   benchmarks/gpu_check.sh               kernel tests on CUDA, kernel timings vs SDPA, engine decode tokens/s
+#   benchmarks/gpu_check.sh               kernel tests on CUDA, kernel timings vs SDPA, engine decode tokens/s,
+#                                         and tensor parallelism (tp 2 / tp 4) where the machine has that many GPUs
 #   benchmarks/gpu_check.sh --cpu-smoke   the same paths on tiny shapes on the CPU (Triton interpreted)
 # Other wheels are taken from .whl/ at the repository root when that folder exists. PYTHON picks the interpreter.
 # Finishes in under 8 minutes; the last thing printed is one table.

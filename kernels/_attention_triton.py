@@ -2,6 +2,10 @@
 
 Scores are kept in base 2 (scaled by sm_scale * log2(e)) so the softmax uses exp2, the native instruction;
 the log-sum-exp passed between the two decode stages is in base 2 as well.
+
+An 8-bit pool (FORMAT INT8 / FP8, _kv_quant_triton.py) is dequantized in registers: the codes of a K/V block
+become q's dtype exactly (int8 and e4m3 values fit in bf16 / fp16), and the per-(slot, head) scales multiply
+the scores (K) and the softmax weights after their sum (V), one per key, rather than every element.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._kv_quant_triton import format_of, kv_values, pool_views
 from ._triton_env import INTERPRET, check_launchable, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -27,6 +32,17 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_block(Buf, Scale, slots, kv_head, stride_s, stride_h, stride_ss, offs_d, kv_mask, mask_n,
+                   dtype: tl.constexpr, FORMAT: tl.constexpr):
+    """(BLOCK_N, BLOCK_D) of one KV head in `dtype`, and the (BLOCK_N,) scales of its rows (1 without)."""
+    block = tl.load(Buf + slots[:, None] * stride_s + kv_head * stride_h + offs_d[None, :], mask=kv_mask, other=0)
+    if FORMAT == 0:
+        return block, tl.full(slots.shape, 1.0, tl.float32)
+    scales = tl.load(Scale + slots * stride_ss + kv_head, mask=mask_n, other=0.0).to(tl.float32)
+    return kv_values(block, FORMAT).to(dtype), scales
+
+
+@triton.jit
 def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     # tokens per split, rounded up to whole blocks: only the last non-empty split has a partial block
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -34,17 +50,18 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, ReqToSlot, ReqIdx, SeqLens, MidO, MidLse,
+    Q, K, V, KScale, VScale, ReqToSlot, ReqIdx, SeqLens, MidO, MidLse,
     qk_scale, num_splits,  # a runtime value, not constexpr: the auto choice varies with the batch size
     stride_qb, stride_qh, stride_qd,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
+    stride_ss,  # KScale / VScale (slots, Hkv) contiguous
     stride_rr, stride_rc,
     stride_mb, stride_mh, stride_ms,  # MidO (B, H, S, D) contiguous
     stride_lb, stride_lh,  # MidLse (B, H, S) contiguous
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOT: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,16 +89,20 @@ def _decode_partial_kernel(
             mask_n = pos < end
             slots = tl.load(ReqToSlot + row * stride_rr + pos * stride_rc, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            k, k_scale = _load_kv_block(K, KScale, slots, kv_head, stride_ks, stride_kh, stride_ss, offs_d, kv_mask,
+                                        mask_n, q.dtype, FORMAT)  # (BLOCK_N, BLOCK_D), (BLOCK_N,)
             s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT) * qk_scale  # (BLOCK_H, BLOCK_N)
+            if FORMAT != 0:
+                s = s * k_scale[None, :]
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds >= 1 valid position
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+            v, v_scale = _load_kv_block(V, VScale, slots, kv_head, stride_vs, stride_vh, stride_ss, offs_d, kv_mask,
+                                        mask_n, q.dtype, FORMAT)
+            if FORMAT != 0:
+                p = p * v_scale[None, :]
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOT)
             m_i = m_new
 
@@ -125,16 +146,17 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, ReqToSlot, ReqIdx, PrefixLens, ExtendLens, QStarts, BlockEnds, BlockReq,
+    Q, K, V, KScale, VScale, Out, ReqToSlot, ReqIdx, PrefixLens, ExtendLens, QStarts, BlockEnds, BlockReq,
     qk_scale, num_reqs,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
+    stride_ss,
     stride_rr, stride_rc,
     stride_ot, stride_oh,  # O (T, H, D) contiguous
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOT: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, FORMAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -166,17 +188,21 @@ def _extend_kernel(
             mask_n = pos < kv_end
             slots = tl.load(ReqToSlot + row * stride_rr + pos * stride_rc, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            k, k_scale = _load_kv_block(K, KScale, slots, kv_head, stride_ks, stride_kh, stride_ss, offs_d, kv_mask,
+                                        mask_n, q.dtype, FORMAT)  # (BLOCK_N, BLOCK_D), (BLOCK_N,)
             s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT) * qk_scale  # (BLOCK_M, BLOCK_N)
+            if FORMAT != 0:
+                s = s * k_scale[None, :]
             # position 0 passes this mask for every row, so the first block makes m_i finite
             s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+            v, v_scale = _load_kv_block(V, VScale, slots, kv_head, stride_vs, stride_vh, stride_ss, offs_d, kv_mask,
+                                        mask_n, q.dtype, FORMAT)
+            if FORMAT != 0:
+                p = p * v_scale[None, :]
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOT)
             m_i = m_new
 
@@ -200,8 +226,11 @@ def _auto_kv_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int, d
     return max(1, min(splits, MAX_KV_SPLITS, math.ceil(max_len / block_n)))
 
 
-def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale, num_kv_splits):
+def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale, num_kv_splits,
+                  k_scales=None, v_scales=None):
     check_launchable(q.device, "decode_attention", "decode_attention_ref")
+    fmt = format_of(k_buffer, k_scales is not None)
+    k_buffer, v_buffer, k_scales, v_scales, stride_ss = pool_views(k_buffer, v_buffer, k_scales, v_scales)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
@@ -216,17 +245,18 @@ def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_
     mid_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
 
     _decode_partial_kernel[(batch, num_kv_heads, splits)](
-        q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, mid_o, mid_lse,
+        q, k_buffer, v_buffer, k_scales, v_scales, req_to_slot, req_indices, seq_lens, mid_o, mid_lse,
         sm_scale * LOG2E, splits,
         *q.stride(),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
+        stride_ss,
         *req_to_slot.stride(),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        WIDEN_DOT=INTERPRET,
+        WIDEN_DOT=INTERPRET, FORMAT=fmt,
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
@@ -240,8 +270,11 @@ def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_
     return o
 
 
-def launch_extend(q, k_buffer, v_buffer, req_to_slot, req_indices, prefix_lens, extend_lens, sm_scale):
+def launch_extend(q, k_buffer, v_buffer, req_to_slot, req_indices, prefix_lens, extend_lens, sm_scale,
+                  k_scales=None, v_scales=None):
     check_launchable(q.device, "extend_attention", "extend_attention_ref")
+    fmt = format_of(k_buffer, k_scales is not None)
+    k_buffer, v_buffer, k_scales, v_scales, stride_ss = pool_views(k_buffer, v_buffer, k_scales, v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     batch = req_indices.shape[0]
@@ -265,17 +298,18 @@ def launch_extend(q, k_buffer, v_buffer, req_to_slot, req_indices, prefix_lens, 
     block_req = torch.searchsorted(block_ends, torch.arange(grid_m, device=q.device), right=True)  # B = spare
 
     _extend_kernel[(grid_m, num_q_heads)](
-        q, k_buffer, v_buffer, o, req_to_slot, req_indices, prefix_lens, extend_lens, q_starts, block_ends,
-        block_req,
+        q, k_buffer, v_buffer, k_scales, v_scales, o, req_to_slot, req_indices, prefix_lens, extend_lens, q_starts,
+        block_ends, block_req,
         sm_scale * LOG2E, batch,
         *q.stride(),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
+        stride_ss,
         *req_to_slot.stride(),
         o.stride(0), o.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
-        WIDEN_DOT=INTERPRET,
+        WIDEN_DOT=INTERPRET, FORMAT=fmt,
         num_warps=num_warps, num_stages=2,
     )
     return o

@@ -51,3 +51,28 @@ def check_sm_scale(sm_scale) -> float:
     expect(isinstance(sm_scale, (int, float)) and not isinstance(sm_scale, bool) and sm_scale > 0,
            f"sm_scale must be a positive float, got {sm_scale!r}")
     return float(sm_scale)
+
+
+def check_kv_pool(k_buffer, v_buffer, k_scales, v_scales, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """K/V buffers (slots, Hkv, D), contiguous, alike: values of one of `dtypes`, or the codes of an 8-bit pool
+    (kv_quant.CODE_DTYPES) with their bfloat16 scales (slots, Hkv), contiguous. Returns whether it is 8-bit."""
+    from .kv_quant import CODE_DTYPES, SCALE_DTYPE
+
+    check_tensor("k_buffer", k_buffer, 3, dtypes + CODE_DTYPES)
+    check_tensor("v_buffer", v_buffer, 3, dtypes + CODE_DTYPES)
+    expect(v_buffer.shape == k_buffer.shape and v_buffer.dtype == k_buffer.dtype,
+           f"v_buffer {tuple(v_buffer.shape)} {v_buffer.dtype} must match k_buffer "
+           f"{tuple(k_buffer.shape)} {k_buffer.dtype}")
+    check_contiguous("k_buffer", k_buffer)
+    check_contiguous("v_buffer", v_buffer)
+    quantized = k_buffer.dtype in CODE_DTYPES
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if not quantized:
+            expect(s is None, f"{name} are for an 8-bit pool; this one is {k_buffer.dtype}")
+            continue
+        expect(s is not None, f"an 8-bit pool ({k_buffer.dtype}) needs {name}")
+        check_tensor(name, s, 2, (SCALE_DTYPE,))
+        expect(tuple(s.shape) == tuple(k_buffer.shape[:2]),
+               f"{name} must be (slots, kv heads) = {tuple(k_buffer.shape[:2])}, got {tuple(s.shape)}")
+        check_contiguous(name, s)
+    return quantized

@@ -17,6 +17,30 @@ from pathlib import Path
 # the element type of the dtype-generic kernels (csrc/cpu_kernels_impl.h's T), by name suffix
 ELEMENT_TYPES = {"f32": "float", "bf16": "uint16_t"}
 
+# the code type of an 8-bit KV pool's kernels, by the name suffix before the dtype's (csrc/cpu_pool_impl.h)
+KV_CODE_TYPES = {"i8": "int8_t", "f8": "uint8_t"}
+
+
+def _quantized_pool_kernels(code: str, c_type: str):
+    """The store, decode and extend kernels over a pool of 8-bit codes with bf16 scales (slots, Hkv)."""
+    pool = [("k_buf", f"const {c_type} *"), ("v_buf", f"const {c_type} *"), ("k_scale", "const uint16_t *"),
+            ("v_scale", "const uint16_t *")]
+    yield f"rg_store_kv_{code}_{{T}}", ("void", [
+        ("k", "const T *"), ("k_stride", "int64_t"), ("v", "const T *"), ("v_stride", "int64_t"),
+        *[(name, t.removeprefix("const ")) for name, t in pool], ("slots", "const int64_t *"), ("n_tok", "int64_t"),
+        ("Hkv", "int64_t"), ("D", "int64_t")])
+    yield f"rg_decode_attention_{code}_{{T}}", ("rg_status", [
+        ("q", "const T *"), ("q_stride", "int64_t"), *pool, ("table", "const int64_t *"), ("table_stride", "int64_t"),
+        ("rows", "const int64_t *"), ("seq_lens", "const int64_t *"), ("out", "T *"), ("B", "int64_t"),
+        ("H", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("splits", "int64_t"),
+        ("part", "float *")])
+    yield f"rg_extend_attention_{code}_bf16", ("rg_status", [  # AVX512-BF16 (a stub elsewhere)
+        ("q", "const uint16_t *"), ("q_stride", "int64_t"), *pool, ("table", "const int64_t *"),
+        ("table_stride", "int64_t"), ("rows", "const int64_t *"), ("prefix_lens", "const int64_t *"),
+        ("extend_lens", "const int64_t *"), ("q_start", "const int64_t *"), ("out", "uint16_t *"), ("B", "int64_t"),
+        ("H", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("pack", "uint16_t *")])
+
+
 _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being that suffix's element type
     "rg_d_max": ("int", []),
     "rg_has_decode_step": ("int", []),
@@ -42,6 +66,7 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("yf", "float *")]),
     "rg_weight_rows_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "T *")]),
+    **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},
     # bfloat16 only, AVX512-BF16 (elsewhere stubs returning RG_ERR_UNSUPPORTED)
     "rg_silu_and_mul_bf16": ("rg_status", [
         ("gu", "const uint16_t *"), ("out", "uint16_t *"), ("M", "int64_t"), ("I", "int64_t")]),
@@ -57,7 +82,8 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
         ("splits", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"), ("res_a", "uint16_t *"),
         ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
-        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t")]),
+        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t"),
+        ("par", "const rg_parallel *")]),
     "rg_extend_attention_bf16": ("rg_status", [
         ("q", "const uint16_t *"), ("q_stride", "int64_t"), ("k_buf", "const uint16_t *"),
         ("v_buf", "const uint16_t *"), ("table", "const int64_t *"), ("table_stride", "int64_t"),
@@ -102,7 +128,18 @@ class LayerBF16(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("input_norm", "qkv_bias", "post_norm")),
                 *((name, WeightDesc) for name in ("qkv", "o", "gate_up", "down")),
-                *((name, ctypes.c_void_p) for name in ("k_buf", "v_buf", "q_norm", "k_norm"))]
+                *((name, ctypes.c_void_p) for name in ("k_buf", "v_buf", "q_norm", "k_norm", "k_scale", "v_scale")),
+                ("kv_format", ctypes.c_int64)]  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
+
+
+ALL_REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)  # rg_parallel.all_reduce
+
+
+class ParallelBF16(ctypes.Structure):
+    """The fused decode step on one rank of a parallel group (csrc/cpu_parallel.h's rg_parallel)."""
+
+    _fields_ = [("all_reduce", ALL_REDUCE_FN), ("ctx", ctypes.c_void_p), ("input", ctypes.c_int64),
+                ("output", ctypes.c_int64)]
 
 
 _STRUCTS = {"rg_layer_bf16": LayerBF16, "rg_weight": WeightDesc}

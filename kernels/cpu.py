@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from . import _cpu_build
-from ._checks import check_contiguous, check_dim, check_tensor, expect
+from ._checks import check_contiguous, check_dim, check_kv_pool, check_tensor, expect
 from ._cpu_bindings import CKernelError, CKernels, LayerBF16
+from .kv_quant import C_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -96,31 +97,61 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, *, kl: CKernels | None = None) -> None:
-    """Write k/v (T, Hkv, D) (rows may be strided; heads and dims contiguous) into the buffers at `slots`."""
-    check_tensor("k_buffer", k_buffer, 3, DTYPES)
-    check_contiguous("k_buffer", k_buffer)
-    check_contiguous("v_buffer", v_buffer)
-    expect(v_buffer.shape == k_buffer.shape and v_buffer.dtype == k_buffer.dtype,
-           "v_buffer must match k_buffer's shape and dtype")
+             v: torch.Tensor, *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+             kl: CKernels | None = None) -> None:
+    """Write k/v (T, Hkv, D) (rows may be strided; heads and dims contiguous) into the buffers at `slots`; an
+    8-bit pool (codes with k_scales / v_scales, see radixgen.kernels.kv_quant) gets them quantized."""
+    quantized = check_kv_pool(k_buffer, v_buffer, k_scales, v_scales, DTYPES)
     check_tensor("slots", slots, 1, (torch.int64,))
     for name, t in (("k", k), ("v", v)):
-        check_tensor(name, t, 3, (k_buffer.dtype,))
+        check_tensor(name, t, 3, DTYPES if quantized else (k_buffer.dtype,))
         check_dim(name, t, 0, slots.shape[0], "one row per slot")
         expect(t.shape[1:] == k_buffer.shape[1:], f"{name} rows must be {tuple(k_buffer.shape[1:])}")
         expect(t.stride(2) == 1 and t.stride(1) == t.shape[2], f"{name} heads and dims must be contiguous")
+    expect(v.dtype == k.dtype, "k and v must share a dtype")
     _check_cpu(k_buffer=k_buffer, v_buffer=v_buffer, slots=slots, k=k, v=v)
+    expect(not quantized or k_buffer.shape[2] <= _require(kl).d_max, f"head_dim exceeds {_require(kl).d_max}")
     slots = slots.contiguous()
     expect(slots.numel() == 0 or (int(slots.min()) >= 0 and int(slots.max()) < k_buffer.shape[0]),
            f"slots must lie in [0, {k_buffer.shape[0]})")
-    _store_kv(_require(kl), k_buffer, v_buffer, slots, k, v)
+    _store_kv(_require(kl), k_buffer, v_buffer, slots, k, v, k_scales, v_scales)
 
 
-def _store_kv(kl: CKernels, k_buffer, v_buffer, slots, k, v) -> None:
-    kl.fn("store_kv", SUFFIX[k_buffer.dtype])(
+def _store_kv(kl: CKernels, k_buffer, v_buffer, slots, k, v, k_scales=None, v_scales=None) -> None:
+    if k_scales is None:
+        kl.fn("store_kv", SUFFIX[k_buffer.dtype])(
+            k=k.data_ptr(), k_stride=k.stride(0), v=v.data_ptr(), v_stride=v.stride(0), k_buf=k_buffer.data_ptr(),
+            v_buf=v_buffer.data_ptr(), slots=slots.data_ptr(), n_tok=slots.shape[0],
+            row_elems=k_buffer.shape[1] * k_buffer.shape[2])
+        return
+    kl.fn(f"store_kv_{C_SUFFIX[k_buffer.dtype]}", SUFFIX[k.dtype])(
         k=k.data_ptr(), k_stride=k.stride(0), v=v.data_ptr(), v_stride=v.stride(0), k_buf=k_buffer.data_ptr(),
-        v_buf=v_buffer.data_ptr(), slots=slots.data_ptr(), n_tok=slots.shape[0],
-        row_elems=k_buffer.shape[1] * k_buffer.shape[2])
+        v_buf=v_buffer.data_ptr(), k_scale=k_scales.data_ptr(), v_scale=v_scales.data_ptr(), slots=slots.data_ptr(),
+        n_tok=slots.shape[0], Hkv=k_buffer.shape[1], D=k_buffer.shape[2])
+
+
+def _pool_kwargs(k_buffer, v_buffer, k_scales, v_scales) -> dict:
+    """The pool arguments of a decode or extend kernel: buffers, and an 8-bit pool's scales."""
+    pool = {"k_buf": k_buffer.data_ptr(), "v_buf": v_buffer.data_ptr()}
+    if k_scales is not None:
+        pool.update(k_scale=k_scales.data_ptr(), v_scale=v_scales.data_ptr())
+    return pool
+
+
+def _pool_kernel(name: str, k_buffer: torch.Tensor, dtype_suffix: str) -> str:
+    """The C name of kernel `name` over this pool: rg_<name>_<dtype>, or rg_<name>_<code>_<dtype> (8-bit)."""
+    code = C_SUFFIX.get(k_buffer.dtype)
+    return f"rg_{name}_{code}_{dtype_suffix}" if code else f"rg_{name}_{dtype_suffix}"
+
+
+def _check_attention_pool(q, k_buffer, v_buffer, k_scales, v_scales, q_dtypes) -> None:
+    check_tensor("q", q, 3, q_dtypes)
+    quantized = check_kv_pool(k_buffer, v_buffer, k_scales, v_scales, q_dtypes)
+    expect(quantized or k_buffer.dtype == q.dtype, f"q dtype {q.dtype} must equal the pool dtype {k_buffer.dtype}")
+    check_dim("k_buffer", k_buffer, 2, q.shape[2], "head_dim")
+    expect(q.shape[1] % k_buffer.shape[1] == 0, f"query heads ({q.shape[1]}) must be a multiple of KV heads "
+           f"({k_buffer.shape[1]})")
+    expect(q.stride(2) == 1 and q.stride(1) == q.shape[2], "q heads and dims must be contiguous")
 
 
 # ------------------------------------------------------------------------------------- decode attention
@@ -136,17 +167,12 @@ def num_splits(batch: int, max_len: int, threads: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_slot: torch.Tensor,
                      req_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *,
+                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                      kl: CKernels | None = None) -> torch.Tensor:
     """q (B, Hq, D) (rows may be strided) -> o (B, Hq, D): request b attends to the first seq_lens[b] slots
-    of row req_indices[b] of req_to_slot (R, C), int64 everywhere."""
-    check_tensor("q", q, 3, DTYPES)
-    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_tensor(name, t, 3, (q.dtype,))
-        check_contiguous(name, t)
-        check_dim(name, t, 2, q.shape[2], "head_dim")
-    expect(q.shape[1] % k_buffer.shape[1] == 0, f"query heads ({q.shape[1]}) must be a multiple of KV heads "
-           f"({k_buffer.shape[1]})")
-    expect(q.stride(2) == 1 and q.stride(1) == q.shape[2], "q heads and dims must be contiguous")
+    of row req_indices[b] of req_to_slot (R, C), int64 everywhere. The pool is in q's dtype, or 8-bit codes
+    with k_scales / v_scales (radixgen.kernels.kv_quant)."""
+    _check_attention_pool(q, k_buffer, v_buffer, k_scales, v_scales, DTYPES)
     check_tensor("req_to_slot", req_to_slot, 2, (torch.int64,))
     expect(req_to_slot.stride(1) == 1, "req_to_slot rows must be contiguous")
     check_tensor("req_indices", req_indices, 1, (torch.int64,))
@@ -164,11 +190,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         expect(int(req_indices.min()) >= 0 and int(req_indices.max()) < req_to_slot.shape[0],
                f"req_indices must lie in [0, {req_to_slot.shape[0]})")
     return _decode_attention(kl, q, k_buffer, v_buffer, req_to_slot, req_indices.contiguous(),
-                             seq_lens.contiguous(), float(sm_scale), int(seq_lens.max()) if q.shape[0] else 0)
+                             seq_lens.contiguous(), float(sm_scale), int(seq_lens.max()) if q.shape[0] else 0,
+                             k_scales, v_scales)
 
 
 def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale: float,
-                      max_len: int) -> torch.Tensor:
+                      max_len: int, k_scales=None, v_scales=None) -> torch.Tensor:
     b, h, d = q.shape
     hkv = k_buffer.shape[1]
     out = torch.empty((b, h, d), dtype=q.dtype)
@@ -176,8 +203,8 @@ def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indi
         return out
     splits = num_splits(b, max_len, torch.get_num_threads())
     part = torch.empty(b * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
-    kl.fn("decode_attention", SUFFIX[q.dtype])(
-        q=q.data_ptr(), q_stride=q.stride(0), k_buf=k_buffer.data_ptr(), v_buf=v_buffer.data_ptr(),
+    kl.fn(_pool_kernel("decode_attention", k_buffer, SUFFIX[q.dtype]))(
+        q=q.data_ptr(), q_stride=q.stride(0), **_pool_kwargs(k_buffer, v_buffer, k_scales, v_scales),
         table=req_to_slot.data_ptr(), table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(),
         seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, H=h, Hkv=hkv, D=d, scale=sm_scale, splits=splits,
         part=part.data_ptr())
@@ -194,18 +221,14 @@ def extend_attention_supported(kl: CKernels | None, dtype: torch.dtype, head_dim
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_slot: torch.Tensor,
                      req_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     sm_scale: float, *, kl: CKernels | None = None) -> torch.Tensor:
+                     sm_scale: float, *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                     kl: CKernels | None = None) -> torch.Tensor:
     """Like radixgen.kernels.extend_attention, for bfloat16 CPU tensors (head_dim a multiple of 32, at most
     128, AVX512-BF16): q (T, Hq, D) holds the B requests' new tokens back to back (rows may be strided);
     request b's tokens sit at positions prefix_lens[b] .. + extend_lens[b] - 1 and their K/V are already in
-    the pool through row req_indices[b] of req_to_slot. Returns (T, Hq, D)."""
-    check_tensor("q", q, 3, (torch.bfloat16,))
-    expect(q.stride(2) == 1 and q.stride(1) == q.shape[2], "q heads and dims must be contiguous")
-    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_tensor(name, t, 3, (torch.bfloat16,))
-        check_contiguous(name, t)
-        check_dim(name, t, 2, q.shape[2], "head_dim")
-    expect(q.shape[1] % k_buffer.shape[1] == 0, "query heads must be a multiple of KV heads")
+    the pool (bf16, or 8-bit codes with k_scales / v_scales) through row req_indices[b] of req_to_slot.
+    Returns (T, Hq, D)."""
+    _check_attention_pool(q, k_buffer, v_buffer, k_scales, v_scales, (torch.bfloat16,))
     for name, t in (("req_indices", req_indices), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):
         check_tensor(name, t, 1, (torch.int64,))
         check_dim(name, t, 0, req_indices.shape[0], "batch")
@@ -219,11 +242,11 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     expect(extend_attention_supported(kl, q.dtype, q.shape[2]),
            "the CPU extend kernel needs AVX512-BF16 and a head_dim that is a multiple of 32, at most 128")
     return _extend_attention(kl, q, k_buffer, v_buffer, req_to_slot, req_indices.contiguous(),
-                             prefix_lens.tolist(), extend_lens.tolist(), float(sm_scale))
+                             prefix_lens.tolist(), extend_lens.tolist(), float(sm_scale), k_scales, v_scales)
 
 
 def _extend_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indices, prefix_lens: list[int],
-                      extend_lens: list[int], sm_scale: float) -> torch.Tensor:
+                      extend_lens: list[int], sm_scale: float, k_scales=None, v_scales=None) -> torch.Tensor:
     t, h, d = q.shape
     hkv = k_buffer.shape[1]
     out = torch.empty((t, h, d), dtype=q.dtype)
@@ -236,8 +259,8 @@ def _extend_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indi
     p_t = torch.tensor(prefix_lens, dtype=torch.int64)
     e_t = torch.tensor(extend_lens, dtype=torch.int64)
     s_t = torch.tensor(starts, dtype=torch.int64)
-    kl.fn("rg_extend_attention_bf16")(
-        q=q.data_ptr(), q_stride=q.stride(0), k_buf=k_buffer.data_ptr(), v_buf=v_buffer.data_ptr(),
+    kl.fn(_pool_kernel("extend_attention", k_buffer, "bf16"))(
+        q=q.data_ptr(), q_stride=q.stride(0), **_pool_kwargs(k_buffer, v_buffer, k_scales, v_scales),
         table=req_to_slot.data_ptr(), table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(),
         prefix_lens=p_t.data_ptr(), extend_lens=e_t.data_ptr(), q_start=s_t.data_ptr(), out=out.data_ptr(),
         B=len(extend_lens), H=h, Hkv=hkv, D=d, scale=sm_scale, pack=pack.data_ptr())

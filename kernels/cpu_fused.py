@@ -1,33 +1,92 @@
 """The fused bf16 decode step of csrc/cpu_kernels.c (CPUs with AVX512-BF16): every decoder layer of a small
 decode batch in one C call (see radixgen.runtime.cpu_decode), its matmuls on the layers' own packed weights
 (radixgen.kernels.cpu_linear: bf16 K pairs, int8 or int4), and the LM head on those weights for a prefill's few
-sampled rows."""
+sampled rows. On a rank of a tensor / pipeline parallel group the same call runs that rank's part (`StageIO`,
+`TensorParallelHook`; csrc/cpu_parallel.h)."""
 
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from . import cpu_linear
 from ._checks import check_tensor, expect
-from ._cpu_bindings import CKernels, LayerBF16
+from ._cpu_bindings import ALL_REDUCE_FN, CKernels, LayerBF16, ParallelBF16
 from .cpu import _ptr, num_splits
 from .cpu_linear import KIND_ROWS, PackedWeight
+from .kv_quant import SCALE_DTYPE
+
+# a pool's element dtype -> csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8 (the layer's kv_format)
+KV_FORMAT = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
+
+STAGE_IDS, STAGE_EMBEDDED, STAGE_HIDDEN = 0, 1, 2  # rg_parallel.input (csrc/cpu_parallel.h)
+
+
+class TensorParallelHook:
+    """The all-reduce the fused step calls after each row-parallel matmul (attention output, MLP down): `reduce`
+    sums a bf16 tensor over the tensor-parallel ranks in place (torch.distributed in the runtime). C calls
+    back into Python from one thread of its team; an exception there cannot cross the C frames, so it is kept,
+    later calls of the step return at once, and `decode_step` raises it when the C call has returned."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor], object]) -> None:
+        self.reduce = reduce
+        self.target: torch.Tensor | None = None  # the step's x buffer, the only one C passes
+        self.error: BaseException | None = None
+        self.callback = ALL_REDUCE_FN(self._on_reduce)  # kept alive as long as the hook
+
+    def _on_reduce(self, ctx, ptr, n) -> None:
+        if self.error is not None:
+            return
+        try:
+            t = self.target
+            if t is None or t.data_ptr() != ptr or t.numel() != n:
+                raise RuntimeError("the fused step asked for an all-reduce of a buffer it was not given")
+            self.reduce(t)
+        except BaseException as e:  # noqa: BLE001 - raised by decode_step once C has returned
+            self.error = e
+
+    def take_error(self) -> BaseException | None:
+        error, self.error = self.error, None
+        return error
+
+
+class StageIO(NamedTuple):
+    """How a rank's step starts and ends (defaults: the whole model on one rank). embedded: the (M, hidden)
+    embedded rows (a vocabulary-parallel embedding, already summed) instead of embed's rows for ids; hidden /
+    residual: a previous pipeline stage's output and residual stream; final=False: stop after the last
+    layer and return (hidden, residual) for the next stage; hook: the tensor-parallel all-reduce."""
+
+    embedded: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    final: bool = True
+    hook: TensorParallelHook | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.embedded is None and self.hidden is None and self.final and self.hook is None
 
 
 class DecodeStepWeights:
     """The weights of a Llama-family decoder stack as `decode_step` reads them: norm weights (optionally per-head
     q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights, the LM head (vocab, hidden) and
     the embedding table (vocab rows of hidden; the LM head's own weight when they are tied) as PackedWeights (by
-    descriptor, not copied), the KV buffers by address. All of them must stay alive and in place as long as this
-    object is used (the model's layers and pool hold them)."""
+    descriptor, not copied), the KV buffers (bf16, or an 8-bit pool's codes and scales) by address. All of them
+    must stay alive and in place as long as this object is used (the model's layers and pool hold them). A
+    pipeline stage before the last has no final norm (None); a rank whose step starts from embedded rows or a
+    previous stage's output has no embedding table (None)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 
-    def __init__(self, kl: CKernels, layers: list[dict], final_norm: torch.Tensor, *, num_heads: int,
-                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float, embed: PackedWeight,
+    def __init__(self, kl: CKernels, layers: list[dict], final_norm: torch.Tensor | None, *, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float, embed: PackedWeight | None,
                  lm_head: PackedWeight | None = None) -> None:
         expect(kl.has_decode_step, "this CPU build has no fused decode step (needs AVX512-BF16)")
-        hidden = final_norm.shape[0]
+        expect(len(layers) > 0, "the fused step needs at least one layer")
+        hidden = layers[0]["input_norm"].shape[0]
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
         expect(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         vectors = {"input_norm": hidden, "qkv_bias": qkv_n, "post_norm": hidden, "q_norm": head_dim,
@@ -47,12 +106,9 @@ class DecodeStepWeights:
             for name, shape in matmuls.items():
                 _check_packed(f"layer {i} {name}", ly.get(name), shape)
                 setattr(arr[i], name, ly[name].desc)
-            for name in ("k_buf", "v_buf"):
-                t = ly[name]
-                expect(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[1:] == (num_kv_heads, head_dim),
-                       f"layer {i} {name}: expected a contiguous bfloat16 (slots, {num_kv_heads}, {head_dim}) pool")
-                setattr(arr[i], name, t.data_ptr())
-        _check_packed("embed", embed, (embed.n if isinstance(embed, PackedWeight) else 0, hidden), rows=True)
+            self._set_pool(arr[i], i, ly, num_kv_heads, head_dim)
+        if embed is not None:
+            _check_packed("embed", embed, (embed.n if isinstance(embed, PackedWeight) else 0, hidden), rows=True)
         self.vocab = 0
         if lm_head is not None:
             _check_packed("lm_head", lm_head, (lm_head.n if isinstance(lm_head, PackedWeight) else 0, hidden))
@@ -63,6 +119,27 @@ class DecodeStepWeights:
         self.intermediate, self.eps = intermediate, float(eps)
         self._scratch: dict[tuple[int, int], tuple] = {}
         self._thread_scratch = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _set_pool(layer: LayerBF16, i: int, ly: dict, num_kv_heads: int, head_dim: int) -> None:
+        """The layer's KV pool: bf16 buffers, or 8-bit codes with their scales ("k_scale", "v_scale")."""
+        code = ly["k_buf"].dtype
+        for name in ("k_buf", "v_buf"):
+            t = ly[name]
+            expect(t.dtype == code and t.dtype in KV_FORMAT and t.is_contiguous()
+                   and t.shape[1:] == (num_kv_heads, head_dim),
+                   f"layer {i} {name}: expected a contiguous (slots, {num_kv_heads}, {head_dim}) pool of bfloat16 "
+                   f"or 8-bit codes")
+            setattr(layer, name, t.data_ptr())
+        layer.kv_format = KV_FORMAT[code]
+        if code == torch.bfloat16:
+            return
+        for name in ("k_scale", "v_scale"):
+            t = ly.get(name)
+            expect(t is not None and t.dtype == SCALE_DTYPE and t.is_contiguous()
+                   and tuple(t.shape) == tuple(ly["k_buf"].shape[:2]),
+                   f"layer {i} {name}: an 8-bit pool needs its contiguous bfloat16 (slots, {num_kv_heads}) scales")
+            setattr(layer, name, t.data_ptr())
 
     def scratch(self, m: int, splits: int) -> tuple:
         """decode_step's buffers for m rows: (x, out, res_a, res_b, qkv, attn, gu, part, logits), kept from one
@@ -92,17 +169,20 @@ def _check_packed(what: str, pw, shape: tuple[int, int], rows: bool = False) -> 
     expect(isinstance(pw, PackedWeight) and (pw.n, pw.k) == shape and (rows or pw.kind != KIND_ROWS),
            f"{what}: expected a {'' if rows else 'matmul '}PackedWeight of shape {shape}, got {pw!r}")
 
-
 def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, out_slots: torch.Tensor, req_to_slot: torch.Tensor,
-                req_indices: torch.Tensor, max_len: int,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                req_indices: torch.Tensor, max_len: int, scale: float,
+                io: StageIO = StageIO()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer and the final norm for a decode batch of M tokens `ids` at `positions` (each request's
     context being its position + 1, this token included), from their rows of `w.embed` (as bf16) ->
     ((M, hidden) final hidden states, (M, vocab) float32 logits, rounded to bf16, or None where `w` has no LM
     head), both in `w`'s buffers for M rows, valid until its next step with M rows. max_len: the longest
     context. Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V
-    into the pool at out_slots."""
+    into the pool at out_slots. With `io`, one rank's part of a parallel group (StageIO): w.embed may then be
+    None, and a stage that is not final returns ((M, hidden) output, (M, hidden) residual stream) instead,
+    also in `w`'s buffers."""
+    expect(w.embed is not None or io.embedded is not None or io.hidden is not None,
+           "a step from token ids needs the decode-step weights' embedding table")
     m = ids.shape[0]
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     threads = torch.get_num_threads()
@@ -112,17 +192,39 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions
     nbytes = kl.fn("rg_decode_step_scratch_bytes_bf16")(M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d, inter=w.intermediate,
                                                         max_piece=-(-max_len // splits), threads=threads)
     scratch = w.thread_scratch(nbytes)
+    par = None if io.plain else _parallel(io, x, res_a)
     kl.fn("rg_decode_step_bf16")(
-        layers=w.layers, n_layers=len(w.layers), final_norm=w.final_norm.data_ptr(),
-        lm_head=None if w.lm_head is None else w.lm_head.ref, logits=_ptr(logits), embed=w.embed.ref,
-        ids=ids.data_ptr(), M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d, inter=w.intermediate, eps=w.eps, scale=scale,
-        positions=positions.data_ptr(),
+        layers=w.layers, n_layers=len(w.layers), final_norm=_ptr(w.final_norm),
+        lm_head=None if w.lm_head is None else w.lm_head.ref, logits=_ptr(logits),
+        embed=None if w.embed is None else w.embed.ref, ids=ids.data_ptr(), M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d,
+        inter=w.intermediate, eps=w.eps, scale=scale, positions=positions.data_ptr(),
         cos_sin=cos_sin_cache.data_ptr(), out_slots=out_slots.data_ptr(), table=req_to_slot.data_ptr(),
         table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(), splits=splits, x=x.data_ptr(),
         out=out.data_ptr(), res_a=res_a.data_ptr(), res_b=res_b.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
         gu=gu.data_ptr(), part=part.data_ptr(), scratch=scratch.data_ptr(), scratch_bytes=scratch.numel(),
-        threads=threads)
-    return out, logits
+        threads=threads, par=None if par is None else ctypes.addressof(par))
+    error = io.hook.take_error() if io.hook is not None else None
+    if error is not None:
+        raise error
+    return (out, logits) if io.final else (x, res_a)
+
+
+def _parallel(io: StageIO, x: torch.Tensor, res_a: torch.Tensor) -> ParallelBF16:
+    """The rg_parallel of one step: the inputs copied into the step's buffers, the hook pointed at x."""
+    mode = STAGE_IDS
+    if io.hidden is not None:
+        expect(io.residual is not None and io.embedded is None, "a stage input is a hidden and a residual")
+        x.copy_(io.hidden)
+        res_a.copy_(io.residual)
+        mode = STAGE_HIDDEN
+    elif io.embedded is not None:
+        x.copy_(io.embedded)
+        mode = STAGE_EMBEDDED
+    par = ParallelBF16(input=mode, output=0 if io.final else 1)
+    if io.hook is not None:
+        io.hook.target = x
+        par.all_reduce = io.hook.callback
+    return par
 
 
 def lm_head_logits(kl: CKernels, w: DecodeStepWeights, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,9 @@ def hf_config(arch: str):
     if arch == "llama-hd64":
         return tf.LlamaConfig(**{**_COMMON, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
                               rope_theta=10000.0)
+    if arch == "llama-odd":  # tp 2 splits it unevenly: 3 KV heads (2 + 1), 129 MLP columns, an odd vocabulary
+        return tf.LlamaConfig(**{**_COMMON, "vocab_size": PADDED_VOCAB + 1, "hidden_size": 96, "intermediate_size": 129,
+                                 "num_attention_heads": 6, "num_key_value_heads": 3}, rope_theta=10000.0)
     if arch == "qwen3-hd32":
         return tf.Qwen3Config(**_COMMON, head_dim=32, rope_theta=1000000.0)
     raise ValueError(arch)

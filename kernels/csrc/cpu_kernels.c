@@ -116,6 +116,8 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 #endif
 
+#include "cpu_kv_quant.h" /* 8-bit KV pools: int8 and fp8 e4m3 codes with a bf16 scale per (slot, head) */
+
 int rg_d_max(void) { return D_MAX; }
 
 #define T float
@@ -139,9 +141,13 @@ int rg_d_max(void) { return D_MAX; }
 typedef struct { /* one decoder layer: bf16 norm weights and bias, the four matmuls' weights, KV buffers */
     const uint16_t *input_norm, *qkv_bias, *post_norm;
     rg_weight qkv, o, gate_up, down;
-    uint16_t *k_buf, *v_buf;
+    void *k_buf, *v_buf; /* (slots, Hkv, D): bf16, or the 8-bit codes of kv_format */
     const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
+    uint16_t *k_scale, *v_scale; /* (slots, Hkv) bf16 scales of an 8-bit pool, else NULL */
+    int64_t kv_format; /* KV_PLAIN, KV_INT8 or KV_FP8 (cpu_kv_quant.h) */
 } rg_layer_bf16;
+
+#include "cpu_parallel.h" /* rg_parallel: the fused decode step on one rank of a tensor / pipeline parallel group */
 
 /* The bfloat16-only entry points (AVX512-BF16). A build without it defines each as a stub returning
  * RG_ERR_UNSUPPORTED (at the end of this file); these prototypes make the compiler hold both to one signature. */
@@ -156,12 +162,20 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
-                              void *scratch, int64_t scratch_bytes, int64_t threads);
+                              void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par);
 rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
                                    const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
                                    const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
                                    const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
                                    int64_t D, float scale, uint16_t *pack);
+/* The same over 8-bit pools (KV_QUANT_EXTEND names one per code type). */
+#define KV_QUANT_EXTEND(name, KT)                                                                                 \
+    rg_status name(const uint16_t *q, int64_t q_stride, const KT *k_buf, const KT *v_buf, const uint16_t *k_scale, \
+                   const uint16_t *v_scale, const int64_t *table, int64_t table_stride, const int64_t *rows,       \
+                   const int64_t *prefix_lens, const int64_t *extend_lens, const int64_t *q_start, uint16_t *out,  \
+                   int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, uint16_t *pack)
+KV_QUANT_EXTEND(rg_extend_attention_i8_bf16, int8_t);
+KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t);
 
 /* ------------------------------------------------------------------------------------------------------
  * The fused decode step (bfloat16, CPUs with AVX512-BF16): every decoder layer of a Llama-family model
@@ -208,6 +222,33 @@ static inline size_t step_sums_bytes(int64_t M, int64_t hidden, int64_t H, int64
     return rg_span(M * (widest / 32 + 1), sizeof(float));
 }
 
+/* The fused step's KV store and decode attention (the unfused kernels' code) for the layer's pool format. */
+static void layer_store_kv_bf16(const rg_layer_bf16 *ly, const uint16_t *k, const uint16_t *v, int64_t stride,
+                                const int64_t *slots, int64_t M, int64_t Hkv, int64_t D) {
+    if (ly->kv_format == KV_INT8)
+        rg_store_kv_i8_bf16(k, stride, v, stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, slots, M, Hkv, D);
+    else if (ly->kv_format == KV_FP8)
+        rg_store_kv_f8_bf16(k, stride, v, stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, slots, M, Hkv, D);
+    else
+        rg_store_kv_bf16(k, stride, v, stride, ly->k_buf, ly->v_buf, slots, M, Hkv * D);
+}
+
+static void layer_decode_attention_team_bf16(const rg_layer_bf16 *ly, const uint16_t *q, int64_t q_stride,
+                                             const int64_t *table, int64_t table_stride, const int64_t *rows,
+                                             const int64_t *seq_lens, uint16_t *out, int64_t M, int64_t H,
+                                             int64_t Hkv, int64_t D, float scale, int64_t splits, float *part,
+                                             float *qf, float *sc) {
+#define TEAM(fn) fn(q, q_stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, table, table_stride, rows, \
+                    seq_lens, out, M, H, Hkv, D, scale, splits, part, qf, sc)
+    if (ly->kv_format == KV_INT8)
+        TEAM(rg_decode_attention_team_i8_bf16);
+    else if (ly->kv_format == KV_FP8)
+        TEAM(rg_decode_attention_team_f8_bf16);
+    else
+        TEAM(rg_decode_attention_team_bf16);
+#undef TEAM
+}
+
 /* Scratch of rg_decode_step_bf16 in bytes, for `threads` threads and pieces of at most max_piece positions:
  * the contexts (M int64) shared, then per thread a float32 query block (H D), scores (max_piece G), bf16
  * private rows: the normed and the residual stream (M hidden each) and the MLP activation (M inter), and the
@@ -227,7 +268,8 @@ int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, 
  * (scratch_bytes, at least rg_decode_step_scratch_bytes_bf16 for the longest context: RG_ERR_SCRATCH
  * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. The matmul
  * weights are descriptors (cpu_linear.h) of any layout. With an LM head (vocab rows), logits (M, vocab) float32
- * = out @ lm_head^T rounded to bf16, by the same team. */
+ * = out @ lm_head^T rounded to bf16, by the same team. par (NULL at tp 1, pp 1): the step on one rank of a
+ * parallel group (cpu_parallel.h); embed is then read only for RG_STAGE_IDS. */
 rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
                               const rg_weight *lm_head, float *logits, const rg_weight *embed,
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
@@ -235,7 +277,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
-                              void *scratch, int64_t scratch_bytes, int64_t threads) {
+                              void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
     const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz, G = H / Hkv;
     const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
     int64_t max_piece = 0;
@@ -254,7 +296,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
     const size_t thread_bytes = qf_bytes + sc_bytes + 2 * rows_bytes + ap_bytes + step_sums_bytes(M, hidden, H, D, inter);
     for (int64_t m = 0; m < M; ++m) {
         seq_lens[m] = positions[m] + 1;
-        rg_w_row(embed, ids[m], NULL, x + m * hidden);
+        if (par_input(par) == RG_STAGE_IDS) rg_w_row(embed, ids[m], NULL, x + m * hidden);
     }
     /* The norms and the SiLU run redundantly in every thread, on private copies, so that only the matmuls
      * and attention need the team to meet: the residual stream alternates between two shared buffers
@@ -272,7 +314,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
         int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
         for (int64_t l = 0; l < n_layers; ++l) {
             const rg_layer_bf16 *ly = layers + l;
-            if (l == 0) { /* the residual stream starts as the embeddings */
+            if (l == 0 && par_input(par) != RG_STAGE_HIDDEN) { /* the residual stream starts as the embeddings */
                 memcpy(rp, x, row_bytes);
                 rg_add_rmsnorm_bf16(rp, hidden, NULL, ly->input_norm, hp, M, hidden, eps);
             } else {
@@ -289,11 +331,12 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                 for (int64_t m = 0; m < M && ly->k_norm; ++m)
                     rg_add_rmsnorm_bf16(qkv + m * qkv_n + qsz, D, NULL, ly->k_norm, qkv + m * qkv_n + qsz, Hkv, D, eps);
                 rg_rotary_bf16(positions, qkv, qkv_n, H, qkv + qsz, qkv_n, Hkv, cos_sin, D, M);
-                rg_store_kv_bf16(qkv + qsz, qkv_n, qkv + qsz + kvsz, qkv_n, ly->k_buf, ly->v_buf, out_slots, M, kvsz);
+                layer_store_kv_bf16(ly, qkv + qsz, qkv + qsz + kvsz, qkv_n, out_slots, M, Hkv, D);
             }
-            rg_decode_attention_team_bf16(qkv, qkv_n, ly->k_buf, ly->v_buf, table, table_stride, rows, seq_lens,
-                                          attn, M, H, Hkv, D, scale, splits, part, qf, sc);
+            layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
+                                             scale, splits, part, qf, sc);
             linear_team_bf16(&ly->o, attn, M, NULL, x, NULL, sx);
+            par_all_reduce(par, x, M * hidden);
             memcpy(rp, res[cur], row_bytes);
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
@@ -301,10 +344,13 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             linear_team_bf16(&ly->gate_up, hp, M, NULL, gu, NULL, sx);
             silu_mul_bf16(gu, ap, M, inter);
             linear_team_bf16(&ly->down, ap, M, NULL, x, NULL, sx);
+            par_all_reduce(par, x, M * hidden);
         }
+        if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */
 #pragma omp single
-        rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
-        if (lm_head) linear_team_bf16(lm_head, out, M, NULL, NULL, logits, sx);
+            rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
+            if (lm_head) linear_team_bf16(lm_head, out, M, NULL, NULL, logits, sx);
+        }
     }
     return RG_OK;
 }
@@ -407,13 +453,43 @@ static inline __attribute__((always_inline)) void extend_item_bf16(
     }
 }
 
+/* One pool row (slot, head h) into the pack: K's D values to kd, V's to every other element of vd. An 8-bit
+ * pool's row is dequantized here, code * scale rounded to bf16 (the torch backend's dequantized values). */
+static inline void extend_pack_row(const void *k_buf, const void *v_buf, const uint16_t *k_scale,
+                                   const uint16_t *v_scale, int kv_format, int64_t slot, int64_t Hkv, int64_t h,
+                                   int64_t D, uint16_t *kd, uint16_t *vd) {
+    const int64_t at = slot * Hkv + h;
+    if (kv_format == KV_PLAIN) {
+        memcpy(kd, (const uint16_t *)k_buf + at * D, sizeof(uint16_t) * (size_t)D);
+        const uint16_t *vr = (const uint16_t *)v_buf + at * D;
+        for (int64_t d = 0; d < D; ++d) vd[2 * d] = vr[d];
+        return;
+    }
+    const float ks = bf16_to_f32(k_scale[at]), vs = bf16_to_f32(v_scale[at]);
+    if (kv_format == KV_INT8) {
+        const int8_t *kr = (const int8_t *)k_buf + at * D, *vr = (const int8_t *)v_buf + at * D;
+        for (int64_t d = 0; d < D; ++d) {
+            kd[d] = f32_to_bf16((float)kr[d] * ks);
+            vd[2 * d] = f32_to_bf16((float)vr[d] * vs);
+        }
+    } else {
+        const uint8_t *kr = (const uint8_t *)k_buf + at * D, *vr = (const uint8_t *)v_buf + at * D;
+        for (int64_t d = 0; d < D; ++d) {
+            kd[d] = f32_to_bf16(e4m3_to_f32(kr[d]) * ks);
+            vd[2 * d] = f32_to_bf16(e4m3_to_f32(vr[d]) * vs);
+        }
+    }
+}
+
 /* q (T, H, D) rows q_stride apart, the B requests' new tokens back to back from q_start[b]; out (T, H, D).
- * pack: scratch of sum_b Hkv * 2 * ceil(L_b / 16) * 16 * D bf16, L_b = prefix_lens[b] + extend_lens[b]. */
-rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
-                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
-                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
-                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
-                                   int64_t D, float scale, uint16_t *pack) {
+ * pack: scratch of sum_b Hkv * 2 * ceil(L_b / 16) * 16 * D bf16, L_b = prefix_lens[b] + extend_lens[b].
+ * The pool is bf16 (kv_format KV_PLAIN) or 8-bit codes with their scales. */
+static rg_status extend_attention_bf16(const uint16_t *q, int64_t q_stride, const void *k_buf, const void *v_buf,
+                                       const uint16_t *k_scale, const uint16_t *v_scale, int kv_format,
+                                       const int64_t *table, int64_t table_stride, const int64_t *rows,
+                                       const int64_t *prefix_lens, const int64_t *extend_lens,
+                                       const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                       int64_t D, float scale, uint16_t *pack) {
     if (D % 32 != 0 || D > 128) return RG_ERR_UNSUPPORTED;
     const int64_t G = H / Hkv;
     int64_t *base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* pack offset of each request */
@@ -443,9 +519,7 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
                     const int64_t pos = kb * 16 + j;
                     uint16_t *kd = kpk + pos * D, *vd = vpk + ((kb * 8 + j / 2) * D) * 2 + (j % 2);
                     if (pos < L) {
-                        memcpy(kd, k_buf + (slots[pos] * Hkv + h) * D, sizeof(uint16_t) * (size_t)D);
-                        const uint16_t *vr = v_buf + (slots[pos] * Hkv + h) * D;
-                        for (int64_t d = 0; d < D; ++d) vd[2 * d] = vr[d];
+                        extend_pack_row(k_buf, v_buf, k_scale, v_scale, kv_format, slots[pos], Hkv, h, D, kd, vd);
                     } else {
                         memset(kd, 0, sizeof(uint16_t) * (size_t)D);
                         for (int64_t d = 0; d < D; ++d) vd[2 * d] = 0;
@@ -477,6 +551,23 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
     return RG_OK;
 }
 
+rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
+                                   const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
+                                   const int64_t *rows, const int64_t *prefix_lens, const int64_t *extend_lens,
+                                   const int64_t *q_start, uint16_t *out, int64_t B, int64_t H, int64_t Hkv,
+                                   int64_t D, float scale, uint16_t *pack) {
+    return extend_attention_bf16(q, q_stride, k_buf, v_buf, NULL, NULL, KV_PLAIN, table, table_stride, rows,
+                                 prefix_lens, extend_lens, q_start, out, B, H, Hkv, D, scale, pack);
+}
+
+#define KV_QUANT_EXTEND_BODY(format)                                                                             \
+    {                                                                                                            \
+        return extend_attention_bf16(q, q_stride, k_buf, v_buf, k_scale, v_scale, format, table, table_stride,  \
+                                     rows, prefix_lens, extend_lens, q_start, out, B, H, Hkv, D, scale, pack); \
+    }
+KV_QUANT_EXTEND(rg_extend_attention_i8_bf16, int8_t) KV_QUANT_EXTEND_BODY(KV_INT8)
+KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t) KV_QUANT_EXTEND_BODY(KV_FP8)
+
 int rg_has_decode_step(void) { return 1; }
 #else
 /* Built without AVX512-BF16: the same entry points, each refusing (the prototypes above keep their signatures
@@ -498,12 +589,12 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
-                              void *scratch, int64_t scratch_bytes, int64_t threads) {
+                              void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
     (void)layers, (void)n_layers, (void)final_norm, (void)lm_head, (void)logits, (void)embed;
     (void)ids, (void)M, (void)hidden, (void)H, (void)Hkv, (void)D, (void)inter, (void)eps, (void)scale;
     (void)positions, (void)cos_sin, (void)out_slots, (void)table, (void)table_stride, (void)rows, (void)splits;
     (void)x, (void)out, (void)res_a, (void)res_b, (void)qkv, (void)attn, (void)gu, (void)part, (void)scratch;
-    (void)scratch_bytes, (void)threads;
+    (void)scratch_bytes, (void)threads, (void)par;
     return RG_ERR_UNSUPPORTED;
 }
 rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
@@ -516,4 +607,13 @@ rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
     (void)scale, (void)pack;
     return RG_ERR_UNSUPPORTED;
 }
+#define KV_QUANT_EXTEND_STUB                                                                                     \
+    {                                                                                                            \
+        (void)q, (void)q_stride, (void)k_buf, (void)v_buf, (void)k_scale, (void)v_scale, (void)table;           \
+        (void)table_stride, (void)rows, (void)prefix_lens, (void)extend_lens, (void)q_start, (void)out, (void)B; \
+        (void)H, (void)Hkv, (void)D, (void)scale, (void)pack;                                                    \
+        return RG_ERR_UNSUPPORTED;                                                                               \
+    }
+KV_QUANT_EXTEND(rg_extend_attention_i8_bf16, int8_t) KV_QUANT_EXTEND_STUB
+KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t) KV_QUANT_EXTEND_STUB
 #endif

@@ -27,16 +27,15 @@ _RENAMED = {
     "max_model_len": "context_length",
     "max_num_seqs": "max_running_requests",
     "max_num_batched_tokens": "max_prefill_tokens",
+    "tensor_parallel_size": "tp_size",
+    "pipeline_parallel_size": "pp_size",
 }
 
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in options.items():
-        if name == "tensor_parallel_size":
-            if value != 1:
-                raise ValueError(f"LLM.tensor_parallel_size: radixgen runs on one device (got {value!r})")
-        elif name == "enforce_eager":
+        if name == "enforce_eager":
             out["disable_cuda_graph"] = bool(value)
         elif name == "enable_prefix_caching":
             out["disable_radix_cache"] = not value

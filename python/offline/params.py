@@ -59,7 +59,6 @@ class GuidedDecodingParams:
 # vLLM options with no implementation here: refused unless left at these defaults.
 _UNSUPPORTED = {
     "best_of": None,
-    "logit_bias": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "logits_processors": None,
@@ -150,6 +149,8 @@ class SamplingParams:
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.include_stop_str_in_output,
         }
+        if self.logit_bias:
+            out["logit_bias"] = dict(self.logit_bias)
         if not self.spaces_between_special_tokens:  # sent only when it differs from the runtime's default
             out["spaces_between_special_tokens"] = False
         if self.guided_decoding is not None:

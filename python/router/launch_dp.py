@@ -26,9 +26,11 @@ POLL_S = 0.5
 
 
 def worker_threads(engine: dict[str, Any], dp_size: int) -> int:
-    """Each worker's share of --num-threads (0 or absent: of every CPU), at least one."""
+    """Each worker rank's share of --num-threads (0 or absent: of every CPU), at least one: a worker with tensor /
+    pipeline parallelism runs tp_size * pp_size ranks, each with this many threads."""
     total = engine.get("num_threads") or os.cpu_count() or 1
-    return max(1, total // dp_size)
+    ranks = engine.get("tp_size", 1) * engine.get("pp_size", 1)
+    return max(1, total // (dp_size * ranks))
 
 
 def flags_of(cls: type, values: dict[str, Any]) -> list[str]:

@@ -14,6 +14,8 @@ LOAD_FORMATS = ("auto", "dummy")
 JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", "int8", "awq", "gptq", "gguf", "fp8")  # quantization
+# kv_cache_dtype: auto (the model dtype) or the code dtype of an 8-bit pool (radixgen.kernels.kv_quant)
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class RuntimeConfig:
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights (benchmarks)",
                               choices=LOAD_FORMATS)
     max_total_tokens: int = option(0, "KV cache slots; 0: sized from --max-kv-memory-gb")
-    max_kv_memory_gb: float = option(2.0, "KV cache memory when --max-total-tokens is 0")
+    max_kv_memory_gb: float = option(2.0, "KV cache memory when --max-total-tokens is 0 (per rank)")
     max_running_requests: int = option(128, "requests decoded together at most")
     context_length: int = option(0, "longest prompt + output; 0: the model's max_position_embeddings (capped at 8192)")
     chunked_prefill_size: int = option(512, "a longer prompt is prefilled in chunks of this many tokens; "
@@ -134,7 +136,9 @@ class RuntimeConfig:
     grammar_json_whitespace: str = option("compact", "JSON output from a schema: compact (no whitespace) or flexible "
                                           "(bounded runs of whitespace)", choices=JSON_WHITESPACE)
     enable_jump_forward: bool = option(False, "prefill the text a grammar forces instead of decoding it token by token")
-    num_threads: int = option(0, "torch intra-op threads of the scheduler process; 0: torch's default")
+    num_threads: int = option(0, "torch intra-op threads of the scheduler process (of each rank's process with "
+                              "tensor / pipeline parallelism); 0: torch's default (with several ranks on a node, "
+                              "its CPUs split between them)")
     disable_cpu_kernels: bool = option(False, "CPU: plain torch ops instead of the C kernels and oneDNN-packed weights")
     disable_cuda_graph: bool = option(False, "CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
@@ -145,6 +149,20 @@ class RuntimeConfig:
         "a .gguf file dequantized), none, int8 (per output channel, quantized at load), awq / gptq (int4 "
         "checkpoints), gguf (a .gguf file run from its own Q4_0 / Q4_1 / Q8_0 / Q6_K blocks), fp8 (e4m3 "
         "checkpoints, or quantized at load)", choices=QUANTIZATIONS, flags=("--quantization", "-q"))
+    # ---- KV cache quantization (issue 15)
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
+                                 "bf16 scale per token and KV head (about twice the tokens in the same memory)",
+                                 choices=tuple(KV_CACHE_DTYPES))
+    # ---- tensor and pipeline parallelism, single- and multi-node (runtime/distributed.py)
+    tp_size: int = option(1, "tensor parallelism: ranks that split every layer (attention heads, MLP columns, "
+                          "vocabulary)", flags=("--tp-size", "--tensor-parallel-size"))
+    pp_size: int = option(1, "pipeline parallelism: stages that split the layers (micro-batches in flight)",
+                          flags=("--pp-size", "--pipeline-parallel-size"))
+    nnodes: int = option(1, "machines the tp_size * pp_size ranks are spread over, as many on each")
+    node_rank: int = option(0, "this machine's index: node 0 serves; the others run only their ranks")
+    dist_init_addr: str | None = option(None, "host:port where node 0 meets the other ranks (needed with "
+                                        "--nnodes > 1; default: a free loopback port)")
+    dist_timeout: float = option(120.0, "seconds: a collective, transfer or join that takes longer fails the group")
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
@@ -152,6 +170,7 @@ class RuntimeConfig:
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_choice("grammar_json_whitespace", self.grammar_json_whitespace, JSON_WHITESPACE)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs"):
@@ -164,9 +183,34 @@ class RuntimeConfig:
             raise ValueError(f"max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "pp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if (self.tp_size * self.pp_size) % self.nnodes:
+            raise ValueError(f"tp_size * pp_size = {self.tp_size * self.pp_size} ranks do not split evenly over "
+                             f"nnodes={self.nnodes}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr (host:port of node 0) is needed with nnodes > 1")
+        if self.dist_init_addr is not None:
+            split_addr(self.dist_init_addr)
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> RuntimeConfig:
+        for alias, name in ENGINE_ALIASES.items():  # vLLM's keywords
+            if alias in kwargs:
+                if name in kwargs:
+                    raise ValueError(f"give one of {alias} and {name}, not both")
+                kwargs[name] = kwargs.pop(alias)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -176,6 +220,22 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[resolve_dtype(self.dtype, self.device)]
+
+    @property
+    def kv_code_dtype(self) -> torch.dtype | None:
+        """The code dtype of an 8-bit KV pool; None: the pool holds the model dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+ENGINE_ALIASES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size"}
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """"host:port" -> (host, port); ValueError naming dist_init_addr otherwise."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"dist_init_addr must be host:port with a port in [1, 65535], got {addr!r}")
+    return host.strip("[]"), int(port)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:

@@ -77,7 +77,10 @@ class CudaGraphRunner:
         self._pad = self._pad.contiguous().to(device)
         self._buf = self._pad.clone()
         self.input_ids, self.positions, self.out_slots, self.req_indices, self.seq_lens = self._buf.unbind(0)
-        self.logits = torch.zeros((self.max_bs, runner.vocab_size), dtype=torch.float32, device=device)
+        # this rank's vocabulary rows (all of them at tp 1): a graph records no collective but the layers'
+        # all-reduces; the logits of a tensor-parallel group are gathered after the replay
+        self.logits = torch.zeros((self.max_bs, runner.model.lm_head.out_features), dtype=torch.float32,
+                                  device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
         if capture:
@@ -95,8 +98,10 @@ class CudaGraphRunner:
         return fi.is_decode and 0 < len(fi.extend_lens) <= self.max_bs
 
     @torch.inference_mode()
-    def replay(self, fi: ForwardInput) -> torch.Tensor:
-        """The decode step `fi` -> float32 logits (N, V) of fi.logit_rows, like ModelRunner.forward."""
+    def replay(self, fi: ForwardInput) -> torch.Tensor | None:
+        """The decode step `fi` -> float32 logits (N, V) of fi.logit_rows, like ModelRunner.run_stage (with
+        tensor parallelism every rank replays its graph, in step with the others: the graphs hold the layers'
+        all-reduces; the logits are on the first rank, None on the others)."""
         if not self.can_run(fi):
             raise ValueError(f"not a decode step of 1..{self.max_bs} requests")
         bs = len(fi.extend_lens)
@@ -108,7 +113,7 @@ class CudaGraphRunner:
             self._run(bucket)
         self.replays += 1
         rows = fi.logit_rows.to(self.logits.device, torch.int64, non_blocking=True)
-        return self.logits[:bs].index_select(0, rows)
+        return self.runner.model.lm_head.gather(self.logits[:bs].index_select(0, rows))
 
     def _load(self, fi: ForwardInput, bs: int, bucket: int) -> None:
         """Real rows into [0, bs), padding into [bs, bucket); rows past the bucket are not read."""
@@ -140,7 +145,7 @@ class CudaGraphRunner:
         with forward_context(ctx):
             # fresh slices each run: a new positions object makes the rotary cache look its table up again
             hidden = mr.model(self.input_ids[:bs], self.positions[:bs])
-        self.logits[:bs].copy_(mr.model.compute_logits(hidden))
+        self.logits[:bs].copy_(mr.model.local_logits(hidden))
 
     # ------------------------------------------------------------------ capture
 

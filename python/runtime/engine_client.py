@@ -11,14 +11,12 @@ import asyncio
 import atexit
 import itertools
 import logging
-import os
 import pickle
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import zmq
 
@@ -32,6 +30,7 @@ from radixgen.runtime.messages import (
     ReadySignal,
     ReqOutput,
 )
+from radixgen.runtime.ranks import GroupHost, RankArgs, RankProcess, first_dead, node_ranks
 from radixgen.runtime.request_state import RequestError, RequestState
 
 logger = logging.getLogger(__name__)
@@ -40,8 +39,10 @@ START_TIMEOUT_S = 600.0
 
 
 class SchedulerClient:
-    """Owns the scheduler process, the two zmq sockets and the receiver thread. `ready` is the scheduler's
-    ready signal (sizes of the model and the KV pool)."""
+    """Owns the scheduler process (and, with tensor / pipeline parallelism, the other ranks of node 0 and the
+    group's meeting point: ranks.py), the two zmq sockets and the receiver thread. `ready` is the scheduler's
+    ready signal (sizes of the model and the KV pool). A rank that dies makes the client fatal, as the
+    scheduler's own death does; the other ranks are then stopped."""
 
     def __init__(self, config: RuntimeConfig, model_path: str) -> None:
         self._states: dict[str, RequestState] = {}  # in flight, by the scheduler's rid
@@ -61,12 +62,19 @@ class SchedulerClient:
         self._out.bind(to_sched)
         self._in = self._zmq.socket(zmq.PULL)
         self._in.bind(from_sched)
-        # a fresh interpreter (not multiprocessing's spawn), so the caller's script is never re-imported
-        args_file = os.path.join(ipc, "args.pkl")
-        with open(args_file, "wb") as f:
-            pickle.dump((config, to_sched, from_sched, model_path), f)
-        self._proc = _SchedulerProcess(args_file)
-        self._finalizer = weakref.finalize(self, _kill, self._proc)
+        self._group: GroupHost | None = None
+        store_addr = None
+        if config.world_size > 1:  # may raise (a taken port): nothing is started yet
+            from radixgen.runtime.config import ModelConfig
+            from radixgen.runtime.loader import read_hf_config
+
+            self._group = GroupHost(config, ModelConfig.from_hf(read_hf_config(Path(model_path))))
+            store_addr = self._group.addr
+        self._procs = [RankProcess(RankArgs(config, model_path, r, store_addr,
+                                            (to_sched, from_sched) if r == 0 else None), ipc)
+                       for r in node_ranks(config)]
+        self._proc = self._procs[0]  # rank 0: the scheduler
+        self._finalizer = weakref.finalize(self, _stop_all, self._procs)
         atexit.register(self._finalizer)
         self.ready = self._wait_ready()
         self._receiver = threading.Thread(target=self._receive_loop, name="radixgen-receiver", daemon=True)
@@ -86,8 +94,16 @@ class SchedulerClient:
                     raise RuntimeError(f"the scheduler process failed to start:\n{msg.message}")
                 if isinstance(msg, ReadySignal):
                     return msg
-            elif not self._proc.is_alive():
-                raise RuntimeError(f"the scheduler process exited during start (code {self._proc.exitcode})")
+            elif first_dead(self._procs) is not None:
+                dead = first_dead(self._procs)
+                self._shutdown_process()
+                raise RuntimeError(f"{_name(dead)} exited during start (code {dead.exitcode})")
+            if self._group is not None:
+                try:
+                    self._group.check()
+                except RuntimeError:
+                    self._shutdown_process()
+                    raise
             waited += 0.2
         self._shutdown_process()
         raise RuntimeError("the scheduler process did not start in time")
@@ -108,14 +124,19 @@ class SchedulerClient:
 
     def _shutdown_process(self) -> None:
         self._proc.join(timeout=10)
-        _kill(self._proc)
+        _stop_all(self._procs)
         self._out.close(linger=0)
         self._in.close(linger=0)
         self._zmq.term()
 
     @property
     def is_alive(self) -> bool:
-        return not self.closed and self.fatal is None and self._proc.is_alive()
+        return not self.closed and self.fatal is None and first_dead(self._procs) is None
+
+    @property
+    def rank_pids(self) -> dict[str, int]:
+        """This node's rank processes (rank, as a JSON key -> pid)."""
+        return {str(p.rank): p.pid for p in self._procs}
 
     # ------------------------------------------------------------------ receiving
 
@@ -128,10 +149,12 @@ class SchedulerClient:
             except zmq.ZMQError:
                 return
             if not ready:
-                if not self._proc.is_alive() and not (self.closed or self._stopping):
-                    self.fatal = f"the scheduler process died (exit code {self._proc.exitcode})"
+                dead = first_dead(self._procs)
+                if dead is not None and not (self.closed or self._stopping):
+                    self.fatal = f"{_name(dead)} died (exit code {dead.exitcode})"
                     logger.error(self.fatal)
                     self._fail_all(self.fatal)
+                    _stop_all(self._procs)  # a group without one of its ranks cannot run a step
                     return
                 continue
             try:
@@ -156,6 +179,8 @@ class SchedulerClient:
                 self.fatal = f"the scheduler process failed:\n{message}"
                 logger.error(self.fatal)
                 self._fail_all(self.fatal)
+                if len(self._procs) > 1:  # the group is down: stop the ranks still waiting on it
+                    threading.Thread(target=_stop_all, args=(self._procs,), daemon=True).start()
 
     def _on_output(self, msg: ReqOutput) -> None:
         if msg.duplicate:  # the scheduler refused a second request under a rid in flight: not about that one
@@ -212,7 +237,7 @@ class SchedulerClient:
                     self._out.send(data, zmq.NOBLOCK)
                     return
                 except zmq.Again:
-                    if not self._proc.is_alive():
+                    if first_dead(self._procs) is not None:
                         self.fatal = self.fatal or "the scheduler process died"
                         raise RuntimeError(self.fatal) from None
                     time.sleep(0.001)
@@ -263,36 +288,6 @@ class SchedulerClient:
                 self.send(AbortRequest(sub))
 
 
-class _SchedulerProcess:
-    """`python -m radixgen.runtime.scheduler ARGS_FILE` as a child process."""
-
-    def __init__(self, args_file: str) -> None:
-        # torch backs its large CPU allocations (weights, KV pool) with transparent huge pages when this is set
-        # before its first allocation: fewer TLB misses while decode streams the weights (about 3% at batch 1)
-        env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ}
-        self.popen = subprocess.Popen([sys.executable, "-m", "radixgen.runtime.scheduler", args_file],
-                                      stdin=subprocess.DEVNULL, env=env)
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def terminate(self) -> None:
-        self.popen.terminate()
-
-    def kill(self) -> None:
-        self.popen.kill()
-
-
 def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     """Wake an asyncio waiter from the receiver thread; a loop that is already closed has no waiter."""
     try:
@@ -301,10 +296,10 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def _kill(proc: _SchedulerProcess) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=5)
+def _name(proc: RankProcess) -> str:
+    return "the scheduler process" if proc.rank == 0 else f"rank {proc.rank}"
+
+
+def _stop_all(procs: list[RankProcess]) -> None:
+    for p in procs:
+        p.stop()

@@ -86,7 +86,27 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 # ---------------------------------------------------------------- safetensors / dummy weights
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A checkpoint tensor not read yet: `narrow(dim, start, length)` reads only that part of the file
+    (safetensors' get_slice), so a tensor-parallel rank reads its shard and never the whole tensor; `read()` reads
+    it whole (a tensor that is not split, such as a scale of shape ()). Weight loaders call only `shape` and
+    `narrow`, which a torch tensor has too, and `read` where they take the whole tensor (layers/linear.py)."""
+
+    def __init__(self, part) -> None:
+        self._part = part
+        self.shape = tuple(part.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._part[tuple(index)]
+
+    def read(self) -> torch.Tensor:
+        return self._part[...]
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """Every tensor of the folder's safetensors files, by name, as a CheckpointSlice valid until the next."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -97,7 +117,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    yield name, CheckpointSlice(st.get_slice(name))
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"corrupt safetensors file {f}: {e}") from e
 

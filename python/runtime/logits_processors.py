@@ -30,6 +30,7 @@ class Penalties(NamedTuple):
 
     repetition: TokenAdjust | None  # values: the row's repetition penalty, over prompt + output tokens
     additive: TokenAdjust | None  # values: frequency_penalty * count + presence_penalty, over output tokens
+    bias: TokenAdjust | None = None  # values: the row's logit_bias of each token it names
 
 
 def _distinct_pairs(rows: list[int], tokens: list[Iterable[int]], vocab_size: int,
@@ -63,15 +64,25 @@ def build_penalties(params: Sequence[SamplingParams], output_ids: Sequence[Seque
         row, tok, _ = _distinct_pairs(rep_rows, seen, vocab_size, "prompt_ids + output_ids")
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)[row]
         repetition = TokenAdjust(row.to(device), tok.to(device), rep.to(device))
-    if additive is None and repetition is None:
+    bias = None
+    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if bias_rows:
+        pairs = [(i, tok, b) for i in bias_rows for tok, b in params[i].logit_bias.items()]
+        row, tok, val = (torch.tensor(col, dtype=dt) for col, dt in
+                         zip(zip(*pairs, strict=True), (torch.int64, torch.int64, torch.float32), strict=True))
+        if int(tok.max()) >= vocab_size:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size}), got {int(tok.max())}")
+        bias = TokenAdjust(row.to(device), tok.to(device), val.to(device))
+    if additive is None and repetition is None and bias is None:
         return None
-    return Penalties(repetition, additive)
+    return Penalties(repetition, additive, bias)
 
 
 def apply_penalties(logits: Tensor, penalties: Penalties) -> None:
     """In place on (B, V) logits. Repetition first (HF: a seen token's positive logit is divided by the
     penalty, a negative one multiplied), then OpenAI's: logit -= frequency * count + presence * (count > 0)
-    with counts over the output tokens. A finite logit stays finite (an overflow saturates), -inf stays -inf."""
+    with counts over the output tokens, then logit_bias. A finite logit stays finite (an overflow saturates),
+    -inf stays -inf."""
     if penalties.repetition is not None:
         row, tok, rep = penalties.repetition
         v = logits[row, tok]  # (N,)
@@ -79,6 +90,9 @@ def apply_penalties(logits: Tensor, penalties: Penalties) -> None:
     if penalties.additive is not None:
         row, tok, amount = penalties.additive
         logits[row, tok] = saturate(logits[row, tok] - amount)  # pairs are distinct: no accumulation needed
+    if penalties.bias is not None:  # after the penalties, as OpenAI adds logit_bias to the final logits
+        row, tok, amount = penalties.bias
+        logits[row, tok] = saturate(logits[row, tok] + amount)  # a dict's keys are distinct
 
 
 def saturate(x: Tensor) -> Tensor:

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 
+from radixgen.runtime import distributed
 from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
-from radixgen.runtime.kv_pool import KVPool, new_req_to_slot_table
+from radixgen.runtime.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
 from radixgen.runtime.loader import is_gguf_native, load_weights, read_hf_config, resolve_model_path
@@ -59,11 +60,15 @@ def keep_freed_host_memory() -> bool:
 
 
 class ModelRunner:
+    """This process's model (its shard and pipeline stage on a rank of a parallel group: distributed.state()),
+    the KV pool of its layers and KV heads, the request->slot table tensor, the ops set; `forward` runs a step."""
+
     def __init__(self, cfg: RuntimeConfig, model_path=None, ops: TorchOps | None = None) -> None:
         """ops: the ops set (default: the device's, `ops_for`); tests pass TritonOps to run a CPU model on the
         Triton kernels under TRITON_INTERPRET=1, how the CUDA path's wiring is checked without a GPU."""
         self.runtime_config = cfg
-        self.device = torch.device(cfg.device)
+        self.parallel = par = distributed.state()
+        self.device = distributed.rank_device(cfg.device)
         self.dtype = cfg.torch_dtype
         self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model, cfg.quantization)
         self.hf_config = read_hf_config(self.model_path)
@@ -94,27 +99,54 @@ class ModelRunner:
             keep_freed_host_memory()
 
         num_slots = cfg.max_total_tokens or self._slots_from_memory()
-        self.kv_pool = KVPool(mc.num_layers, num_slots + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        attn = model.layers[model.start_layer].self_attn  # this rank's heads
+        self.kv_pool = KVPool(model.end_layer - model.start_layer, num_slots + 1, attn.num_kv_heads, mc.head_dim,
+                              self.dtype, self.device, cfg.kv_code_dtype)
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
-        # only reads it (row `padding_row` stays all padding slots)
+        # only reads it (row `padding_row` stays all padding slots). In a parallel group every rank has a copy,
+        # which the others update from the writes rank 0 logs (parallel_step.py).
         self.req_to_slot = new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
+        self.table_log = TableWriteLog() if par.world_size > 1 else None
         logger.info("ops: %s (linear layers: %s)", self.ops.name, ", ".join(self.ops.linear_methods(self.model)))
         # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
         # that does not apply)
         kl = self.ops.kl if isinstance(self.ops, CpuOps) else None
         self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl) if kl is not None else None
-        logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots", self.model_path, self.dtype,
-                    self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots)
-        # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only)
+        logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots (KV cache %s)", self.model_path,
+                    self.dtype, self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots,
+                    cfg.kv_cache_dtype)
+        # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only; per rank with
+        # tensor parallelism, not with pipeline stages)
         self.cuda_graph_runner: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and par.pp_size == 1:
             self.cuda_graph_runner = CudaGraphRunner(self)
+        from radixgen.runtime.parallel_step import StepGroup
+
+        self.group = StepGroup(self) if par.world_size > 1 else None
 
     def _slots_from_memory(self) -> int:
-        mc = self.model_config
-        per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        """KV slots from max_kv_memory_gb (per rank): the same on every rank of a group (one slot table), sized
+        by the rank whose layers and KV heads take the most memory per slot (an 8-bit pool's scales counted)."""
+        mc, par = self.model_config, self.parallel
+        per_slot = 0
+        for stage in range(par.pp_size):
+            start, end = distributed.layer_range(mc.num_layers, par.pp_size, stage)
+            for rank in range(par.tp_size):
+                heads = distributed.head_shard(mc.num_heads, mc.num_kv_heads, par.tp_size, rank)
+                per_slot = max(per_slot, KVPool.bytes_per_slot(end - start, heads.num_kv_heads, mc.head_dim,
+                                                               self.dtype, self.runtime_config.kv_code_dtype))
         return max(1024, min(int(self.runtime_config.max_kv_memory_gb * 2**30) // per_slot, 262144))
+
+    def kv_cache_info(self) -> dict:
+        """The KV pool for get_server_info: its storage dtype, capacity in tokens and size (with tensor / pipeline
+        parallelism, this rank's pool: its stage's layers and its KV heads)."""
+        p, mc = self.kv_pool, self.model_config
+        return {"kv_cache_dtype": self.runtime_config.kv_cache_dtype,
+                "dtype": str(p.code_dtype or p.dtype).removeprefix("torch."), "capacity_tokens": p.num_slots - 1,
+                "bytes_per_token": KVPool.bytes_per_slot(len(p.k_buffers), p.k_buffers[0].shape[1], mc.head_dim,
+                                                         p.dtype, p.code_dtype),
+                "memory_bytes": p.nbytes()}
 
     @property
     def vocab_size(self) -> int:
@@ -122,8 +154,7 @@ class ModelRunner:
 
     def memory_info(self) -> dict:
         """What the weights (each in its one layout) and the KV pool's buffers take, in bytes; the weight format."""
-        kv = sum(t.numel() * t.element_size() for t in (*self.kv_pool.k_buffers, *self.kv_pool.v_buffers))
-        return {"weight_bytes": quantization.weight_bytes(self.model), "kv_pool_bytes": kv,
+        return {"weight_bytes": quantization.weight_bytes(self.model), "kv_pool_bytes": self.kv_pool.nbytes(),
                 "quantization": str(self.quantization)}
 
     def cuda_graph_info(self) -> dict:
@@ -134,14 +165,32 @@ class ModelRunner:
     def forward(self, fi: ForwardInput) -> torch.Tensor:
         """Run the model on one step; return float32 logits (N, V) of `fi.logit_rows`.
 
-        Decode steps the CUDA graph runner covers replay its graphs; everything else runs eagerly."""
+        Decode steps the CUDA graph runner covers replay its graphs; everything else runs eagerly. On rank 0 of
+        a parallel group the step runs on every rank (parallel_step.py)."""
+        return self.collect(self.launch(fi))
+
+    def launch(self, fi: ForwardInput):
+        """Start step `fi`; `collect` gives its logits. Only with pipeline stages is anything left to wait for
+        (scheduler/pipeline.py keeps several steps in flight)."""
+        if self.group is not None:
+            return self.group.launch(fi)
+        return self.run_stage(fi)
+
+    def collect(self, step) -> torch.Tensor:
+        return self.group.collect(step) if self.group is not None else step
+
+    @torch.inference_mode()
+    def run_stage(self, fi: ForwardInput, stage_input=None):
+        """This rank's part of step `fi`: the logits on the last stage's first tensor-parallel rank (None on its
+        others), the StageHidden for the next stage elsewhere; a stage after the first starts from
+        `stage_input`."""
         g = self.cuda_graph_runner
         if g is not None and g.can_run(fi):
             return g.replay(fi)
-        return self.forward_eager(fi)
+        return self.forward_eager(fi, stage_input)
 
     @torch.inference_mode()
-    def forward_eager(self, fi: ForwardInput) -> torch.Tensor:
+    def forward_eager(self, fi: ForwardInput, stage_input=None):
         if self.device.type != "cpu":  # the scheduler builds ids, positions and rows on the host
             dev = self.device
             fi = fi._replace(input_ids=fi.input_ids.to(dev, non_blocking=True),
@@ -150,9 +199,13 @@ class ModelRunner:
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
         if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens):
-            return self.fused_decode(fi, self.req_to_slot)
-        # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only those
-        keep = fi.logit_rows.to(torch.int64) if fi.logit_rows.shape[0] < fi.input_ids.shape[0] else None
+            return self.fused_decode(fi, self.req_to_slot, stage_input)
+        # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only
+        # those; not with tensor parallelism, where every rank must reduce the same rows whatever its kernels
+        keep = None
+        if (fi.logit_rows.shape[0] < fi.input_ids.shape[0] and self.model.is_last_stage
+                and self.parallel.tp_size == 1):
+            keep = fi.logit_rows.to(torch.int64)
         ctx = ForwardContext(
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_to_slot, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
@@ -160,8 +213,11 @@ class ModelRunner:
         )
         self.ops.attention.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
         with forward_context(ctx):
-            hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows)
+            hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows, stage_input=stage_input)
+        if not self.model.is_last_stage:
+            return hidden
         rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]
         if self.fused_decode is not None and rows.shape[0] <= MAX_FUSED_BATCH:
             return self.fused_decode.logits(rows)
         return self.model.compute_logits(rows)
+

@@ -3,6 +3,7 @@ handed to callers. Updated by the Engine's receiver thread, read by whoever wait
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from radixgen.runtime.detokenizer import IncrementalDetokenizer
@@ -30,7 +31,10 @@ def as_finish_reason(reason: FinishReason | dict | None) -> FinishReason | None:
 
 
 class RequestState:
-    """One request as the Engine sees it. `notify` (set by the waiter) is called after every update."""
+    """One request as the Engine sees it. `notify` (set by the waiter) is called after every update.
+
+    The receiver thread applies outputs while a waiter (another thread, or an event loop) builds results: both
+    hold `lock`, so a result never counts a token whose logprob or text it does not carry yet."""
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, tokenizer,
                  return_logprob: bool, text_in_logprobs: bool) -> None:
@@ -53,6 +57,7 @@ class RequestState:
         self.sent_text_len = 0
         self.notify = None  # callable, set by the waiter
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.lock = threading.Lock()
 
     @property
     def finished(self) -> bool:
@@ -61,6 +66,10 @@ class RequestState:
     def apply(self, out: ReqOutput) -> None:
         """Take in one step's output. May raise (a tokenizer that fails on these ids): the caller then
         ends this request with `fail`."""
+        with self.lock:
+            self._apply(out)
+
+    def _apply(self, out: ReqOutput) -> None:
         self.cached_tokens = out.cached_tokens
         self.output_ids += out.new_ids
         self.detok.add(out.new_ids)
@@ -84,9 +93,10 @@ class RequestState:
 
     def fail(self, message: str, status_code: int | None = None, fatal: bool = False) -> None:
         """End the request here (the scheduler may still run it: the caller aborts it there)."""
-        if self.finish_reason is None:
-            self.final_text = self.detok.text
-            self.finish_reason = FinishReason.abort(message, status_code=status_code, fatal=fatal)
+        with self.lock:
+            if self.finish_reason is None:
+                self.final_text = self.detok.text
+                self.finish_reason = FinishReason.abort(message, status_code=status_code, fatal=fatal)
 
     def _entry(self, lp, tok: int):
         text = self.tokenizer.decode([tok]) if self.text_in_logprobs else None
@@ -125,6 +135,10 @@ class RequestState:
             raise RequestFailed(reason.message)
 
     def result(self, delta: bool = False) -> dict:
+        with self.lock:
+            return self._result(delta)
+
+    def _result(self, delta: bool) -> dict:
         text = self.visible_text()
         meta: dict[str, Any] = {
             "id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.output_ids),

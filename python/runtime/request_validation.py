@@ -100,6 +100,10 @@ def check_params(params: SamplingParams, limits: ModelLimits) -> None:
     if bad:
         raise _reject(f"sampling_params.stop_token_ids: token id {bad[0]} is out of the vocabulary "
                       f"[0, {limits.vocab_size})")
+    bad = [t for t in (params.logit_bias or {}) if t >= limits.vocab_size]
+    if bad:
+        raise _reject(f"sampling_params.logit_bias: token id {bad[0]} is out of the vocabulary "
+                      f"[0, {limits.vocab_size})")
     if params.constraint is not None:
         if not limits.supports_constraints:
             raise _reject("constrained decoding (regex / json_schema / ebnf / choices) is not available")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -28,6 +29,7 @@ MAX_REPETITION_PENALTY = 2.0
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 MAX_N = 128  # choices per request, as the OpenAI API caps it
+MAX_LOGIT_BIAS = 100.0  # as the OpenAI API bounds each logit_bias value
 
 # Constraint fields: a request carries at most one of them.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
@@ -51,6 +53,15 @@ def check_text(name: str, text: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{name}: invalid text: lone surrogate {text[e.start]!r} at character {e.start} "
                          f"(not valid Unicode)") from None
+
+
+def _token_key(key: Any) -> int:
+    """A logit_bias key: an int, or a string of one (JSON object keys are strings)."""
+    if is_int(key):
+        return key
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,12}", key):
+        return int(key)
+    raise ValueError(f"sampling_params.logit_bias: keys must be token ids (integers), got {key!r}")
 
 
 def choice_seeds(seed: int | None, n: int) -> list[int | None]:
@@ -92,6 +103,9 @@ class SamplingParams:
     json_schema: str | None = None  # a dict is serialized on construction
     ebnf: str | None = None
     choices: list[str] | None = None
+    # token id -> added to its logit before sampling (OpenAI's logit_bias; string keys as JSON sends them are
+    # converted); -100 bans a token, +100 all but forces it
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # shapes first (a str stop is one stop string, a dict schema is serialized), then every value
@@ -109,6 +123,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()} or None
+        elif self.logit_bias is not None:
+            self._bad("logit_bias", "must be an object mapping token ids to numbers")
         self.validate()
         if self.top_k == 0:
             self.top_k = -1
@@ -171,6 +189,11 @@ class SamplingParams:
         self._check_range("frequency_penalty", -2.0, 2.0)
         self._check_range("presence_penalty", -2.0, 2.0)
         self._check_range("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        for tok, bias in (self.logit_bias or {}).items():
+            if tok < 0:
+                bad("logit_bias", f"token ids must be >= 0, got {tok}")
+            if not (is_number(bias) and math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                bad("logit_bias", f"the bias of token {tok} must be a finite number in [-100, 100], got {bias!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         for s in self.stop:

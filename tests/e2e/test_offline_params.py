@@ -51,7 +51,7 @@ def test_pydantic_model_as_schema():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: SamplingParams(logit_bias={3: 1.0}), "logit_bias"),
+        (lambda: SamplingParams(allowed_token_ids=[3]), "allowed_token_ids"),
         (lambda: SamplingParams(best_of=3), "best_of"),
         (lambda: SamplingParams(detokenize=False), "detokenize"),
         (lambda: SamplingParams(logprobs=-1), "logprobs"),
@@ -62,7 +62,6 @@ def test_pydantic_model_as_schema():
         (lambda: GuidedDecodingParams(regex="a", choice=["a"]), "exactly one"),
         (lambda: GuidedDecodingParams(choice="ab"), "choice"),
         (lambda: GuidedDecodingParams(regex="a", backend="outlines"), "backend"),
-        (lambda: engine_options({"tensor_parallel_size": 2}), "tensor_parallel_size"),
     ],
 )
 def test_unsupported_options_are_refused(make, message):
@@ -72,5 +71,7 @@ def test_unsupported_options_are_refused(make, message):
 
 def test_vllm_engine_argument_names():
     assert engine_options({"max_model_len": 2048, "enforce_eager": True, "enable_prefix_caching": False,
-                           "max_num_seqs": 8, "trust_remote_code": True, "tensor_parallel_size": 1}) == {
-        "context_length": 2048, "disable_cuda_graph": True, "disable_radix_cache": True, "max_running_requests": 8}
+                           "max_num_seqs": 8, "trust_remote_code": True, "tensor_parallel_size": 2,
+                           "pipeline_parallel_size": 1}) == {
+        "context_length": 2048, "disable_cuda_graph": True, "disable_radix_cache": True, "max_running_requests": 8,
+        "tp_size": 2, "pp_size": 1}

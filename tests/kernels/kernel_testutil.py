@@ -49,3 +49,25 @@ def make_pool(lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dt
 
 def lens_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+class QuantizedPool(NamedTuple):
+    pool: Pool  # the table and rows; its buffers hold the values the codes were made from
+    k_codes: torch.Tensor  # (num_slots, Hkv, D) int8 / float8_e4m3fn
+    v_codes: torch.Tensor
+    k_scales: torch.Tensor  # (num_slots, Hkv) bfloat16
+    v_scales: torch.Tensor
+
+    def scales(self) -> dict:
+        return {"k_scales": self.k_scales, "v_scales": self.v_scales}
+
+
+def quantize_pool(pool: Pool, code_dtype: torch.dtype) -> QuantizedPool:
+    """make_pool's pool as an 8-bit pool (kv_quant's reference quantization of every slot)."""
+    from radixgen.kernels.kv_quant import quantize_kv_ref
+
+    (kc, ks), (vc, vs) = (quantize_kv_ref(b.cpu(), code_dtype) for b in (pool.k_buffer, pool.v_buffer))
+    return QuantizedPool(pool, kc.to(DEVICE), vc.to(DEVICE), ks.to(DEVICE), vs.to(DEVICE))

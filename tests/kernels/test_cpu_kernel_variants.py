@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testutil import TOL, make_pool, rel_err
+from kernel_testutil import CODE_DTYPES, TOL, make_pool, quantize_pool, rel_err
 
 from radixgen.kernels import (
     _cpu_build,
@@ -81,6 +81,42 @@ def test_decode_attention(kl, dtype, num_heads, num_kv_heads, head_dim, lens, ge
     assert rel_err(cpu.decode_attention(*args, kl=kl), decode_attention_ref(*args)) < CTOL[dtype]
 
 
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_pool_kernels(kl, dtype, code_dtype, gen):
+    """8-bit pools: the store gives the reference's codes and scales bit for bit; decode attention (head sizes on
+    and off the vector paths) and, where the build has it, bf16 extend attention match the reference."""
+    pools = [[torch.zeros(30, 2, 40, dtype=code_dtype) for _ in range(2)]
+             + [torch.zeros(30, 2, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
+    slots = torch.randperm(29, generator=gen)[:5] + 1
+    k, v = ((torch.randn(5, 2, 40, generator=gen) * torch.logspace(-3, 2, 5)[:, None, None]).to(dtype)
+            for _ in range(2))
+    cpu.store_kv(*pools[0][:2], slots, k, v, k_scales=pools[0][2], v_scales=pools[0][3], kl=kl)
+    store_kv_ref(*pools[1][:2], slots, k, v, k_scales=pools[1][2], v_scales=pools[1][3])
+    for got, want in zip(*pools, strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+    for num_heads, num_kv_heads, head_dim, lens in ((9, 3, 64, [5, 70, 1]), (3, 1, 40, [33, 2])):
+        qp = quantize_pool(make_pool(lens, num_kv_heads, head_dim, torch.float32, max_context_len=96, gen=gen),
+                           code_dtype)
+        q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+        args = (q, qp.k_codes, qp.v_codes, qp.pool.req_to_slot, qp.pool.req_indices, torch.tensor(lens), 0.3)
+        assert rel_err(cpu.decode_attention(*args, kl=kl, **qp.scales()),
+                       decode_attention_ref(*args, **qp.scales())) < CTOL[dtype]
+    if dtype != torch.bfloat16:
+        return
+    qp = quantize_pool(make_pool([19, 40], 2, 64, torch.float32, max_context_len=64, gen=gen), code_dtype)
+    q = torch.randn(24, 6, 64, generator=gen).to(torch.bfloat16)
+    args = (q, qp.k_codes, qp.v_codes, qp.pool.req_to_slot, qp.pool.req_indices, torch.tensor([11, 24]),
+            torch.tensor([8, 16]), 0.2)
+    if not kl.has_decode_step:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            cpu.extend_attention(*args, kl=kl, **qp.scales())
+        return
+    assert rel_err(cpu.extend_attention(*args, kl=kl, **qp.scales()),
+                   extend_attention_ref(*args, **qp.scales())) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [576, 100])  # a multiple of 16 (vector rows) and a tail
 def test_add_rmsnorm(kl, dtype, hidden, gen):
@@ -147,7 +183,9 @@ def test_stubs_refuse(kl):
     not supported: an exception, never a silent no-op."""
     if kl.has_decode_step:
         pytest.skip("this build has the bf16 kernels")
-    for name, kw in (("rg_silu_and_mul_bf16", dict(gu=0, out=0, M=1, I=1)),):
+    for name, kw in (("rg_silu_and_mul_bf16", dict(gu=0, out=0, M=1, I=1)),
+                     *((name, dict.fromkeys(kl.fn(name).argnames, 0))
+                       for name in ("rg_extend_attention_i8_bf16", "rg_extend_attention_f8_bf16"))):
         with pytest.raises(cpu.CKernelError, match=f"{name} failed: not supported"):
             kl.fn(name)(**kw)
     step = {a: 0 for a in kl.fn("rg_decode_step_bf16").argnames}

@@ -31,6 +31,7 @@ def test_worker_threads():
     assert worker_threads({"num_threads": 3}, 2) == 1
     assert worker_threads({"num_threads": 1}, 4) == 1  # never 0 (which would mean "all cores")
     assert worker_threads({}, 2) == max(1, (os.cpu_count() or 1) // 2)
+    assert worker_threads({"num_threads": 8, "tp_size": 2}, 2) == 2  # per rank: 2 workers x 2 ranks
 
 
 def test_worker_commands_round_trip_through_the_server_parser():

@@ -57,10 +57,10 @@ def mode(request):
     return request.param
 
 
-def build_pair(mode: str) -> tuple[ModelRunner, ModelRunner]:
+def build_pair(mode: str, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, ModelRunner]:
     if mode == "cuda":
-        eager = make_runner("cuda", 24, disable_cuda_graph=True)
-        graphed = make_runner("cuda", 24)
+        eager = make_runner("cuda", 24, disable_cuda_graph=True, kv_cache_dtype=kv_cache_dtype)
+        graphed = make_runner("cuda", 24, kv_cache_dtype=kv_cache_dtype)
         assert eager.cuda_graph_runner is None and graphed.cuda_graph_runner.capture_graphs
         assert graphed.cuda_graph_runner.buckets == [1, 2, 4, 8, 16, 24]
         return eager, graphed
@@ -70,7 +70,7 @@ def build_pair(mode: str) -> tuple[ModelRunner, ModelRunner]:
         from radixgen.runtime.layers.ops import TritonOps
 
         ops = TritonOps
-    eager, graphed = (make_runner("cpu", 8, ops and ops()) for _ in range(2))
+    eager, graphed = (make_runner("cpu", 8, ops and ops(), kv_cache_dtype=kv_cache_dtype) for _ in range(2))
     assert graphed.cuda_graph_runner is None  # never on the CPU: tests attach one in eager mode
     graphed.cuda_graph_runner = CudaGraphRunner(graphed, capture=False)
     assert graphed.cuda_graph_runner.buckets == [1, 2, 4, 8]
@@ -121,16 +121,20 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def assert_same_kv(eager: ModelRunner, graphed: ModelRunner, tol: float) -> None:
-    """Every slot but the padding slot 0 holds the same K/V in both pools (both start all zeros)."""
-    for bufs_e, bufs_g in ((eager.kv_pool.k_buffers, graphed.kv_pool.k_buffers),
-                           (eager.kv_pool.v_buffers, graphed.kv_pool.v_buffers)):
+    """Every slot but the padding slot 0 holds the same K/V in both pools (both start all zeros); an 8-bit pool
+    the same codes and scales."""
+    pools = [(r.kv_pool.k_buffers, r.kv_pool.v_buffers, r.kv_pool.k_scales or [], r.kv_pool.v_scales or [])
+             for r in (eager, graphed)]
+    for bufs_e, bufs_g in zip(*pools, strict=True):
         for e, g in zip(bufs_e, bufs_g, strict=True):
-            diff = (e[1:] - g[1:]).abs().amax(dim=(1, 2))
+            e, g = e.float().flatten(1), g.float().flatten(1)
+            diff = (e[1:] - g[1:]).abs().amax(dim=1)
             assert diff.max().item() <= tol * max(e[1:].abs().max().item(), 1.0), diff.nonzero().flatten()[:8]
 
 
-def test_decode_steps_match_eager(mode):
-    eager, graphed = build_pair(mode)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # the graphs over an 8-bit pool's codes and scales
+def test_decode_steps_match_eager(mode, kv_cache_dtype):
+    eager, graphed = build_pair(mode, kv_cache_dtype)
     g = graphed.cuda_graph_runner
     batches = CUDA_BATCHES if mode == "cuda" else CPU_BATCHES
     tol = TOL[mode]

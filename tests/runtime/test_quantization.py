@@ -12,6 +12,7 @@ from quant_checkpoints import AWQ_NIBBLE_COLUMN, pack_along_cols, pack_along_row
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu
+from radixgen.runtime import distributed
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.linear import (
@@ -19,7 +20,6 @@ from radixgen.runtime.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    TPInfo,
 )
 from radixgen.runtime.layers.ops import CpuOps, TorchOps
 from radixgen.runtime.layers.quantization import QuantSpec, resolve
@@ -118,8 +118,7 @@ def test_awq_and_gptq_layers_take_their_rank_shard(ops_name, monkeypatch):
     with exactly that shard of the dequantized weight."""
     if ops_name == "c" and not cpu.available():
         pytest.skip("no C kernels")
-    monkeypatch.setattr(TPInfo, "size", 2)
-    monkeypatch.setattr(TPInfo, "rank", 1)
+    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(world_rank=1, tp_size=2))
     gen = torch.Generator().manual_seed(4)
     n, k, g = 64, 128, 32
     q = torch.randint(0, 16, (n, k), generator=gen)
@@ -141,6 +140,29 @@ def test_awq_and_gptq_layers_take_their_rank_shard(ops_name, monkeypatch):
         getattr(row, name).weight_loader(getattr(row, name), t, None)
     row.process_weights()
     assert torch.allclose(row.method.dequantize(row), dense[:, k // 2:], rtol=1e-6)
+
+
+def test_splits_the_quantized_layouts_cannot_take(monkeypatch):
+    """Under tp 2, where a rank's share does not fall on the format's bounds, startup fails naming the
+    combination: GPTQ's activation order (a row-parallel rank's columns in other ranks' groups), groups cut by
+    the split, GGUF blocks cut by it."""
+    from radixgen.runtime.layers.quantization.gguf import GGUFTensor
+
+    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(world_rank=0, tp_size=2))
+    n, k, g = 32, 128, 32
+    row = layer_with(RowParallelLinear, "torch", QuantSpec("gptq", group_size=g), in_features=k, out_features=n)
+    tensors = {"qweight": torch.zeros(k // 8, n, dtype=torch.int32), "qzeros": torch.zeros(k // g, n // 8).int(),
+               "scales": torch.ones(k // g, n).half(), "g_idx": (torch.randperm(k) // g).int()}  # desc_act
+    for name, t in tensors.items():
+        getattr(row, name).weight_loader(getattr(row, name), t, None)
+    with pytest.raises(ValueError, match=r"activation order.*tp_size=2"):
+        row.process_weights()
+    with pytest.raises(ValueError, match=r"group size 32.*tp_size=2"):  # 48 input columns a rank
+        layer_with(RowParallelLinear, "torch", QuantSpec("awq", group_size=g), in_features=96, out_features=n)
+    q4 = GGUFTensor("blk.0.ffn_down.weight", "Q4_0", torch.zeros(n, 2 * 18, dtype=torch.uint8), 64)  # 2 blocks
+    assert q4.narrow(1, 32, 32).raw.shape == (n, 18)
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_down.weight' \(Q4_0\).*blocks of 32"):
+        q4.narrow(1, 16, 32)
 
 
 def test_merged_gptq_parts_must_share_g_idx():

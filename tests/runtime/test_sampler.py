@@ -225,6 +225,27 @@ def test_penalties_adjust_logits_exactly():
     assert build([SP(), SP(temperature=0.0)], 6).penalties is None
 
 
+def test_logit_bias_is_added_after_the_penalties_and_decides_choices():
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.6], [0.0, 3.0, 2.5, 1.6]])
+    params = [SP(temperature=0.0, logit_bias={"1": -100, 3: 1.5}),
+              SP(temperature=0.0, frequency_penalty=1.0, logit_bias={1: 0.25})]
+    assert SP(logit_bias={"7": 2}).logit_bias == {7: 2} and SP(logit_bias={}).logit_bias is None
+    batch = build(params, 4, outputs=[[], [1]])
+    adjusted = logits.clone()
+    apply_penalties(adjusted, batch.penalties)
+    expected = logits.clone()
+    expected[0, 1], expected[0, 3] = 3.0 - 100, 1.6 + 1.5
+    expected[1, 1] = (3.0 - 1.0) + 0.25
+    assert torch.equal(adjusted, expected)
+    assert sample(logits, params, outputs=[[], [1]]).tolist() == [3, 2]
+    # +100 all but forces a token even under sampling
+    forced = [SP(temperature=1.0, seed=s, logit_bias={0: 100}) for s in range(8)]
+    gens = [make_generator(s) for s in range(8)]
+    assert sample(logits[:1].expand(8, 4).contiguous(), forced, generators=gens).tolist() == [0] * 8
+    with pytest.raises(ValueError, match="logit_bias"):
+        build([SP(logit_bias={4: 1.0})], 4)
+
+
 def test_penalties_change_the_greedy_choice_and_reject_bad_ids():
     logits = torch.tensor([[0.0, 3.0, 2.5, 1.6]])
     params = [SP(temperature=0.0, frequency_penalty=1.0)]

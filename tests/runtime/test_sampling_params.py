@@ -50,6 +50,8 @@ def test_every_field_is_still_accepted_and_defaults_come_from_one_constant():
     ("stop_token_ids", ["1"]), ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("stop_regex", "("),
     ("stop_regex", 5), ("stop_regex", "a\udc00"), ("regex", ""), ("regex", 3), ("regex", "\ud800"),
     ("json_schema", "{not json"), ("choices", []), ("choices", ["a", 1]), ("choices", ["\ud800"]),
+    ("logit_bias", {"a": 1.0}), ("logit_bias", {1.5: 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: 101}),
+    ("logit_bias", {3: math.nan}), ("logit_bias", {3: "1"}), ("logit_bias", {3: True}), ("logit_bias", [3]),
 ])
 def test_a_bad_value_is_a_value_error_naming_its_field(field, value):
     with pytest.raises(ValueError, match=rf"^sampling_params\.{field}: "):

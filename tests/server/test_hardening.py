@@ -204,3 +204,83 @@ def test_a_duplicate_rid_is_refused_and_the_original_finishes(http, server, stre
     meta = r.json()["meta_info"]
     assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 48
     assert_still_serves(http)
+
+
+# ---------------------------------------------------------------- values that used to kill the scheduler (item 1)
+
+
+@pytest.mark.parametrize(
+    "params,param",
+    [
+        ({"seed": 2**64}, "seed"),  # outside the 64-bit range
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**64 - 2, "n": 3}, "seed"),  # in range, but the choices' seeds seed + k overflow it
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ],
+)
+def test_values_that_killed_the_scheduler_are_400(http, params, param):
+    r = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2, **params}})
+    err = _error(r, 400)
+    assert err["param"] == param and param in err["message"], err
+    assert_still_serves(http)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-30])
+def test_a_temperature_that_rounds_to_zero_is_greedy(http, temperature):
+    """Below the smallest safe temperature a request is greedy: tokens inside the vocabulary, finite logprobs,
+    the same tokens as temperature 0."""
+    def gen(t: float) -> dict:
+        body = {"text": "The capital of France is", "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 6, "temperature": t, "ignore_eos": True}}
+        r = http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    tiny, greedy = gen(temperature), gen(0.0)
+    ids = [tok for _, tok, _ in tiny["output_token_logprobs"]]
+    assert ids == [tok for _, tok, _ in greedy["output_token_logprobs"]]
+    assert all(0 <= tok < 49152 for tok in ids)
+    assert all(isinstance(lp, float) and lp <= 0.0 for lp, _, _ in tiny["output_token_logprobs"])
+    assert_still_serves(http)
+
+
+# ---------------------------------------------------------------- catastrophic stop_regex (item 3)
+
+
+def test_catastrophic_stop_regex_does_not_block_other_clients(http, server):
+    """`(a+)+b` over a long run of a's: a backtracking matcher would take exponential time per token; the
+    automaton's is linear, so the request finishes and other clients are answered meanwhile."""
+    body = {"text": "Repeat the letter a forever: a a a a a a a a", "stream": False,
+            "sampling_params": {"max_new_tokens": 64, "min_new_tokens": 64, "temperature": 0, "ignore_eos": True,
+                                "stop_regex": ["(a+)+b", "(x|x)*y"]}}
+    done = threading.Event()
+    result: dict = {}
+
+    def send() -> None:
+        with server.client() as c:
+            result["r"] = c.post("/generate", json=body)
+        done.set()
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        r = http.post("/v1/completions", json={"prompt": "1, 2,", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        t.join(300)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 64
+    assert_still_serves(http)
+
+
+# ---------------------------------------------------------------- n is capped (item 5)
+
+
+def test_n_on_generate_is_capped_as_the_openai_api_caps_it(http):
+    err = _error(http.post("/generate", json={"text": "x", "sampling_params": {"n": 2000}}), 400)
+    assert err["param"] == "n" and "128" in err["message"], err
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"n": 3, "max_new_tokens": 1}})
+    assert r.status_code == 200 and len(r.json()) == 3, r.text
+    assert_still_serves(http)

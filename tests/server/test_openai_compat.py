@@ -107,7 +107,9 @@ def test_sglang_extra_body_fields(http):
 @pytest.mark.parametrize(
     "fields,param,words",
     [
-        ({"logit_bias": {"42": 5.0}}, "logit_bias", "logit_bias"),
+        ({"logit_bias": {"42": 500.0}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {"token": 5.0}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"49152": 5.0}}, "logit_bias", "out of the vocabulary"),
         ({"lora_path": "adapters/x"}, "lora_path", "LoRA"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio"),
         ({"modalities": ["text", "audio"]}, "modalities", "text"),
@@ -295,3 +297,26 @@ def test_litellm(server):
         **common,
     )
     jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+
+
+# ---------------------------------------------------------------- logit_bias (OpenAI's, and SGLang's native)
+
+
+def test_logit_bias_bans_and_forces_tokens(http, oai):
+    """The greedy first token banned with -100 is never produced; +100 on a token makes it the output, through
+    the openai client, /v1/completions and the native /generate alike."""
+    first = oai.completions.create(model="default", prompt="The capital of France is", max_tokens=1, temperature=0,
+                                   logprobs=1)
+    banned = http.post("/tokenize", json={"text": first.choices[0].text, "add_special_tokens": False})
+    banned_id = banned.json()["tokens"][0]
+    other = oai.completions.create(model="default", prompt="The capital of France is", max_tokens=1, temperature=0,
+                                   logit_bias={str(banned_id): -100})
+    assert other.choices[0].text != first.choices[0].text
+    forced_id = http.post("/tokenize", json={"text": " banana", "add_special_tokens": False}).json()["tokens"][0]
+    body = {"text": "The capital of France is", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0.8, "seed": 5,
+                                "logit_bias": {str(forced_id): 100.0}}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert [tok for _, tok, _ in r.json()["meta_info"]["output_token_logprobs"]] == [forced_id] * 3
+    assert_still_serves(http)

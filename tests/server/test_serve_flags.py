@@ -81,6 +81,8 @@ def _other_value(f: dataclasses.Field, hint: Any) -> tuple[list[str], Any]:
         value = next(c for c in choices if c != f.default)
     elif f.name == "device":
         value = "cuda:1"
+    elif f.name == "dist_init_addr":
+        value = "127.0.0.1:29500"
     elif hint is int:
         value = f.default + 3
     elif hint is float:
@@ -88,6 +90,11 @@ def _other_value(f: dataclasses.Field, hint: Any) -> tuple[list[str], Any]:
     else:
         value = f"/tmp/{f.name}"
     return [name, str(value)], value
+
+
+# fields valid only beside others (a group over several nodes): the flags that make them so
+COMPANIONS = {"nnodes": {"tp_size": 4, "dist_init_addr": "127.0.0.1:29500"},
+              "node_rank": {"nnodes": 4, "tp_size": 4, "dist_init_addr": "127.0.0.1:29500"}}
 
 
 def test_every_runtime_field_reaches_the_config():
@@ -98,8 +105,11 @@ def test_every_runtime_field_reaches_the_config():
         hint = hints[f.name]
         hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         argv, value = _other_value(f, hint)
+        extra = COMPANIONS.get(f.name, {})
+        for name, v in extra.items():
+            argv += [flag(name), str(v)]
         args = parse(*argv)
-        assert args.engine == {f.name: value}, argv
+        assert args.engine == {f.name: value, **extra}, argv
         assert getattr(RuntimeConfig(**args.engine), f.name) == value
 
 

@@ -50,8 +50,8 @@ TIME = Tool.model_validate({"type": "function", "function": {"name": "get_time"}
 def test_unknown_fields_are_rejected_not_ignored():
     with pytest.raises(ValidationError, match="bogus"):
         CompletionRequest.model_validate({"prompt": "x", "bogus": 1})
-    with pytest.raises(ValidationError, match="logit_bias"):
-        CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"5": 1.0}})
+    with pytest.raises(ValidationError, match="logit_bias"):  # the value's type is still checked
+        CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"5": "up"}})
     with pytest.raises(ValidationError, match="stream_options"):
         ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}

@@ -6,6 +6,11 @@ reading the pool in place) and `TritonAttentionBackend` (radixgen.kernels' Trito
 `prepare(ctx)` that derives per-step metadata once, not once per layer; the Triton backend also has
 `prepare_static(ctx, seq_lens)`, the decode metadata of a CUDA graph (cuda_graph_runner.py), taken from a
 device tensor instead of host lists.
+
+An 8-bit pool (kv_cache_dtype int8 / fp8_e4m3) is written quantized by every backend's store and read
+dequantized by its attention (the kernels in registers; the torch backend, the reference, dequantizes the rows
+it gathers to the model dtype). A step's new tokens attend to their own K/V as the pool holds them, quantized,
+so a chunked or cached prefix gives what computing it in one step gives.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
+from radixgen.kernels.kv_quant import gather_rows, store_rows_ref
 from radixgen.runtime.forward_context import ForwardContext, get_forward_context
+from radixgen.runtime.kv_pool import KVLayer
 
 
 class DecodeMeta(NamedTuple):
@@ -45,6 +52,14 @@ class TorchAttentionBackend:
     """Plain torch: decode gathers each request's slots and runs scaled_dot_product_attention with the query heads
     of a KV head as its rows; extend runs it per request over the gathered prefix plus the new tokens."""
 
+    @staticmethod
+    def pool_kv(k, v, kv: KVLayer, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K/V as extend attends to them: as computed, or for an 8-bit pool as it holds them."""
+        if kv.k_scales is None:
+            return k, v
+        return (gather_rows(kv.k, kv.k_scales, ctx.out_slots, k.dtype).view(k.shape),
+                gather_rows(kv.v, kv.v_scales, ctx.out_slots, v.dtype).view(v.shape))
+
     def prepare(self, ctx: ForwardContext) -> None:
         ctx.keep_rows = None  # every row is computed (see CpuAttentionBackend.prepare)
         if ctx.is_decode:
@@ -66,32 +81,33 @@ class TorchAttentionBackend:
                 rows = torch.arange(e).unsqueeze(1) + p
                 # an additive mask in the model dtype, built once per step: SDPA would otherwise turn a
                 # boolean mask into one in every layer
-                mask = torch.zeros((e, p + e), dtype=ctx.kv_pool.k_buffers[0].dtype)
+                mask = torch.zeros((e, p + e), dtype=ctx.kv_pool.dtype)
                 mask.masked_fill_(cols > rows, float("-inf"))
                 spans.append(ExtendSpan(start, start + e, ctx.req_to_slot[row, :p], mask))
             start += e
         ctx.attn_meta = spans
 
-    def store(self, k, v, k_buf, v_buf, ctx: ForwardContext) -> None:
-        k_buf.index_copy_(0, ctx.out_slots, k)
-        v_buf.index_copy_(0, ctx.out_slots, v)
+    def store(self, k, v, kv: KVLayer, ctx: ForwardContext) -> None:
+        store_rows_ref(kv.k, kv.k_scales, ctx.out_slots, k)
+        store_rows_ref(kv.v, kv.v_scales, ctx.out_slots, v)
 
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) of the new tokens -> (T, H, D)."""
-        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        self.store(k, v, k_buf, v_buf, ctx)
+        kv = ctx.kv_pool.layer(layer_id)
+        self.store(k, v, kv, ctx)
         if ctx.is_decode:
-            return self.decode(q, k_buf, v_buf, ctx.attn_meta, scale)
-        return self.extend(q, k, v, k_buf, v_buf, ctx.attn_meta, scale)
+            return self.decode(q, kv, ctx.attn_meta, scale)
+        return self.extend(q, *self.pool_kv(k, v, kv, ctx), kv, ctx.attn_meta, scale)
 
     @staticmethod
-    def decode(q, k_buf, v_buf, meta: DecodeMeta, scale: float) -> torch.Tensor:
+    def decode(q, kv: KVLayer, meta: DecodeMeta, scale: float) -> torch.Tensor:
         b, h, d = q.shape
-        hkv = k_buf.shape[1]
+        hkv = kv.k.shape[1]
         # index_select on dim 0 copies whole rows: several times faster than advanced indexing
         # (B * Lmax, Hkv, D) -> (B, Hkv, Lmax, D)
-        kk = k_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
-        vv = v_buf.index_select(0, meta.flat_slots).view(b, meta.lmax, hkv, d).transpose(1, 2).contiguous()
+        kk = gather_rows(kv.k, kv.k_scales, meta.flat_slots, q.dtype).view(b, meta.lmax, hkv, d).transpose(1, 2)
+        vv = gather_rows(kv.v, kv.v_scales, meta.flat_slots, q.dtype).view(b, meta.lmax, hkv, d).transpose(1, 2)
+        kk, vv = kk.contiguous(), vv.contiguous()
         # the query heads sharing a KV head act as that head's query rows: one (G x Lmax) attention
         # per (request, KV head) instead of H single-row ones (the CPU kernel is slow at one row)
         out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), kk, vv, attn_mask=meta.mask,
@@ -99,14 +115,14 @@ class TorchAttentionBackend:
         return out.reshape(b, h, d)
 
     @staticmethod
-    def extend(q, k, v, k_buf, v_buf, spans: list[ExtendSpan], scale: float) -> torch.Tensor:
+    def extend(q, k, v, kv: KVLayer, spans: list[ExtendSpan], scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         for span in spans:
             qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, E, D)
             ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
             if span.prefix_slots is not None:
-                ks = torch.cat([k_buf.index_select(0, span.prefix_slots), ks])
-                vs = torch.cat([v_buf.index_select(0, span.prefix_slots), vs])
+                ks = torch.cat([gather_rows(kv.k, kv.k_scales, span.prefix_slots, q.dtype), ks])
+                vs = torch.cat([gather_rows(kv.v, kv.v_scales, span.prefix_slots, q.dtype), vs])
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None,
                                                scale=scale, enable_gqa=True)
@@ -129,9 +145,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.pool_ok: bool | None = None  # whether the kernels take the pool, decided at the first step
 
     def prepare(self, ctx: ForwardContext) -> None:
-        k0 = ctx.kv_pool.k_buffers[0]
+        k0, dtype = ctx.kv_pool.k_buffers[0], ctx.kv_pool.dtype
         if self.pool_ok is None:
-            self.pool_ok = k0.is_cpu and k0.dtype in cpu_kernels.DTYPES and k0.shape[2] <= self.kl.d_max
+            self.pool_ok = k0.is_cpu and dtype in cpu_kernels.DTYPES and k0.shape[2] <= self.kl.d_max
         if not self.pool_ok:
             return super().prepare(ctx)
         ctx.out_slots = ctx.out_slots.to(torch.int64).contiguous()
@@ -141,7 +157,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ctx.attn_meta = DecodeMeta(None, max(lens), None, torch.tensor(lens, dtype=torch.int64),
                                        ctx.req_indices.to(torch.int64).contiguous())
             return
-        if cpu_kernels.extend_attention_supported(self.kl, k0.dtype, k0.shape[2]):
+        if cpu_kernels.extend_attention_supported(self.kl, dtype, k0.shape[2]):
             ctx.attn_meta = ExtendMeta(ctx.req_indices.to(torch.int64).contiguous(), list(ctx.prefix_lens),
                                        list(ctx.extend_lens))
             # Only this kernel computes a subset of the rows (ctx.keep_rows): each token is one vector lane
@@ -153,39 +169,39 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         super().prepare(ctx)
 
-    def store(self, k, v, k_buf, v_buf, ctx: ForwardContext) -> None:
+    def store(self, k, v, kv: KVLayer, ctx: ForwardContext) -> None:
         if self.pool_ok and _heads_contiguous(k) and _heads_contiguous(v):
-            cpu_kernels._store_kv(self.kl, k_buf, v_buf, ctx.out_slots, k, v)
+            cpu_kernels._store_kv(self.kl, kv.k, kv.v, ctx.out_slots, k, v, kv.k_scales, kv.v_scales)
         else:
-            super().store(k, v, k_buf, v_buf, ctx)
+            super().store(k, v, kv, ctx)
 
     def forward_rows(self, q_rows, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         """Stores k/v (T, Hkv, D) of all new tokens; returns the attention of q_rows (K, H, D), the queries of
         ctx.keep_rows only, each over its request's positions up to its own -> (K, H, D)."""
-        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        self.store(k, v, k_buf, v_buf, ctx)
+        kv = ctx.kv_pool.layer(layer_id)
+        self.store(k, v, kv, ctx)
         if q_rows.shape[0] == 0:
             return q_rows.new_empty(q_rows.shape)
         meta: ExtendMeta = ctx.rows_meta
-        return cpu_kernels._extend_attention(self.kl, q_rows, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
-                                             meta.prefix_lens, meta.extend_lens, scale)
+        return cpu_kernels._extend_attention(self.kl, q_rows, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
+                                             meta.prefix_lens, meta.extend_lens, scale, kv.k_scales, kv.v_scales)
 
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) of the new tokens -> (T, H, D)."""
         if not self.pool_ok:
             return super().forward(q, k, v, layer_id, scale, ctx)
-        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        self.store(k, v, k_buf, v_buf, ctx)
+        kv = ctx.kv_pool.layer(layer_id)
+        self.store(k, v, kv, ctx)
         meta = ctx.attn_meta
         if not isinstance(meta, (DecodeMeta, ExtendMeta)):  # an extend the C kernel does not take
-            return self.extend(q, k, v, k_buf, v_buf, meta, scale)
+            return self.extend(q, *self.pool_kv(k, v, kv, ctx), kv, meta, scale)
         if not _heads_contiguous(q):
             q = q.contiguous()
         if ctx.is_decode:
-            return cpu_kernels._decode_attention(self.kl, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
-                                                 meta.seq_lens, scale, meta.lmax)
-        return cpu_kernels._extend_attention(self.kl, q, k_buf, v_buf, ctx.req_to_slot, meta.req_indices,
-                                             meta.prefix_lens, meta.extend_lens, scale)
+            return cpu_kernels._decode_attention(self.kl, q, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
+                                                 meta.seq_lens, scale, meta.lmax, kv.k_scales, kv.v_scales)
+        return cpu_kernels._extend_attention(self.kl, q, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
+                                             meta.prefix_lens, meta.extend_lens, scale, kv.k_scales, kv.v_scales)
 
 
 class TritonAttentionBackend:
@@ -211,13 +227,14 @@ class TritonAttentionBackend:
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         from radixgen import kernels
 
-        k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
-        kernels.store_kv(k_buf, v_buf, ctx.out_slots, k, v)
+        kv = ctx.kv_pool.layer(layer_id)
+        kernels.store_kv(kv.k, kv.v, ctx.out_slots, k, v, **kv.scales())
         prefix_lens, extend_lens, seq_lens = ctx.attn_meta
         if ctx.is_decode:
-            return kernels.decode_attention(q, k_buf, v_buf, ctx.req_to_slot, ctx.req_indices, seq_lens, scale)
-        return kernels.extend_attention(q, k_buf, v_buf, ctx.req_to_slot, ctx.req_indices, prefix_lens,
-                                        extend_lens, scale)
+            return kernels.decode_attention(q, kv.k, kv.v, ctx.req_to_slot, ctx.req_indices, seq_lens, scale,
+                                            **kv.scales())
+        return kernels.extend_attention(q, kv.k, kv.v, ctx.req_to_slot, ctx.req_indices, prefix_lens,
+                                        extend_lens, scale, **kv.scales())
 
 
 class Attention(nn.Module):

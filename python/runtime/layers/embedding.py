@@ -1,11 +1,18 @@
-"""Vocabulary embedding and LM head, sharded over the vocabulary for tensor parallelism (tp 1 now)."""
+"""Vocabulary embedding and LM head, sharded over the vocabulary for tensor parallelism.
+
+Each tensor-parallel rank holds rows [start, start + rows) of the vocabulary (distributed.vocab_shard; rows
+past the vocabulary are zero padding). The embedding looks up the ids of its rows, zeros the others and sums
+over the ranks; the LM head computes its rows' logits, which the stage's first rank gathers and cuts to the
+vocabulary.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearMethod, TPInfo
+from radixgen.runtime import distributed
+from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearBase, LinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,7 +24,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.shard = vocab_size // TPInfo.size
+        self.start, self.shard, self.valid = distributed.vocab_shard(vocab_size, distributed.tp_size(),
+                                                                     distributed.tp_rank())
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -27,24 +35,34 @@ class VocabParallelEmbedding(nn.Module):
         return self.__dict__.get("_tied_head") or self
 
     def weight_loader(self, param, loaded, shard_id=None):
-        part = loaded.narrow(0, TPInfo.rank * self.shard, self.shard)
-        if part.shape != param.shape:
-            raise ValueError(f"embedding shape mismatch: expected {tuple(param.shape)}, got {tuple(part.shape)}")
-        param.data.copy_(part)
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"embedding shape mismatch: expected {(self.vocab_size, param.shape[1])}, "
+                             f"got {tuple(loaded.shape)}")
+        param.data[:self.valid].copy_(loaded.narrow(0, self.start, self.valid))
+        param.data[self.valid:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.table
-        return table.method.embed(table, ids)
+        if self.shard == self.vocab_size:
+            return table.method.embed(table, ids)
+        # ids [start, start + valid) are this rank's; the others read row 0 and are zeroed, then summed
+        mine = (ids >= self.start) & (ids < self.start + self.valid)
+        out = table.method.embed(table, (ids - self.start) * mine)
+        return distributed.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(ColumnParallelLinear):
-    """hidden -> vocabulary logits, a linear layer over the vocabulary shard (so any linear method applies); tied,
-    it is also the embedding's table."""
+    """hidden -> this rank's vocabulary logits (T, rows), a linear layer over the vocabulary shard (so any linear
+    method applies; `gather` makes the vocabulary's logits); tied, it is also the embedding's table."""
 
     tied = False
 
     def __init__(self, vocab_size: int, hidden: int) -> None:
-        super().__init__(hidden, vocab_size, bias=False)
+        self.vocab_size = vocab_size
+        self.start, rows, self.valid = distributed.vocab_shard(vocab_size, distributed.tp_size(),
+                                                               distributed.tp_rank())
+        self.full_out, self.out_start = vocab_size, self.start
+        LinearBase.__init__(self, hidden, rows, bias=False)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Share the weight with `embedding`: the checkpoint's embedding loads into this head (the model's
@@ -52,3 +70,17 @@ class ParallelLMHead(ColumnParallelLinear):
         embedding.weight = None
         embedding.__dict__["_tied_head"] = self  # not a submodule: the model holds the head already
         self.tied = True
+
+    def out_part(self, shard_id):
+        return 0, self.start, self.valid, self.vocab_size
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        """The rank's vocabulary rows; the padding rows past the vocabulary are zero."""
+        super().weight_loader(param, loaded, shard_id)
+        if param.output_dim is not None and self.valid < self.out_features:
+            pack = param.output_pack
+            param.data.narrow(param.output_dim, self.valid // pack, (self.out_features - self.valid) // pack).zero_()
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """(T, rows) float32 of every rank -> (T, vocab) on the stage's first rank, None on the others."""
+        return distributed.gather_last_dim(logits, self.vocab_size)

@@ -1,16 +1,24 @@
-"""Linear layers split for tensor parallelism (tp size 1 for now; the split logic is already in place).
+"""Linear layers split for tensor parallelism (runtime/distributed.py holds the ranks and the collectives).
 
-Column-parallel layers shard the output features, row-parallel ones the input features; each parameter
-carries a `weight_loader` that copies the rank's shard of a full checkpoint tensor, and the dims it shards
-(`new_param`), so that the same loaders take quantized tensors (packed along one dim, grouped along another).
-How a layer keeps and applies its weight is its `LinearMethod` (the quantization package has one per format).
+Column-parallel layers hold a range of the output features, row-parallel ones a range of the input features
+and sum their partial outputs over the tensor-parallel ranks (all-reduce) after the matmul. Each parameter
+carries a `weight_loader` that copies the rank's part of a checkpoint tensor, and the dims it runs along
+(`new_param`), so that the same loaders take quantized tensors (packed along one dim, grouped along another):
+`loaded` is a torch tensor, a loader.CheckpointSlice or a GGUF tensor, and only its `shape` and `narrow` are
+called before the part is read, so a sharded load reads only the rank's part. How a layer keeps and applies its
+weight is its `LinearMethod` (the quantization package has one per format).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixgen.runtime import distributed
+from radixgen.runtime.distributed import head_shard, split_range
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 1) -> torch.Tensor | None:
@@ -88,31 +96,26 @@ DENSE = DenseLinear()
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype | None, loader, output_dim: int | None,
-              input_dim: int | None, output_pack: int = 1) -> nn.Parameter:
-    """A checkpoint-filled parameter and where its loader finds the sharded dims: output_dim (column-parallel
-    layers shard it; merged layers place their parts along it, `output_pack` output features per element, e.g.
-    8 for nibbles packed in an int32) and input_dim (row-parallel layers shard it); None: not along that dim."""
+              input_dim: int | None, output_pack: int = 1, input_pack: int = 1) -> nn.Parameter:
+    """A checkpoint-filled parameter and where its loader finds the split dims: output_dim (column-parallel layers
+    take a range of it; merged layers place their parts along it), `output_pack` output features per element
+    (e.g. 8 for nibbles packed in an int32), and input_dim (row-parallel layers take a range of it), `input_pack`
+    input features per element (8 for GPTQ's packed rows, the group size for group scales and zeros); None: the
+    parameter does not run along that dim (every part, or every rank, loads it whole)."""
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    p.weight_loader, p.output_dim, p.input_dim, p.output_pack = loader, output_dim, input_dim, output_pack
+    p.weight_loader, p.output_dim, p.input_dim = loader, output_dim, input_dim
+    p.output_pack, p.input_pack = output_pack, input_pack
     return p
-
-
-class TPInfo:
-    rank: int = 0
-    size: int = 1
-
-
-def _shard(t: torch.Tensor, dim: int) -> torch.Tensor:
-    if TPInfo.size == 1:
-        return t
-    n = t.shape[dim] // TPInfo.size
-    return t.narrow(dim, TPInfo.rank * n, n)
 
 
 class LinearBase(nn.Module):
     """weight (out, in) [+ bias], applied by `method` (dense until the ops set installs the device's method for the
     model's quantization, which may replace the weight by other parameters before loading and re-lay it out after:
-    see LinearMethod). `packed` holds the method's layout where it is not a parameter."""
+    see LinearMethod). `packed` holds the method's layout where it is not a parameter.
+
+    Loading: the rank's part of a checkpoint tensor is its output features `out_part(shard_id)` and input features
+    `in_part` (the whole layer by default; the parallel layers below narrow them), cut from each parameter along
+    the dims new_param gave it (`checkpoint_part`)."""
 
     method: LinearMethod = DENSE
 
@@ -124,8 +127,44 @@ class LinearBase(nn.Module):
         self.bias = new_param((out_features,), None, self.weight_loader, 0, None) if bias else None
         self.packed = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        raise NotImplementedError
+    def out_part(self, shard_id) -> tuple[int, int, int, int]:
+        """Checkpoint part `shard_id` along the output features: (offset in this layer, first feature in the
+        checkpoint tensor, features, the checkpoint tensor's features)."""
+        return 0, 0, self.out_features, self.out_features
+
+    @property
+    def in_part(self) -> tuple[int, int, int]:
+        """This layer's input features in the checkpoint: (first, features, the checkpoint tensor's features)."""
+        return 0, self.in_features, self.in_features
+
+    def checkpoint_part(self, param: nn.Parameter, loaded, shard_id=None):
+        """The part of checkpoint tensor `loaded` (a torch tensor or anything with its `shape` and `narrow`: a
+        loader.CheckpointSlice, a GGUF tensor) that `param` holds, not read yet where `loaded` is lazy. A scale
+        stored as one value for the whole tensor (param.fill) is the same for every part."""
+        if getattr(param, "fill", False) and math.prod(loaded.shape) == 1:
+            return loaded
+        if param.output_dim is not None:
+            _, start, size, full = self.out_part(shard_id)
+            loaded = _features(loaded, param.output_dim, param.output_pack, full, start, size)
+        if param.input_dim is not None:
+            start, size, full = self.in_part
+            loaded = _features(loaded, param.input_dim, param.input_pack, full, start, size)
+        return loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """param <- this rank's part of `loaded`, at part `shard_id`'s place. A parameter with no output dim (GPTQ's
+        g_idx) is shared by a merged layer's parts: they must agree."""
+        part = _whole(self.checkpoint_part(param, loaded, shard_id))
+        fill = getattr(param, "fill", False)
+        if param.output_dim is None:
+            if getattr(param, "placed", False) and not torch.equal(param.data, part.to(param.dtype)):
+                raise ValueError("the merged projections' tensors of this name differ; they must be equal")
+            _copy(param.data, part, fill)
+            param.placed = True
+            return
+        offset, _, size, _ = self.out_part(shard_id)
+        pack = param.output_pack
+        _copy(param.data.narrow(param.output_dim, offset // pack, size // pack), part, fill)
 
     def set_linear_method(self, method: LinearMethod) -> None:
         """Before the weights are loaded: the method makes the parameters the checkpoint fills."""
@@ -140,75 +179,110 @@ class LinearBase(nn.Module):
         return self.method.apply(self, x)
 
 
+def _narrow(loaded, dim: int, full: int, start: int, size: int):
+    """Rows (dim 0) or columns (dim 1) [start, start + size) of a checkpoint tensor whose dim must be `full`."""
+    if len(loaded.shape) <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"weight shape mismatch: expected {full} along dim {dim}, got {tuple(loaded.shape)}")
+    return loaded.narrow(dim, start, size)
+
+
+def _features(loaded, dim: int, pack: int, full: int, start: int, size: int):
+    """Features [start, start + size) of the `full` ones along dim `dim` of a checkpoint tensor holding `pack`
+    features per element (packed values, or a group's scale): the split must fall on those elements' bounds."""
+    if pack > 1 and (start % pack or size % pack):
+        raise ValueError(f"this rank's features [{start}, {start + size}) of {full} do not fall on the tensor's "
+                         f"elements of {pack} features (packed values or a group's scale): tensor parallelism "
+                         f"cannot split it there (tp_size={distributed.tp_size()})")
+    return _narrow(loaded, dim, full // pack, start // pack, size // pack)
+
+
+def _whole(loaded) -> torch.Tensor:
+    """A checkpoint tensor as a torch tensor (a loader.CheckpointSlice is read here)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+
+
 def _copy(param: torch.Tensor, loaded: torch.Tensor, fill: bool = False) -> None:
-    """param <- loaded of the same shape; with `fill` (a scale stored per tensor or per row), a single value fills
-    param."""
+    """param <- loaded of the same shape; with `fill` (a scale stored per tensor, or per row as (rows,) or
+    (rows, 1)), a single value fills param."""
     if fill and loaded.numel() == 1:
-        param.data.fill_(loaded.reshape(()).item())
+        param.fill_(loaded.reshape(()).item())
         return
+    if fill and loaded.dim() == 2 and loaded.shape[1] == 1:
+        loaded = loaded.reshape(-1)
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
-
-
-def _shard_out(param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
-    return _shard(loaded, param.output_dim) if param.output_dim is not None and loaded.dim() > param.output_dim \
-        else loaded
-
-
-def _place(param: nn.Parameter, offset: int, size: int, loaded: torch.Tensor) -> None:
-    """One part of a merged layer (output features [offset, offset + size)) into `param`. A parameter with no output
-    dim (GPTQ's g_idx) is shared by the parts: they must agree."""
-    fill = getattr(param, "fill", False)
-    if param.output_dim is None:
-        if getattr(param, "placed", False) and not torch.equal(param.data, loaded.to(param.dtype)):
-            raise ValueError("the merged projections' tensors of this name differ; they must be equal")
-        _copy(param, loaded, fill)
-        param.placed = True
-        return
-    pack = param.output_pack
-    _copy(param.data.narrow(param.output_dim, offset // pack, size // pack), _shard_out(param, loaded), fill)
+    param.copy_(loaded)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features // TPInfo.size, bias)
+    """Output features [out_start, out_start + out_features) of the full layer: by default this rank's share."""
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        _copy(param, _shard_out(param, loaded), getattr(param, "fill", False))
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.full_out = out_features
+        self.out_start, size = split_range(out_features, distributed.tp_size(), distributed.tp_rank())
+        super().__init__(in_features, size, bias)
+
+    def out_part(self, shard_id):
+        return 0, self.out_start, self.out_features, self.full_out
 
 
 class RowParallelLinear(LinearBase):
-    """Input features sharded; with tp > 1 the partial outputs are summed (all-reduce) after forward."""
+    """Input features [in_start, in_start + in_features) of the full layer (default: this rank's share, or
+    `in_range` = (start, size)); the partial outputs are summed over the tensor-parallel ranks. A bias is added
+    once: rank 0 holds it, the others a zero one."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features // TPInfo.size, out_features, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 in_range: tuple[int, int] | None = None) -> None:
+        self.full_in = in_features
+        self.in_start, size = in_range or split_range(in_features, distributed.tp_size(), distributed.tp_rank())
+        super().__init__(size, out_features, bias)
+
+    @property
+    def in_part(self):
+        return self.in_start, self.in_features, self.full_in
 
     def weight_loader(self, param, loaded, shard_id=None):
-        sharded = param.input_dim is not None and loaded.dim() > param.input_dim
-        _copy(param, _shard(loaded, param.input_dim) if sharded else loaded, getattr(param, "fill", False))
+        if param is self.bias and distributed.tp_rank() != 0:
+            if tuple(loaded.shape) != tuple(param.shape):
+                raise ValueError(f"bias shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+            param.data.zero_()
+            return
+        super().weight_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return distributed.all_reduce(super().forward(x))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (gate and up projections)."""
+    """Several column-parallel outputs in one matmul (gate and up projections): this rank's share of each."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(out_sizes), bias)
-        self.out_sizes = [n // TPInfo.size for n in out_sizes]
+        self.full_sizes = list(out_sizes)
+        self.parts = [split_range(n, distributed.tp_size(), distributed.tp_rank()) for n in out_sizes]
+        self.out_sizes = [size for _, size in self.parts]
+        LinearBase.__init__(self, in_features, sum(self.out_sizes), bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        _place(param, sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id], loaded)
+    def out_part(self, shard_id):
+        start, size = self.parts[shard_id]
+        return sum(self.out_sizes[:shard_id]), start, size, self.full_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one matmul; shard ids "q", "k", "v"."""
+    """Q, K and V projections in one matmul (shard ids "q", "k", "v"), for this rank's heads (`heads`, a
+    distributed.HeadShard): the query heads and the KV heads they read."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        self.q_size = num_heads * head_dim // TPInfo.size
-        self.kv_size = max(1, num_kv_heads // TPInfo.size) * head_dim
-        super().__init__(hidden, (self.q_size + 2 * self.kv_size) * TPInfo.size, bias)
+        self.heads = head_shard(num_heads, num_kv_heads, distributed.tp_size(), distributed.tp_rank())
+        self.full_rows = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        self.q_size = self.heads.num_heads * head_dim
+        self.kv_size = self.heads.num_kv_heads * head_dim
+        self.head_dim = head_dim
+        LinearBase.__init__(self, hidden, self.q_size + 2 * self.kv_size, bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                        "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        _place(param, offset, size, loaded)
+    def out_part(self, shard_id):
+        d, heads = self.head_dim, self.heads
+        # (offset in our rows, first row in the checkpoint tensor, rows)
+        offset, src, size = {"q": (0, heads.q_start * d, self.q_size),
+                             "k": (self.q_size, heads.kv_start * d, self.kv_size),
+                             "v": (self.q_size + self.kv_size, heads.kv_start * d, self.kv_size)}[shard_id]
+        return offset, src, size, self.full_rows[shard_id]

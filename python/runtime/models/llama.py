@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from radixgen.runtime import distributed
 from radixgen.runtime.config import ModelConfig
 from radixgen.runtime.layers.activation import SiluAndMul
 from radixgen.runtime.layers.attention import Attention
@@ -15,7 +17,6 @@ from radixgen.runtime.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    TPInfo,
 )
 from radixgen.runtime.layers.norm import RMSNorm
 from radixgen.runtime.layers.rotary import RotaryEmbedding
@@ -35,12 +36,13 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads // TPInfo.size
-        self.num_kv_heads = max(1, cfg.num_kv_heads // TPInfo.size)
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        heads = self.qkv_proj.heads  # this tensor-parallel rank's query heads and the KV heads they read
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        in_range=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
 
@@ -89,6 +91,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class StageHidden(NamedTuple):
+    """What a pipeline stage hands the next: its last layer's output and the residual stream, (T, hidden) each."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds: no parameters, never called."""
+
+
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
     # checkpoint projection name -> (our merged parameter, shard id)
@@ -98,29 +111,61 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        par = distributed.state()
+        # this pipeline stage's layers; the others are empty placeholders, so that names keep their indices
+        self.start_layer, self.end_layer = distributed.layer_range(cfg.num_layers, par.pp_size, par.pp_rank)
+        self.is_first_stage, self.is_last_stage = par.is_first_stage, par.is_last_stage
+        self.embed_tokens = None  # the first stage's (a tied LM head on another stage holds its own copy)
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # one rotary table shared by all layers
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList([self.layer_cls(cfg, i, rotary) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.embed_tokens)
+        # a layer's id is its index in this stage's KV pool
+        self.layers = nn.ModuleList([
+            self.layer_cls(cfg, i - self.start_layer, rotary) if self.start_layer <= i < self.end_layer
+            else OtherStageLayer() for i in range(cfg.num_layers)])
+        self.norm = self.lm_head = None  # the last stage's
+        if self.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.tie(self.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
+                stage_input: StageHidden | None = None) -> torch.Tensor | StageHidden:
         """(T,) ids and positions -> (T, hidden) final hidden states, or (K, hidden) for rows `keep_rows` only:
         the last layer then runs its attention output, MLP and the final norm for those rows alone, the rest
-        of the last layer being needed by no one (K/V go through the forward context either way)."""
-        x, residual = self.embed_tokens(input_ids), None
+        of the last layer being needed by no one (K/V go through the forward context either way).
+
+        Pipeline stages: a stage after the first starts from the previous one's `stage_input` instead of the
+        ids' embeddings, and a stage before the last returns its last layer's StageHidden."""
+        if stage_input is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = stage_input
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, keep_rows if i == last else None)
+        for i in range(self.start_layer, self.end_layer):
+            x, residual = self.layers[i](positions, x, residual, keep_rows if i == last else None)
+        if not self.is_last_stage:
+            return StageHidden(x, residual)
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of this tensor-parallel rank's vocabulary rows (T, rows)."""
         return self.lm_head(hidden).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits (T, vocab) on the stage's first tensor-parallel rank (None on the others)."""
+        return self.lm_head.gather(self.local_logits(hidden))
+
+    def on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (without "model.") belongs to another pipeline stage."""
+        if name.startswith("layers."):
+            return isinstance(self.layers[int(name.split(".", 2)[1])], OtherStageLayer)
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is None
+        return name.startswith(("norm.", "lm_head.")) and not self.is_last_stage
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -132,8 +177,10 @@ class LlamaForCausalLM(nn.Module):
             name = ckpt_name.removeprefix("model.")
             if name == "lm_head.weight" and tied:
                 continue
-            if name == "embed_tokens.weight" and tied:  # the head holds the shared weight (ParallelLMHead.tie)
-                name = "lm_head.weight"
+            if name == "embed_tokens.weight" and tied and self.lm_head is not None:
+                name = "lm_head.weight"  # the head holds the shared weight (ParallelLMHead.tie)
+            if self.on_other_stage(name):
+                continue  # never read
             shard = None
             for ckpt, (ours, shard_id) in self.stacked.items():
                 if f".{ckpt}." in name:
@@ -144,9 +191,9 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                if param.shape != tensor.shape:
+                if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"shape mismatch for {name}: {tuple(param.shape)} vs {tuple(tensor.shape)}")
-                param.data.copy_(tensor)
+                param.data.copy_(tensor.narrow(0, 0, tensor.shape[0]))  # a CheckpointSlice reads it here
             else:
                 try:
                     loader(param, tensor, shard)

@@ -20,6 +20,7 @@ import torch
 
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.distributed import GroupError
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
     AbortRequest,
@@ -57,6 +58,7 @@ class Scheduler:
         self.grammar_wait: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
         self.running: list[Req] = []  # decoding, in admission order (the newest is retracted first)
+        self.busy: set[int] = set()  # id() of the requests of steps in flight (pipeline stages: pipeline.py)
         self.rids: dict[str, Req] = {}
         self.outbox: list = []
         self.step_no = 0
@@ -82,7 +84,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         self.poll_grammars()
-        if self.last_was_extend and self.running:
+        if self.last_was_extend and self.decode_candidates():
             self.last_was_extend = False
             return self.schedule_decode()
         batch = self.schedule_extend()
@@ -93,6 +95,8 @@ class Scheduler:
         """The step's logits; None when the forward failed (its requests are failed, their KV given back)."""
         try:
             return self.runner.forward(batch.forward_input(self.kv.table.table))
+        except GroupError:  # a parallel group that lost a rank cannot run any step: fatal
+            raise
         except Exception as e:  # noqa: BLE001 - fails this batch's requests, the scheduler goes on
             logger.exception("the forward of a batch of %d requests failed", len(batch.reqs))
             for i, req in enumerate(batch.reqs):
@@ -193,6 +197,8 @@ class Scheduler:
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
             "cuda_graph": self.runner.cuda_graph_info(),
             "memory": self.runner.memory_info(),
+            "kv_cache": self.runner.kv_cache_info(),
+            "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
         }
 
     # ------------------------------------------------------------------ admission (extend)
@@ -208,7 +214,7 @@ class Scheduler:
             reqs.append(req)
             extend_lens.append(n)
 
-        for req in list(self.prefilling):  # chunked requests continue first
+        for req in self.idle_requests(self.prefilling):  # chunked requests continue first
             n = min(req.remaining_prefill, budget, chunk or budget)
             if n <= 0 or not self.kv.can_allocate(n):
                 break
@@ -218,7 +224,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or self.num_active + len(reqs) >= self.cfg.max_running_requests:
                 break
-            if self.policy.shares_uncached_prefix(req, reqs, cached_lens.get(id(req))):
+            if self.policy.shares_uncached_prefix(req, [*reqs, *self.extending_in_flight()],
+                                                  cached_lens.get(id(req))):
                 continue
             try:
                 if not self.admit(req):
@@ -255,18 +262,33 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode and retraction
 
+    def idle_requests(self, queue: list[Req]) -> list[Req]:
+        """The requests of `queue` that no step in flight holds (all of them but with pipeline stages)."""
+        return [r for r in queue if id(r) not in self.busy] if self.busy else list(queue)
+
+    def extending_in_flight(self) -> list[Req]:
+        """Requests whose prompts steps in flight compute (pipeline stages): a sharer waits for them too."""
+        return []
+
+    def decode_candidates(self) -> list[Req]:
+        """The running requests the next decode step takes (before retraction)."""
+        return self.idle_requests(self.running)
+
     def schedule_decode(self) -> Batch | None:
-        if not self.running:
+        reqs = self.decode_candidates()
+        if not reqs:
             return None
-        while not self.kv.can_allocate(len(self.running)):
-            if len(self.running) > 1:
-                self.retract(self.running.pop())
-            elif self.prefilling:  # a partly computed prompt holds the slots the last decoder needs
-                self.retract(self.prefilling.pop())
-            else:
-                self.finish(self.running[0], FinishReason.abort("the KV cache is too small for this request", 400))
+        while not self.kv.can_allocate(len(reqs)):
+            prefilling = self.idle_requests(self.prefilling)
+            if len(reqs) > 1:
+                self.retract(reqs.pop())
+            elif prefilling:  # a partly computed prompt holds the slots the last decoder needs
+                self.retract(prefilling[-1])
+            elif self.busy:  # steps in flight hold the slots: wait for them
                 return None
-        reqs = list(self.running)
+            else:
+                self.finish(reqs[0], FinishReason.abort("the KV cache is too small for this request", 400))
+                return None
         prefix_lens = [r.kv_len for r in reqs]
         self.kv.extend_by_one(reqs)
         return Batch(reqs, is_decode=True, prefix_lens=prefix_lens, extend_lens=[1] * len(reqs))
@@ -274,6 +296,7 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
         self.counters["retractions"] += 1
+        (self.running if req in self.running else self.prefilling).remove(req)
         self.kv.release(req)
         self.waiting.appendleft(req)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
@@ -350,7 +373,7 @@ class Scheduler:
 
     def handle_aborts(self) -> None:
         for queue in (self.waiting, self.running, self.prefilling):
-            for req in [r for r in queue if r.to_abort]:
+            for req in [r for r in queue if r.to_abort and id(r) not in self.busy]:  # in flight: when it is back
                 self.finish(req, FinishReason.abort(req.to_abort))
 
     def emit(self, reqs: list[Req]) -> None:

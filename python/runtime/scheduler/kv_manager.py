@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixgen.runtime.kv_pool import ReqToSlotTable, SlotAllocator
+from radixgen.runtime.kv_pool import ReqToSlotTable, SlotAllocator, TableWriteLog
 from radixgen.runtime.radix_cache import MatchResult, RadixCache, TreeNode
 from radixgen.runtime.request import Req
 
@@ -31,17 +31,19 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, num_slots: int, table: torch.Tensor, page_size: int = 1, disable_cache: bool = False) -> None:
+    def __init__(self, num_slots: int, table: torch.Tensor, page_size: int = 1, disable_cache: bool = False,
+                 table_log: TableWriteLog | None = None) -> None:
         """`num_slots`: the pool's slots including the padding slot 0; `table`: the request->slot table tensor
-        (see kv_pool.new_req_to_slot_table), shared with the model runner."""
+        (see kv_pool.new_req_to_slot_table), shared with the model runner, which may ask for its writes to be
+        logged in `table_log` (the other ranks of a parallel group keep a copy)."""
         self.allocator = SlotAllocator(num_slots, table.device)
-        self.table = ReqToSlotTable(table)
+        self.table = ReqToSlotTable(table, table_log)
         self.tree = RadixCache(page_size=page_size, disable=disable_cache)
         self.evicted_tokens = 0
 
     @classmethod
     def for_runner(cls, runner, page_size: int = 1, disable_cache: bool = False) -> KVCacheManager:
-        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache)
+        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log)
 
     @property
     def capacity(self) -> int:
@@ -128,7 +130,7 @@ class KVCacheManager:
         slots = self.allocate(len(reqs))
         rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        self.table.table[rows.to(slots.device), cols.to(slots.device)] = slots
+        self.table.write_cells(rows, cols, slots)
         for r in reqs:
             r.kv_len += 1
 

@@ -1,6 +1,11 @@
 """The scheduler process: build the runner, tokenizer, grammar backend and scheduler, report ready, then loop:
 receive messages, step, send outputs, until shutdown. Anything raised outside a request's processing (the
-scheduler fails each request's own errors itself) is fatal and reported to the Engine."""
+scheduler fails each request's own errors itself) is fatal and reported to the Engine.
+
+With tensor / pipeline parallelism this is rank 0 of the group (ranks.py): it joins the group first, waits for
+every rank to have built its model before it reports ready, sends heartbeats while idle and the group's
+shutdown at the end. `run_rank_process` is every other rank: join, build the runner, run the steps rank 0
+sends (parallel_step.py) until it says stop."""
 
 from __future__ import annotations
 
@@ -9,22 +14,44 @@ import os
 import pickle
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
-from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime import distributed
+from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.model_runner import ModelRunner
+from radixgen.runtime.ranks import RankArgs, rank_threads
 from radixgen.runtime.request import ControlKind, ControlReply, ControlRequest, FatalError, ReadySignal
 from radixgen.runtime.scheduler.core import Scheduler
+from radixgen.runtime.scheduler.pipeline import PipelineScheduler
 from radixgen.runtime.special_tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, model_path: str) -> None:
-    """Entry point of the scheduler process: build everything, report ready, loop until shutdown."""
+START_TIMEOUT_S = 600.0  # every rank has built its model (a first start may convert the model)
+
+
+def _join_group(args: RankArgs) -> None:
+    """Threads for this rank; with several ranks, join the group (distributed.init) before the model is built."""
+    cfg = args.cfg
+    threads = rank_threads(cfg)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if cfg.world_size > 1:
+        from radixgen.runtime.loader import read_hf_config
+
+        mc = ModelConfig.from_hf(read_hf_config(Path(args.model_path)))
+        distributed.init(cfg, mc, args.rank, *args.store_addr)
+
+
+def run_scheduler_process(args: RankArgs) -> int:
+    """Entry point of the scheduler process (rank 0): build everything, report ready, loop until shutdown."""
     import zmq
 
+    cfg, model_path = args.cfg, args.model_path
+    recv_addr, send_addr = args.engine_addrs
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s scheduler %(levelname)s %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -36,37 +63,45 @@ def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, mo
         outbox.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
-        if cfg.num_threads > 0:
-            torch.set_num_threads(cfg.num_threads)
+        _join_group(args)
         from radixgen.runtime.loader import load_tokenizer
 
         runner = ModelRunner(cfg, model_path=model_path)
+        if runner.group is not None:
+            distributed.wait_until_ready(START_TIMEOUT_S)
         tokenizer = load_tokenizer(model_path)
         stop_ids = eos_token_ids(runner.model_config.eos_token_ids, tokenizer)
         grammar = _make_grammar_backend(cfg, tokenizer, runner.vocab_size, stop_ids)
-        sched = Scheduler(cfg, runner, tokenizer, grammar)
+        sched = (PipelineScheduler if cfg.pp_size > 1 else Scheduler)(cfg, runner, tokenizer, grammar)
+        if runner.group is not None:
+            distributed.mark_started()
         send(ReadySignal(num_slots=sched.kv.capacity, context_length=runner.context_length,
                          vocab_size=runner.vocab_size, dtype=str(runner.dtype).removeprefix("torch."),
                          max_running_requests=cfg.max_running_requests, grammar=grammar is not None))
     except Exception:  # noqa: BLE001 - reported to the Engine, which raises it
         send(FatalError(traceback.format_exc()))
-        return
+        time.sleep(0.05)
+        return 1
 
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_checked = True
     parent = os.getppid()
+    group = runner.group
+    code = 0
     try:
         while True:
             if sched.is_idle() and os.getppid() != parent:
-                return  # the Engine's process is gone: nobody will read our outputs
+                return 0  # the Engine's process is gone: nobody will read our outputs
             timeout = 0 if not sched.is_idle() else (5 if sched.grammar_wait else 100)
             events = dict(poller.poll(timeout))
             while inbox in events:
                 msg = pickle.loads(inbox.recv())
                 if isinstance(msg, ControlRequest) and msg.kind == ControlKind.SHUTDOWN:
+                    if group is not None:
+                        _close_group(sched, group)
                     send(ControlReply(msg.reply_id, True))
-                    return
+                    return 0
                 sched.handle_message(msg)
                 events = dict(poller.poll(0))
             ran = sched.step()
@@ -78,13 +113,53 @@ def run_scheduler_process(cfg: RuntimeConfig, recv_addr: str, send_addr: str, mo
             elif not idle_checked:
                 sched.invariant_holds()  # logs an error with the figures on a leak
                 idle_checked = True
+            if group is not None and sched.is_idle():
+                group.heartbeat()
     except Exception:  # noqa: BLE001
         send(FatalError(traceback.format_exc()))
+        code = 1
     finally:
         time.sleep(0.05)
         outbox.close(linger=1000)
         inbox.close(linger=0)
         ctx.term()
+    return code
+
+
+def _close_group(sched: Scheduler, group) -> None:
+    """At shutdown: finish the steps in flight, then tell the other ranks to exit (a group already down is
+    left as it is: its ranks exit on their own)."""
+    try:
+        if isinstance(sched, PipelineScheduler):
+            sched.drain()
+        group.close()
+    except distributed.GroupError as e:
+        logger.warning("the group could not be shut down in order: %s", e)
+
+
+def run_rank_process(args: RankArgs) -> int:
+    """A rank other than 0: join the group, build this rank's runner, serve rank 0's steps until shutdown."""
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    try:
+        _join_group(args)
+        runner = ModelRunner(args.cfg, model_path=args.model_path)
+        distributed.mark_ready()
+        distributed.wait_for_start(START_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - node 0's Engine reads it from the store and raises it
+        logger.exception("rank %d failed to start", args.rank)
+        distributed.report_failure(f"rank {args.rank} (node {args.cfg.node_rank}) failed to start: "
+                                   f"{type(e).__name__}: {e}")
+        return 1
+    try:
+        runner.group.serve()
+    except distributed.GroupError as e:
+        logger.error("the group is down: %s", e)
+        return 1
+    except Exception:  # noqa: BLE001 - this rank cannot go on; the others see it gone
+        logger.exception("rank %d failed in a step", args.rank)
+        return 1
+    return 0
 
 
 def _make_grammar_backend(cfg: RuntimeConfig, tokenizer, vocab_size: int, stop_ids: tuple[int, ...]):

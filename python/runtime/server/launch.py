@@ -99,7 +99,9 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
     """Raises ValueError naming the option for a value the configs refuse."""
     server = ServerConfig(**values_of(ServerConfig, ns))
     engine = values_of(RuntimeConfig, ns)
-    RuntimeConfig(**engine)  # validated here, before a model is loaded
+    cfg = RuntimeConfig(**engine)  # validated here, before a model is loaded
+    if server.dp_size > 1 and (cfg.nnodes > 1 or cfg.dist_init_addr is not None):
+        raise ValueError("dp_size > 1 runs its workers on this machine: it takes no --nnodes or --dist-init-addr")
     return ServerArgs(server, engine, server.all_api_keys())
 
 
@@ -123,6 +125,10 @@ class _Server(uvicorn.Server):
 
 
 def run_server(args: ServerArgs) -> int:
+    if args.engine.get("node_rank", 0) > 0:  # a node after the first runs its ranks and serves nothing
+        from radixgen.runtime.ranks import run_node
+
+        return run_node(RuntimeConfig(**args.engine))
     if args.server.dp_size > 1:  # N workers and a router: radixgen.router.launch_dp
         from radixgen.router.launch_dp import run_dp
 

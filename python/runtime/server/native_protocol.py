@@ -44,7 +44,6 @@ def _reject_features(value: Any, info: ValidationInfo, features: dict[str, str])
 # SGLang sampling fields naming features radixgen lacks -> what the 400 says
 _SAMPLING_FEATURES = {
     "structural_tag": "structural tags (structural_tag) are",
-    "logit_bias": "logit_bias is",
     "custom_params": "custom_params (parameters for a custom logit processor) are",
     "watermark": "watermarking is",
 }
@@ -82,9 +81,9 @@ class NativeSamplingParams(_Strict):
     # radixgen's own
     seed: int | None = None
     choices: list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
     # features radixgen lacks: only empty values
     structural_tag: Any = None
-    logit_bias: Any = None
     custom_params: Any = None
     watermark: Any = None
 

@@ -137,7 +137,7 @@ class OpenAIServing:
             "skip_special_tokens": req.skip_special_tokens,
             "no_stop_trim": req.no_stop_trim,
         }
-        for name in ("top_k", "min_p", "repetition_penalty", "stop_token_ids"):
+        for name in ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "logit_bias"):
             value = getattr(req, name)
             if value is not None:
                 sp[name] = value

@@ -90,8 +90,6 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _sampling_checks(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported (only null or {})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:

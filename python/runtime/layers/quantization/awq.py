@@ -18,6 +18,7 @@ from radixgen.runtime.layers.quantization.base import (
     Format,
     QuantizedWeight,
     TorchQuantizedLinear,
+    split_note,
 )
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -45,12 +46,14 @@ class AWQFormat(Format):
         k, n, g = layer.in_features, layer.out_features, self.group(layer)
         if k % g or n % 8:
             raise ValueError(f"awq: a layer of {k} inputs and {n} outputs does not fit group size {g} and 8 outputs "
-                             f"per int32")
+                             f"per int32{split_note()}")
         layer.weight = None
         loader = layer.weight_loader
+        grouped = 0 if self.group_size else None  # one group per channel: every rank holds the whole of it
         layer.qweight = new_param((k, n // 8), torch.int32, loader, output_dim=1, input_dim=0, output_pack=8)
-        layer.qzeros = new_param((k // g, n // 8), torch.int32, loader, output_dim=1, input_dim=0, output_pack=8)
-        layer.scales = new_param((k // g, n), torch.float16, loader, output_dim=1, input_dim=0)
+        layer.qzeros = new_param((k // g, n // 8), torch.int32, loader, output_dim=1, input_dim=grouped,
+                                 output_pack=8, input_pack=g)
+        layer.scales = new_param((k // g, n), torch.float16, loader, output_dim=1, input_dim=grouped, input_pack=g)
 
     def quantized(self, layer):
         q = unpack_awq(layer.qweight.data).t().contiguous()  # (out, in)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from radixgen.kernels import cpu_linear
+from radixgen.runtime import distributed
 from radixgen.runtime.layers.linear import LinearBase, LinearMethod
 
 
@@ -73,6 +74,12 @@ class QuantizedWeight:
         offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
         return QuantizedWeight(first.bits, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
                                first.group, offsets, first.zero_points)
+
+
+def split_note() -> str:
+    """What an error about a layer's sizes adds under tensor parallelism (the sizes are the rank's share)."""
+    tp = distributed.tp_size()
+    return f" (this rank's share of the layer at tp_size={tp})" if tp > 1 else ""
 
 
 class Format:

@@ -30,13 +30,9 @@ class FP8Format:
         if self.from_float:
             return  # the dense weight, quantized in process_weights
         n, k = layer.out_features, layer.in_features
-        loader = layer.weight_loader
-        layer.weight = new_param((n, k), torch.float8_e4m3fn, loader, 0, 1)
-
-        def scale_loader(param, loaded, shard_id=None):  # per channel as (out, 1), or one value for the tensor
-            loader(param, loaded.reshape(-1) if loaded.dim() == 2 else loaded, shard_id)
-
-        layer.weight_scale = new_param((n,), torch.float32, scale_loader, 0, None)
+        layer.weight = new_param((n, k), torch.float8_e4m3fn, layer.weight_loader, 0, 1)
+        # per channel as (out,) or (out, 1), or one value for the tensor (linear.py's `fill`)
+        layer.weight_scale = new_param((n,), torch.float32, layer.weight_loader, 0, None)
         layer.weight_scale.fill = True
 
     def fp8(self, layer) -> tuple[torch.Tensor, torch.Tensor]:

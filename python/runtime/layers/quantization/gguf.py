@@ -23,14 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixgen.runtime.layers.linear import (
-    LinearMethod,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    TPInfo,
-    _shard,
-)
+from radixgen.runtime.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, new_param
 from radixgen.runtime.layers.quantization import unquantized
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear, Format, QuantizedWeight, TorchQuantizedLinear
 
@@ -58,15 +51,37 @@ class GGUFTensor:
     def rows(self) -> int:
         return self.raw.shape[0]
 
-    def shard(self, dim: int) -> GGUFTensor:
-        """The rank's part along output rows (dim 0) or input columns (dim 1, whole blocks)."""
-        if TPInfo.size == 1:
-            return self
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.columns
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
+        """Output rows (dim 0) or input columns (dim 1, whole blocks) [start, start + length): a tensor-parallel
+        rank's part, as a checkpoint tensor's narrow."""
         if dim == 0:
-            return GGUFTensor(self.name, self.type_name, _shard(self.raw, 0), self.columns)
-        width = self.raw.shape[1] // TPInfo.size  # whole blocks (float types: values) per rank
-        return GGUFTensor(self.name, self.type_name, self.raw.narrow(1, TPInfo.rank * width, width),
-                          self.columns // TPInfo.size)
+            return GGUFTensor(self.name, self.type_name, self.raw.narrow(0, start, length), self.columns)
+        per_block, block_bytes = self.block()
+        if start % per_block or length % per_block:
+            raise ValueError(f"GGUF tensor {self.name!r} ({self.type_name}): input columns [{start}, {start + length})"
+                             f" do not fall on its blocks of {per_block} values, so tensor parallelism cannot split "
+                             f"it there")
+        return GGUFTensor(self.name, self.type_name,
+                          self.raw.narrow(1, start // per_block * block_bytes, length // per_block * block_bytes),
+                          length)
+
+    def block(self) -> tuple[int, int]:
+        """(values, elements of `raw`) per block along a row: (1, 1) for float types."""
+        if self.type_name in FLOAT:
+            return 1, 1
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+
+    def padded(self, rows: int) -> GGUFTensor:
+        """`rows` rows, the ones past its own zero (zero blocks dequantize to zero in every type: their scales
+        are 0): an LM head's padding past the vocabulary."""
+        pad = self.raw.new_zeros((rows - self.rows, self.raw.shape[1]))
+        return GGUFTensor(self.name, self.type_name, torch.cat([self.raw, pad]), self.columns)
 
     def quantized(self) -> QuantizedWeight | None:
         """The blocks' exact values and scales, or None for a type without a native kernel."""
@@ -165,21 +180,21 @@ class GGUFLinear(LinearMethod):
         self.ops, self.kl = ops, kl
 
     def create_weights(self, layer):
-        dim = 1 if isinstance(layer, RowParallelLinear) else 0
         parts: dict = {}
 
         def collect(param, loaded, shard_id=None):
             if not isinstance(loaded, GGUFTensor):
                 raise ValueError(f"expected a GGUF tensor, got {type(loaded).__name__}")
-            parts[shard_id] = loaded.shard(dim)
+            parts[shard_id] = layer.checkpoint_part(param, loaded, shard_id)  # this rank's rows and columns
 
-        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # what the loader addresses
-        layer.weight.weight_loader = collect
+        layer.weight = new_param((0,), None, collect, 0, 1)  # what the loader addresses
         layer.gguf_parts = parts
 
     def process_weights(self, layer):
         parts = [layer.gguf_parts[s] for s in _part_order(layer)]
         del layer.gguf_parts
+        if len(parts) == 1 and parts[0].rows < layer.out_features:  # a vocabulary shard's padding rows
+            parts = [parts[0].padded(layer.out_features)]
         names = ", ".join(f"{p.name} ({p.type_name})" for p in parts)
         decoded = [p.quantized() for p in parts]
         qw = None if any(d is None for d in decoded) else QuantizedWeight.cat(decoded)

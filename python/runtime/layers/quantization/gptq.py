@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from radixgen.runtime.layers.linear import RowParallelLinear, TPInfo, new_param
+from radixgen.runtime import distributed
+from radixgen.runtime.layers.linear import new_param
 from radixgen.runtime.layers.quantization.base import (
     CheckpointLinear,
     CpuPackedLinear,
     Format,
     QuantizedWeight,
     TorchQuantizedLinear,
+    split_note,
 )
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -50,12 +52,14 @@ class GPTQFormat(Format):
         k, n, g = layer.in_features, layer.out_features, self.group(layer)
         if k % g or k % 8 or n % 8:
             raise ValueError(f"gptq: a layer of {k} inputs and {n} outputs does not fit group size {g} and 8 values "
-                             f"per int32")
+                             f"per int32{split_note()}")
         layer.weight = None
         loader = layer.weight_loader
-        layer.qweight = new_param((k // 8, n), torch.int32, loader, output_dim=1, input_dim=0)
-        layer.qzeros = new_param((k // g, n // 8), torch.int32, loader, output_dim=1, input_dim=0, output_pack=8)
-        layer.scales = new_param((k // g, n), torch.float16, loader, output_dim=1, input_dim=0)
+        grouped = 0 if self.group_size else None  # one group per channel: every rank holds the whole of it
+        layer.qweight = new_param((k // 8, n), torch.int32, loader, output_dim=1, input_dim=0, input_pack=8)
+        layer.qzeros = new_param((k // g, n // 8), torch.int32, loader, output_dim=1, input_dim=grouped,
+                                 output_pack=8, input_pack=g)
+        layer.scales = new_param((k // g, n), torch.float16, loader, output_dim=1, input_dim=grouped, input_pack=g)
         layer.g_idx = new_param((k,), torch.int32, loader, output_dim=None, input_dim=0)
         layer.g_idx.data.copy_(torch.arange(k) // g)  # checkpoints without desc_act may leave g_idx out
         layer.g_idx.optional = True
@@ -65,10 +69,21 @@ class GPTQFormat(Format):
         return unpack_cols(layer.qzeros.data).float() + self.zero_offset
 
     def local_groups(self, layer) -> torch.Tensor:
-        """g_idx as indices of the layer's own scales: a row-parallel rank holds the groups from its first on."""
+        """g_idx as indices of the layer's own scales: a row-parallel rank holds the groups of its input columns.
+        With activation order (desc_act) a rank's columns may belong to any group, which a split by input
+        features cannot keep: an error naming the combination."""
         groups = layer.g_idx.data.long()
-        if isinstance(layer, RowParallelLinear) and TPInfo.size > 1:
-            groups = groups - TPInfo.rank * (layer.in_features // self.group(layer))
+        if not self.group_size:
+            return groups  # one group
+        first = layer.in_part[0] // self.group_size
+        if first:
+            groups = groups - first
+        n = layer.in_features // self.group_size
+        if distributed.tp_size() > 1 and groups.numel() and (groups.min() < 0 or groups.max() >= n):
+            raise ValueError(f"gptq: this layer's g_idx (activation order, desc_act) scatters groups over the input "
+                             f"columns, which tensor parallelism (tp_size={distributed.tp_size()}) cannot split by "
+                             f"input features; serve this checkpoint with tp_size 1, or use one quantized without "
+                             f"desc_act")
         return groups
 
     def quantized(self, layer):

@@ -47,6 +47,6 @@ def method(ops: str, layer, kl) -> LinearMethod:
     """The float-weight method of `layer` under the ops set named `ops` (kl: its C kernels, or None)."""
     if ops != "cpu":
         return DENSE
-    if kl is not None and kl.has_decode_step and layer.dtype == torch.bfloat16:
-        return CpuPackedLinear(kl, None)
+    if kl is not None and kl.has_decode_step and layer.dtype == torch.bfloat16 and layer.in_features % 2 == 0:
+        return CpuPackedLinear(kl, None)  # (K pairs: an even input size, which a tensor-parallel share may lack)
     return DENSE if getattr(layer, "tied", False) else ONEDNN

@@ -1,0 +1,380 @@
+"""Tensor and pipeline parallelism: this process's ranks, the process groups and the collectives, set up once.
+
+A group of `tp_size * pp_size` processes (ranks) runs one model. World rank r is pipeline stage r // tp_size and
+tensor-parallel rank r % tp_size within that stage; the ranks of a stage form its tensor-parallel group. With
+one rank (the default) nothing is set up and every collective is a no-op, so layers call them unconditionally.
+
+Everything goes through torch.distributed: gloo on the CPU; on CUDA, NCCL for device tensors and gloo for the
+host-side step descriptions (one process group with both backends). Setup (`init`) first meets the other ranks
+through a torch TCPStore that the Engine's process hosts (engine_client.py): each rank checks that it was
+started with the same layout as the group expects (`fingerprint`) and says so in the store, so that a mismatch
+or a node that never joins is a clear error rather than a rendezvous that waits forever. Every collective then
+runs under the group's timeout (`dist_timeout`): a rank that dies or hangs fails the others' next operation
+instead of hanging them.
+
+The sharding arithmetic lives here too (which heads, vocabulary rows, MLP columns and layers a rank holds), as
+pure functions of the sizes: every rank computes every rank's share the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+STORE_PREFIX = "radixgen/"
+EXPECT_KEY = STORE_PREFIX + "expect"  # the layout the group expects (the Engine writes it)
+ERROR_KEY = STORE_PREFIX + "error"  # the first rank's startup failure, for the Engine to report
+STARTED_KEY = STORE_PREFIX + "started"  # rank 0 is ready: the steps begin
+
+
+def joined_key(rank: int) -> str:
+    return f"{STORE_PREFIX}joined/{rank}"
+
+
+def ready_key(rank: int) -> str:
+    return f"{STORE_PREFIX}ready/{rank}"
+
+
+class GroupError(RuntimeError):
+    """The parallel group cannot go on (a rank died, hung past the timeout, or disagrees on the layout)."""
+
+
+# ---------------------------------------------------------------- sharding arithmetic (pure)
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Part `index` of [0, n) cut into `parts` contiguous pieces as equal as possible (the first n % parts get
+    one more): (start, size)."""
+    base, extra = divmod(n, parts)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+class HeadShard(NamedTuple):
+    """A tensor-parallel rank's attention heads: query heads [q_start, q_start + num_heads) and KV heads
+    [kv_start, kv_start + num_kv_heads), the KV heads its query heads read."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """With at least as many KV heads as ranks, the KV heads are split (unevenly when they must be: 3 over 2
+    ranks is 2 + 1) and each rank takes the query heads of its KV heads. With fewer, each KV head is
+    replicated on tp_size / num_kv_heads ranks, which split its query heads between them."""
+    group = num_heads // num_kv_heads  # query heads per KV head
+    if num_kv_heads >= tp_size:
+        kv_start, kv_n = split_range(num_kv_heads, tp_size, tp_rank)
+        return HeadShard(kv_start * group, kv_n * group, kv_start, kv_n)
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tp_size={tp_size} must be a multiple of num_key_value_heads={num_kv_heads} when it "
+                         f"is larger (each KV head is replicated on the same number of ranks)")
+    sharing = tp_size // num_kv_heads  # ranks holding one KV head
+    if group < sharing:
+        raise ValueError(f"tp_size={tp_size} exceeds num_attention_heads={num_heads}: a rank would hold no "
+                         f"query head")
+    kv = tp_rank // sharing
+    q_start, q_n = split_range(group, sharing, tp_rank % sharing)
+    return HeadShard(kv * group + q_start, q_n, kv, 1)
+
+
+def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """(start, rows, valid): a rank's rows of the vocabulary-parallel embedding and LM head. Every rank holds
+    `rows` = ceil(vocab / tp) rows so that gathered logits are equal pieces; rows past the vocabulary (the
+    last ranks' `rows - valid`) are zero padding and cut off after the gather."""
+    rows = -(-vocab_size // tp_size)
+    start = min(tp_rank * rows, vocab_size)
+    return start, rows, min(rows, vocab_size - start)
+
+
+def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """The decoder layers [start, end) of pipeline stage `pp_rank`."""
+    start, n = split_range(num_layers, pp_size, pp_rank)
+    if n == 0:
+        raise ValueError(f"pp_size={pp_size} exceeds the model's {num_layers} layers: a stage would hold none")
+    return start, start + n
+
+
+# ---------------------------------------------------------------- the parallel state
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    world_rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    nnodes: int = 1
+    tp_group: object | None = None  # torch ProcessGroup of this rank's stage; None with one rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.world_rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.world_rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+
+_state = ParallelState()
+_store = None  # this rank's client of the group's TCPStore, once joined
+_parent = None  # the pid of the process that started this rank (the Engine's, or a node's launcher)
+
+
+def state() -> ParallelState:
+    return _state
+
+
+def tp_size() -> int:
+    return _state.tp_size
+
+
+def tp_rank() -> int:
+    return _state.tp_rank
+
+
+def rank_device(device: str) -> torch.device:
+    """This rank's device: with several ranks on a node, "cuda" (or cuda:N) is the node's GPU of the rank's local
+    index (counted from N); the CPU is shared."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or _state.world_size == 1:
+        return dev
+    return torch.device("cuda", (dev.index or 0) + _state.world_rank % _state.ranks_per_node)
+
+
+def fingerprint(cfg, model_config) -> str:
+    """What every rank of a group must agree on: the layout and everything that sizes the shared KV slot table
+    and the shards. `cfg` a RuntimeConfig, `model_config` the model's ModelConfig (a node may keep the same
+    model under another path)."""
+    from dataclasses import asdict
+
+    keys = ("tp_size", "pp_size", "nnodes", "max_total_tokens", "max_kv_memory_gb", "max_running_requests",
+            "context_length", "load_format", "seed", "disable_cpu_kernels", "disable_cuda_graph", "cuda_graph_max_bs",
+            "kv_cache_dtype")
+    return json.dumps({"config": {k: getattr(cfg, k) for k in keys}, "device": cfg.device.split(":")[0],
+                       "dtype": str(cfg.torch_dtype), "model": asdict(model_config)}, sort_keys=True, default=str)
+
+
+def connect_store(host: str, port: int, timeout_s: float, is_master: bool = False):
+    """A torch TCPStore at host:port (the master listens there); clear errors for a taken port or no master."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port, None, is_master, timeout=datetime.timedelta(seconds=timeout_s),
+                        wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        if is_master:
+            raise GroupError(f"dist_init_addr {host}:{port}: cannot listen there ({e}); is the port taken?") from e
+        raise GroupError(f"dist_init_addr {host}:{port}: no group to join there within {timeout_s:g} s ({e}); "
+                         f"is node 0 started?") from e
+
+
+def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelState:
+    """Join the group as `world_rank`: meet the others through the store, check the layout, set up the process
+    groups. Once per process, before the model is built."""
+    global _state, _store, _parent
+    import os
+
+    import torch.distributed as dist
+
+    _parent = os.getppid()
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    store = _store = connect_store(host, port, cfg.dist_timeout)
+    mine = fingerprint(cfg, model_config)
+    try:
+        expected = store.get(EXPECT_KEY).decode()
+    except RuntimeError as e:
+        raise GroupError(f"rank {world_rank}: the group's layout did not appear in the store at {host}:{port} "
+                         f"within {cfg.dist_timeout:g} s") from e
+    if mine != expected:
+        diff = _differences(json.loads(expected), json.loads(mine))
+        message = f"rank {world_rank} (node {cfg.node_rank}) was started with another layout than node 0: {diff}"
+        store.set(ERROR_KEY, message)
+        raise GroupError(message)
+    store.set(joined_key(world_rank), "1")
+    backend = "gloo"
+    if cfg.device.startswith("cuda"):  # NCCL for device tensors, gloo for the host-side step descriptions
+        backend = "cpu:gloo,cuda:nccl"
+        _state = ParallelState(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes)
+        device = rank_device(cfg.device)
+        if device.index >= torch.cuda.device_count():
+            message = (f"rank {world_rank} needs {device} but node {cfg.node_rank} has "
+                       f"{torch.cuda.device_count()} GPU(s): one GPU per rank of a node")
+            store.set(ERROR_KEY, message)
+            raise GroupError(message)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX + "pg/", store), rank=world_rank,
+                            world_size=cfg.tp_size * cfg.pp_size, timeout=timeout)
+    tp_group = None
+    for stage in range(cfg.pp_size):  # every rank creates every group, in the same order
+        ranks = list(range(stage * cfg.tp_size, (stage + 1) * cfg.tp_size))
+        group = dist.new_group(ranks, timeout=timeout) if cfg.tp_size > 1 else None
+        if world_rank in ranks:
+            tp_group = group
+    _state = ParallelState(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, tp_group)
+    return _state
+
+
+def report_failure(message: str) -> None:
+    """A rank that failed to start says so in the store, where the Engine of node 0 reads it (first one wins)."""
+    if _store is not None:
+        try:
+            if not _store.check([ERROR_KEY]):
+                _store.set(ERROR_KEY, message)
+        except RuntimeError:  # the store is gone too: the Engine has gone already
+            pass
+
+
+def mark_ready() -> None:
+    """This rank has built its model."""
+    if _store is not None:
+        _store.set(ready_key(_state.world_rank), "1")
+
+
+def _wait_for(keys: list[str], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
+    """Until the store holds every key (bounded by the start timeout, not the collective one: a slow model load
+    is not a hang); GroupError with the first failure a rank reported, naming what did not happen, or when the
+    process that started this rank is gone (nobody would stop this one)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not _store.check(keys):
+        if _store.check([ERROR_KEY]):
+            raise GroupError(_store.get(ERROR_KEY).decode())
+        if os.getppid() != _parent:
+            raise GroupError("the process that started this rank has exited")
+        if time.monotonic() > deadline:
+            raise GroupError(f"{what} within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def wait_until_ready(timeout_s: float) -> None:
+    """Rank 0: until every rank has built its model."""
+    mark_ready()
+    keys = [ready_key(r) for r in range(_state.world_size)]
+    _wait_for(keys, timeout_s, "not every rank finished loading the model")
+
+
+def mark_started() -> None:
+    """Rank 0 is ready to serve: the other ranks start waiting for steps (under the collective timeout)."""
+    _store.set(STARTED_KEY, "1")
+
+
+def wait_for_start(timeout_s: float) -> None:
+    """A rank other than 0, once ready: until rank 0 is (its own start may take longer than dist_timeout)."""
+    _wait_for([STARTED_KEY], timeout_s, "rank 0 did not start serving")
+
+
+def _differences(expected: dict, mine: dict, prefix: str = "") -> str:
+    out = []
+    for key in sorted(set(expected) | set(mine)):
+        a, b = expected.get(key), mine.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = _differences(a, b, f"{prefix}{key}.")
+            if sub:
+                out.append(sub)
+        elif a != b:
+            out.append(f"{prefix}{key}={b!r} (node 0: {a!r})")
+    return "; ".join(out)
+
+
+def destroy() -> None:
+    global _state
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = ParallelState()
+
+
+def _guard(fn, what: str):
+    try:
+        return fn()
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistBackendError) for a lost or hung peer
+        raise GroupError(f"{what} failed: {e}") from e
+
+
+# ---------------------------------------------------------------- collectives (no-ops with one rank)
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over this stage's tensor-parallel ranks, in place; returns it."""
+    if _state.tp_size > 1:
+        import torch.distributed as dist
+
+        _guard(lambda: dist.all_reduce(t, group=_state.tp_group), "all_reduce")
+    return t
+
+
+def gather_last_dim(t: torch.Tensor, length: int) -> torch.Tensor | None:
+    """The stage's equal pieces (.., n) concatenated along the last dim and cut to `length`, on the stage's
+    first tensor-parallel rank; None on the others. `t` itself with one rank."""
+    if _state.tp_size == 1:
+        return t
+    import torch.distributed as dist
+
+    first = _state.rank_of(_state.pp_rank, 0)
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(_state.tp_size)] if _state.tp_rank == 0 else None
+    _guard(lambda: dist.gather(t, parts, dst=first, group=_state.tp_group), "gather")
+    return torch.cat(parts, dim=-1)[..., :length] if parts is not None else None
+
+
+def broadcast_from_first(t: torch.Tensor) -> torch.Tensor:
+    """`t` of the stage's first tensor-parallel rank, into `t` on the others (in place)."""
+    if _state.tp_size > 1:
+        import torch.distributed as dist
+
+        src = _state.rank_of(_state.pp_rank, 0)
+        _guard(lambda: dist.broadcast(t, src=src, group=_state.tp_group), "broadcast")
+    return t
+
+
+def isend(t: torch.Tensor, dst: int):
+    """Start sending `t` to world rank `dst`; the returned work's wait() ends it (keep `t` alive until then)."""
+    import torch.distributed as dist
+
+    return _guard(lambda: dist.isend(t, dst), f"send to rank {dst}")
+
+
+def recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    """Receive into `t` from world rank `src` (blocking)."""
+    import torch.distributed as dist
+
+    _guard(lambda: dist.recv(t, src), f"receive from rank {src}")
+    return t
+
+
+def irecv(t: torch.Tensor, src: int):
+    import torch.distributed as dist
+
+    return _guard(lambda: dist.irecv(t, src), f"receive from rank {src}")
+
+
+def wait(work) -> None:
+    _guard(work.wait, "a point-to-point transfer")
+

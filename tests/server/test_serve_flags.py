@@ -55,7 +55,7 @@ def help_text() -> str:
 
 
 def test_help_lists_every_field(help_text):
-    listed = set(re.findall(r"--[a-z0-9-]+", help_text))
+    listed = set(re.findall(r"(?<![\w-])--?[a-z0-9][a-z0-9-]*", help_text))  # long flags and short ones (-q)
     for cls in (RuntimeConfig, ServerConfig):
         for f in dataclasses.fields(cls):
             names = f.metadata.get("flags") or (flag(f.name),)
@@ -137,7 +137,7 @@ def test_sglang_command_line():
     (["--max-kv-memory-gb", "lots"], "argument --max-kv-memory-gb: invalid float value"),
     (["--schedule-policy", "random"], "argument --schedule-policy: invalid choice: 'random'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),
-    (["--quantization", "int3"], "argument --quantization: invalid choice: 'int3'"),
+    (["--quantization", "int3"], "argument --quantization/-q: invalid choice: 'int3'"),
     (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
     (["--page-size", "0"], "page_size must be >= 1, got 0"),
     (["--max-total-tokens", "-5"], "max_total_tokens must be >= 0"),

@@ -18,7 +18,6 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.layers.embedding import ParallelLMHead
 from radixgen.runtime.layers.linear import LinearBase, pack_weight, packed_linear
 from radixgen.runtime.loader import resolve_model_path
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
@@ -54,18 +53,19 @@ def measure_peaks(dtype: torch.dtype) -> tuple[float, float]:
 
 
 class OurModel:
-    def __init__(self, path, dtype: str, max_batch: int, ctx: int, torch_ops: bool = False) -> None:
+    def __init__(self, path, dtype: str, max_batch: int, ctx: int, torch_ops: bool = False, **config) -> None:
         cfg = RuntimeConfig(model=str(path), dtype=dtype, max_total_tokens=max_batch * (ctx + 16) + 2048,
-                            max_running_requests=max_batch, context_length=2048, disable_cpu_kernels=torch_ops)
+                            max_running_requests=max_batch, context_length=2048, disable_cpu_kernels=torch_ops,
+                            **config)
         self.runner = ModelRunner(cfg)
         self.kv = KVCacheManager.for_runner(self.runner)  # slots and table rows, as the scheduler's manager
 
     def matmuls_only(self, batch: int):
         """One decode step's weight matmuls alone (every linear layer and the LM head, on their packed weights,
         nothing else), as a function to time: the floor this engine's matmul library puts under a decode step."""
-        mods = [m for m in self.runner.model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-        xs = {n: torch.randn(batch, n, dtype=self.runner.dtype) for n in {m.weight.shape[1] for m in mods}}
-        return lambda: [m(xs[m.weight.shape[1]]) for m in mods]
+        mods = [m for m in self.runner.model.modules() if isinstance(m, LinearBase)]
+        xs = {n: torch.randn(batch, n, dtype=self.runner.dtype) for n in {m.in_features for m in mods}}
+        return lambda: [m(xs[m.in_features]) for m in mods]
 
     def prefill(self, ids: list[int]) -> None:
         r = self.runner
@@ -119,10 +119,8 @@ class HFModel:
 def model_costs(runner: ModelRunner, dtype: torch.dtype):
     mc = runner.model_config
     esize = torch.empty((), dtype=dtype).element_size()
-    matmul_params = sum(p.numel() for n, p in runner.model.named_parameters()
-                        if p.dim() == 2 and "embed_tokens" not in n)
-    if mc.tie_word_embeddings:
-        matmul_params += mc.vocab_size * mc.hidden_size  # the LM head reads the embedding
+    # every linear layer and the LM head (which, tied, is the embedding's table too)
+    matmul_params = sum(m.in_features * m.out_features for m in runner.model.modules() if isinstance(m, LinearBase))
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * esize
     attn_flops_per_pair = 4 * mc.num_layers * mc.num_heads * mc.head_dim  # QK^T and PV, per (query, key)
     return matmul_params, matmul_params * esize, kv_per_token, attn_flops_per_pair

@@ -8,6 +8,16 @@ work without it. Kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET
 from .attention import decode_attention, decode_attention_ref, extend_attention, extend_attention_ref
 from .lora import lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
 from .norm import AddNormResult, fused_add_rmsnorm, fused_add_rmsnorm_ref
+from .quant_matmul import (
+    awq_matmul,
+    awq_matmul_ref,
+    fp8_matmul,
+    fp8_matmul_ref,
+    gptq_matmul,
+    gptq_matmul_ref,
+    int8_matmul,
+    int8_matmul_ref,
+)
 from .rotary import rotary_embedding_, rotary_embedding_ref_
 from .store_kv import store_kv, store_kv_ref
 
@@ -23,6 +33,14 @@ def triton_available() -> bool:
 
 __all__ = [
     "AddNormResult",
+    "awq_matmul",
+    "awq_matmul_ref",
+    "fp8_matmul",
+    "fp8_matmul_ref",
+    "gptq_matmul",
+    "gptq_matmul_ref",
+    "int8_matmul",
+    "int8_matmul_ref",
     "decode_attention",
     "decode_attention_ref",
     "extend_attention",

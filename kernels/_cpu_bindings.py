@@ -60,13 +60,14 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("positions", "const int64_t *"), ("q", "T *"), ("q_stride", "int64_t"), ("Hq", "int64_t"), ("k", "T *"),
         ("k_stride", "int64_t"), ("Hk", "int64_t"), ("cos_sin", "const float *"), ("D", "int64_t"),
         ("n_tok", "int64_t")]),
+    # linear layers over a weight descriptor (csrc/cpu_linear.h), every build (AVX512-BF16 ones faster for bf16)
+    "rg_linear_{T}": ("rg_status", [
+        ("w", "const rg_weight *"), ("x", "const T *"), ("M", "int64_t"), ("bias", "const T *"), ("y", "T *"),
+        ("yf", "float *")]),
+    "rg_weight_rows_{T}": ("rg_status", [
+        ("w", "const rg_weight *"), ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "T *")]),
     **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},
     # bfloat16 only, AVX512-BF16 (elsewhere stubs returning RG_ERR_UNSUPPORTED)
-    "rg_pack_kpairs_bf16": ("rg_status", [
-        ("w", "const uint16_t *"), ("N", "int64_t"), ("K", "int64_t"), ("out", "uint16_t *")]),
-    "rg_gemv_kpairs_bf16": ("rg_status", [
-        ("x", "const uint16_t *"), ("M", "int64_t"), ("K", "int64_t"), ("wp", "const uint16_t *"),
-        ("yf", "float *"), ("N", "int64_t")]),
     "rg_silu_and_mul_bf16": ("rg_status", [
         ("gu", "const uint16_t *"), ("out", "uint16_t *"), ("M", "int64_t"), ("I", "int64_t")]),
     "rg_decode_step_scratch_bytes_bf16": ("int64_t", [
@@ -74,7 +75,7 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("inter", "int64_t"), ("max_piece", "int64_t"), ("threads", "int64_t")]),
     "rg_decode_step_bf16": ("rg_status", [
         ("layers", "const rg_layer_bf16 *"), ("n_layers", "int64_t"), ("final_norm", "const uint16_t *"),
-        ("lm_head", "const uint16_t *"), ("vocab", "int64_t"), ("logits", "float *"), ("embed", "const uint16_t *"),
+        ("lm_head", "const rg_weight *"), ("logits", "float *"), ("embed", "const rg_weight *"),
         ("ids", "const int64_t *"), ("M", "int64_t"), ("hidden", "int64_t"), ("H", "int64_t"), ("Hkv", "int64_t"),
         ("D", "int64_t"), ("inter", "int64_t"), ("eps", "float"), ("scale", "float"),
         ("positions", "const int64_t *"), ("cos_sin", "const float *"), ("out_slots", "const int64_t *"),
@@ -120,13 +121,21 @@ class CKernelError(RuntimeError):
     """A C kernel returned a failure status."""
 
 
-class LayerBF16(ctypes.Structure):
-    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): weight and KV buffer addresses, and
-    its LoRA descriptor's (a LoRALayerBF16, or None)."""
+class WeightDesc(ctypes.Structure):
+    """One weight in a layout of csrc/cpu_linear.h (its rg_weight): kind, rows, columns, group, zero points, data."""
 
-    _fields_ = [*((name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up",
-                                                       "down", "k_buf", "v_buf", "q_norm", "k_norm", "k_scale",
-                                                       "v_scale")),
+    _fields_ = [*((name, ctypes.c_int64) for name in ("kind", "N", "K", "group", "zero_points")),
+                ("data", ctypes.c_void_p)]
+
+
+class LayerBF16(ctypes.Structure):
+    """One decoder layer for the fused decode step (csrc's rg_layer_bf16): norm weights, the qkv bias and KV buffers
+    by address, the four matmul weights as descriptors, and its LoRA descriptor's address (a LoRALayerBF16, or
+    None)."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("input_norm", "qkv_bias", "post_norm")),
+                *((name, WeightDesc) for name in ("qkv", "o", "gate_up", "down")),
+                *((name, ctypes.c_void_p) for name in ("k_buf", "v_buf", "q_norm", "k_norm", "k_scale", "v_scale")),
                 ("kv_format", ctypes.c_int64),  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
                 ("lora", ctypes.c_void_p)]
 
@@ -160,6 +169,7 @@ class ParallelBF16(ctypes.Structure):
                 ("output", ctypes.c_int64)]
 
 
+_STRUCTS = {"rg_layer_bf16": LayerBF16, "rg_weight": WeightDesc}
 _SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "rg_status": ctypes.c_int}
 
 
@@ -168,7 +178,8 @@ def ctype_of(c_type: str):
     if c_type == "void":
         return None
     if c_type.endswith("*"):
-        return ctypes.POINTER(LayerBF16) if "rg_layer_bf16" in c_type else ctypes.c_void_p
+        struct = next((t for name, t in _STRUCTS.items() if name in c_type.split()), None)
+        return ctypes.c_void_p if struct is None else ctypes.POINTER(struct)
     return _SCALARS[c_type]
 
 

@@ -1,7 +1,8 @@
 """The fused bf16 decode step of csrc/cpu_kernels.c (CPUs with AVX512-BF16): every decoder layer of a small
-decode batch in one C call (see radixgen.runtime.cpu_decode), its weights in the kernel's K-pair layout, and
-the LM head on those packed weights for a prefill's few sampled rows. On a rank of a tensor / pipeline parallel
-group the same call runs that rank's part (`StageIO`, `TensorParallelHook`; csrc/cpu_parallel.h)."""
+decode batch in one C call (see radixgen.runtime.cpu_decode), its matmuls on the layers' own packed weights
+(radixgen.kernels.cpu_linear: bf16 K pairs, int8 or int4), and the LM head on those weights for a prefill's few
+sampled rows. On a rank of a tensor / pipeline parallel group the same call runs that rank's part (`StageIO`,
+`TensorParallelHook`; csrc/cpu_parallel.h)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import cpu_linear
 from ._checks import check_tensor, expect
 from ._cpu_bindings import (
     ALL_REDUCE_FN,
@@ -23,6 +25,7 @@ from ._cpu_bindings import (
     ParallelBF16,
 )
 from .cpu import _ptr, num_splits
+from .cpu_linear import KIND_ROWS, PackedWeight
 from .kv_quant import SCALE_DTYPE
 
 # a pool's element dtype -> csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8 (the layer's kv_format)
@@ -77,51 +80,50 @@ class StageIO(NamedTuple):
 
 
 class DecodeStepWeights:
-    """The weights of a Llama-family decoder stack laid out for `decode_step`: norm weights (optionally per-head
-    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights and the optional LM head
-    (vocab, hidden) packed into the K-pair layout of csrc/cpu_kernels.c (a copy, built here), the KV buffers (bf16,
-    or an 8-bit pool's codes and scales) by address. The given norms, bias and KV buffers must stay alive and in
-    place as long as this object is used (the model's parameters and pool do). A pipeline stage before the last
-    has no final norm (None)."""
+    """The weights of a Llama-family decoder stack as `decode_step` reads them: norm weights (optionally per-head
+    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights, the LM head (vocab, hidden) and
+    the embedding table (vocab rows of hidden; the LM head's own weight when they are tied) as PackedWeights (by
+    descriptor, not copied), the KV buffers (bf16, or an 8-bit pool's codes and scales) by address. All of them
+    must stay alive and in place as long as this object is used (the model's layers and pool hold them). A
+    pipeline stage before the last has no final norm (None); a rank whose step starts from embedded rows or a
+    previous stage's output has no embedding table (None)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 
-    def __init__(self, kl: CKernels, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor | None, *,
-                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 lm_head: torch.Tensor | None = None) -> None:
+    def __init__(self, kl: CKernels, layers: list[dict], final_norm: torch.Tensor | None, *, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float, embed: PackedWeight | None,
+                 lm_head: PackedWeight | None = None) -> None:
         expect(kl.has_decode_step, "this CPU build has no fused decode step (needs AVX512-BF16)")
         expect(len(layers) > 0, "the fused step needs at least one layer")
         hidden = layers[0]["input_norm"].shape[0]
         qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
         expect(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
-        expect(hidden % 2 == 0 and (num_heads * head_dim) % 2 == 0 and intermediate % 2 == 0,
-               "hidden size, query size and intermediate size must be even (the K-pair layout)")
-        shapes = {"input_norm": (hidden,), "qkv": (qkv_n, hidden), "qkv_bias": (qkv_n,),
-                  "o": (hidden, num_heads * head_dim), "post_norm": (hidden,), "gate_up": (2 * intermediate, hidden),
-                  "down": (hidden, intermediate), "q_norm": (head_dim,), "k_norm": (head_dim,)}
+        vectors = {"input_norm": hidden, "qkv_bias": qkv_n, "post_norm": hidden, "q_norm": head_dim,
+                   "k_norm": head_dim}
+        matmuls = {"qkv": (qkv_n, hidden), "o": (hidden, num_heads * head_dim), "gate_up": (2 * intermediate, hidden),
+                   "down": (hidden, intermediate)}
         optional = ("qkv_bias", "q_norm", "k_norm")
         arr = (LayerBF16 * len(layers))()
-        self.packed: list[torch.Tensor] = []
         for i, ly in enumerate(layers):
-            for name, shape in shapes.items():
+            for name, n in vectors.items():
                 t = ly.get(name)
                 if t is None and name in optional:
                     continue
-                expect(t is not None and tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
-                       and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape {shape}")
-                if name in self.MATMULS:
-                    t = self._pack(kl, t)
+                expect(t is not None and tuple(t.shape) == (n,) and t.dtype == torch.bfloat16 and t.is_contiguous()
+                       and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape ({n},)")
                 setattr(arr[i], name, t.data_ptr())
+            for name, shape in matmuls.items():
+                _check_packed(f"layer {i} {name}", ly.get(name), shape)
+                setattr(arr[i], name, ly[name].desc)
             self._set_pool(arr[i], i, ly, num_kv_heads, head_dim)
             arr[i].lora = ly.get("lora")  # a LoRAStepWeights.address, or None
+        if embed is not None:
+            _check_packed("embed", embed, (embed.n if isinstance(embed, PackedWeight) else 0, hidden), rows=True)
         self.vocab = 0
-        self.lm_head: torch.Tensor | None = None
         if lm_head is not None:
-            expect(lm_head.dim() == 2 and lm_head.shape[1] == hidden and lm_head.dtype == torch.bfloat16
-                   and lm_head.is_contiguous() and lm_head.is_cpu,
-                   f"lm_head: expected a contiguous CPU bfloat16 tensor of shape (vocab, {hidden})")
-            self.vocab, self.lm_head = lm_head.shape[0], self._pack(kl, lm_head)
-        self.layers, self.final_norm = arr, final_norm
+            _check_packed("lm_head", lm_head, (lm_head.n if isinstance(lm_head, PackedWeight) else 0, hidden))
+            self.vocab = lm_head.n
+        self.layers, self.final_norm, self.embed, self.lm_head = arr, final_norm, embed, lm_head
         self.keep = (layers, final_norm)
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
         self.intermediate, self.eps = intermediate, float(eps)
@@ -172,13 +174,10 @@ class DecodeStepWeights:
             self._thread_scratch = torch.empty(max(nbytes, 2 * self._thread_scratch.numel()), dtype=torch.uint8)
         return self._thread_scratch
 
-    def _pack(self, kl: CKernels, w: torch.Tensor) -> torch.Tensor:
-        n, k = w.shape
-        packed = torch.empty((n + 15) // 16 * 16 * k, dtype=torch.bfloat16)
-        kl.fn("rg_pack_kpairs_bf16")(w=w.data_ptr(), N=n, K=k, out=packed.data_ptr())
-        self.packed.append(packed)
-        return packed
 
+def _check_packed(what: str, pw, shape: tuple[int, int], rows: bool = False) -> None:
+    expect(isinstance(pw, PackedWeight) and (pw.n, pw.k) == shape and (rows or pw.kind != KIND_ROWS),
+           f"{what}: expected a {'' if rows else 'matmul '}PackedWeight of shape {shape}, got {pw!r}")
 
 class LoRAStepWeights:
     """A LoRA pool as the fused step reads it (csrc/cpu_lora.h): one descriptor per layer holding the addresses of
@@ -232,20 +231,22 @@ class LoRAStepWeights:
         st.n_groups = len(groups)
 
 
-def decode_step(kl: CKernels, w: DecodeStepWeights, embed: torch.Tensor | None, ids: torch.Tensor,
-                positions: torch.Tensor, cos_sin_cache: torch.Tensor, out_slots: torch.Tensor,
-                req_to_slot: torch.Tensor, req_indices: torch.Tensor, max_len: int, scale: float,
+def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, out_slots: torch.Tensor, req_to_slot: torch.Tensor,
+                req_indices: torch.Tensor, max_len: int, scale: float,
                 io: StageIO = StageIO(), requests: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer and the final norm for a decode batch of M tokens `ids` at `positions` (each request's
-    context being its position + 1, this token included), from their rows of `embed` (vocab, hidden) bf16 ->
+    context being its position + 1, this token included), from their rows of `w.embed` (as bf16) ->
     ((M, hidden) final hidden states, (M, vocab) float32 logits, rounded to bf16, or None where `w` has no LM
     head), both in `w`'s buffers for M rows, valid until its next step with M rows. max_len: the longest
     context. Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V
     into the pool at out_slots. Rows of one request (consecutive positions, the same entry in req_indices, which
     has one entry per row) see each other's K/V: all rows' K/V are stored before any row attends. `requests`
     (default M): how many requests the rows belong to, which sets how each context is split for attention.
-    With `io`, one rank's part of a parallel group (StageIO): embed may then be None, and a stage that is not
+    With `io`, one rank's part of a parallel group (StageIO): w.embed may then be None, and a stage that is not
     final returns ((M, hidden) output, (M, hidden) residual stream) instead, also in `w`'s buffers."""
+    expect(w.embed is not None or io.embedded is not None or io.hidden is not None,
+           "a step from token ids needs the decode-step weights' embedding table")
     m = ids.shape[0]
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     threads = torch.get_num_threads()
@@ -257,9 +258,10 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, embed: torch.Tensor | None, 
     scratch = w.thread_scratch(nbytes)
     par = None if io.plain else _parallel(io, x, res_a)
     kl.fn("rg_decode_step_bf16")(
-        layers=w.layers, n_layers=len(w.layers), final_norm=_ptr(w.final_norm), lm_head=_ptr(w.lm_head),
-        vocab=w.vocab, logits=_ptr(logits), embed=_ptr(embed), ids=ids.data_ptr(), M=m, hidden=w.hidden, H=h,
-        Hkv=hkv, D=d, inter=w.intermediate, eps=w.eps, scale=scale, positions=positions.data_ptr(),
+        layers=w.layers, n_layers=len(w.layers), final_norm=_ptr(w.final_norm),
+        lm_head=None if w.lm_head is None else w.lm_head.ref, logits=_ptr(logits),
+        embed=None if w.embed is None else w.embed.ref, ids=ids.data_ptr(), M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d,
+        inter=w.intermediate, eps=w.eps, scale=scale, positions=positions.data_ptr(),
         cos_sin=cos_sin_cache.data_ptr(), out_slots=out_slots.data_ptr(), table=req_to_slot.data_ptr(),
         table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(), splits=splits, x=x.data_ptr(),
         out=out.data_ptr(), res_a=res_a.data_ptr(), res_b=res_b.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
@@ -291,12 +293,8 @@ def _parallel(io: StageIO, x: torch.Tensor, res_a: torch.Tensor) -> ParallelBF16
 
 def lm_head_logits(kl: CKernels, w: DecodeStepWeights, hidden: torch.Tensor) -> torch.Tensor:
     """(M, hidden) bf16 final hidden states -> (M, vocab) float32 logits (rounded to bf16, as the fused step's)
-    on `w`'s K-pair packed LM head, which it must have."""
+    on `w`'s LM head, which it must have."""
     expect(w.lm_head is not None, "these decode-step weights have no LM head")
     check_tensor("hidden", hidden, 2, (torch.bfloat16,))
     expect(hidden.shape[1] == w.hidden, f"hidden: expected {w.hidden} columns, got {hidden.shape[1]}")
-    hidden = hidden.contiguous()
-    out = torch.empty((hidden.shape[0], w.vocab), dtype=torch.float32)
-    kl.fn("rg_gemv_kpairs_bf16")(x=hidden.data_ptr(), M=hidden.shape[0], K=w.hidden, wp=w.lm_head.data_ptr(),
-                                 yf=out.data_ptr(), N=w.vocab)
-    return out
+    return cpu_linear._linear(kl, w.lm_head, hidden.contiguous(), None, float_out=True)

@@ -137,9 +137,11 @@ int rg_d_max(void) { return D_MAX; }
 #include "cpu_kernels_impl.h" /* undefines T, LD, ST, FN, LOAD16 and IS_BF16 */
 
 #include "cpu_lora.h" /* LoRA deltas of the fused decode step */
+#include "cpu_linear.h" /* rg_weight and the matmuls over it */
 
-typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed matmul weights, KV buffers */
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+typedef struct { /* one decoder layer: bf16 norm weights and bias, the four matmuls' weights, KV buffers */
+    const uint16_t *input_norm, *qkv_bias, *post_norm;
+    rg_weight qkv, o, gate_up, down;
     void *k_buf, *v_buf; /* (slots, Hkv, D): bf16, or the 8-bit codes of kv_format */
     const uint16_t *q_norm, *k_norm; /* (D,) RMSNorm over each query / key head before rotary (Qwen3), or NULL */
     uint16_t *k_scale, *v_scale; /* (slots, Hkv) bf16 scales of an 8-bit pool, else NULL */
@@ -152,13 +154,11 @@ typedef struct { /* one decoder layer: bf16 norm weights and bias, K-pair packed
 /* The bfloat16-only entry points (AVX512-BF16). A build without it defines each as a stub returning
  * RG_ERR_UNSUPPORTED (at the end of this file); these prototypes make the compiler hold both to one signature. */
 int rg_has_decode_step(void);
-rg_status rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out);
-rg_status rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N);
 rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
 int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                                           int64_t inter, int64_t max_piece, int64_t threads);
 rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
-                              const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                              const rg_weight *lm_head, float *logits, const rg_weight *embed,
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                               int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
@@ -189,95 +189,6 @@ KV_QUANT_EXTEND(rg_extend_attention_f8_bf16, uint8_t);
 
 #include <omp.h>
 
-#define GEMV_PREFETCH 1024 /* bytes ahead within each weight stream, into L2: a T0 prefetch ties up one of the
-                            * few L1 miss buffers for a whole DRAM round trip and capped the stream at ~30 GB/s */
-
-/* The matmuls of the fused step read their weights in a K-pair layout, packed once by rg_pack_kpairs_bf16:
- * blocks of 16 output rows; inside a block, for each pair of input columns (2p, 2p+1), the 16 rows' two
- * values side by side, so one 64-byte load holds a 16-row x 2-column slice. Multiplying it with the input
- * pair (x[2p], x[2p+1]) broadcast to every lane is one vdpbf16ps that adds to 16 outputs at once: no
- * horizontal sums, and each block is one sequential stream. Rows past N are zero. K must be even. */
-rg_status rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
-    const int64_t pairs = K / 2, blocks = (N + 15) / 16;
-    for (int64_t blk = 0; blk < blocks; ++blk)
-        for (int64_t p = 0; p < pairs; ++p)
-            for (int64_t j = 0; j < 16; ++j) {
-                const int64_t n = blk * 16 + j;
-                uint16_t *o = out + ((blk * pairs + p) * 16 + j) * 2;
-                o[0] = n < N ? w[n * K + 2 * p] : 0;
-                o[1] = n < N ? w[n * K + 2 * p + 1] : 0;
-            }
-    return RG_OK;
-}
-
-/* Rows [m0, m0+MB) x blocks [blk0, blk0+NB) of y (M, N) = x (M, K) @ w^T (+ bias), w K-pair packed with
- * `blocks` blocks. Blocks past the last are computed on a clamped copy and not stored. */
-static inline __attribute__((always_inline)) void gemv_tile_bf16(
-    const uint16_t *x, int64_t K, const uint16_t *wp, int64_t blocks, const uint16_t *bias, uint16_t *y, float *yf,
-    int64_t N, int64_t blk0, int64_t m0, const int MB, const int NB) {
-    const int64_t pairs = K / 2;
-    const uint16_t *wb[4];
-    for (int b = 0; b < NB; ++b) wb[b] = wp + (blk0 + b < blocks ? blk0 + b : blocks - 1) * pairs * 32;
-    __m512 acc[4][8];
-    for (int b = 0; b < NB; ++b)
-        for (int i = 0; i < MB; ++i) acc[b][i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-        __m512i wv[4];
-        for (int b = 0; b < NB; ++b) {
-            _mm_prefetch((const char *)(wb[b] + p * 32) + GEMV_PREFETCH, _MM_HINT_T1);
-            wv[b] = _mm512_loadu_si512(wb[b] + p * 32);
-        }
-        for (int i = 0; i < MB; ++i) {
-            int32_t pair;
-            memcpy(&pair, x + (m0 + i) * K + 2 * p, sizeof pair);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], xb, (__m512bh)wv[b]);
-        }
-    }
-    for (int b = 0; b < NB && blk0 + b < blocks; ++b) {
-        const int64_t n0 = (blk0 + b) * 16, n = N - n0 < 16 ? N - n0 : 16;
-        for (int i = 0; i < MB; ++i) {
-            float v[16];
-            _mm512_storeu_ps(v, acc[b][i]);
-            const int64_t at = (m0 + i) * N + n0;
-            for (int64_t j = 0; j < n; ++j) {
-                const uint16_t r = f32_to_bf16(v[j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.f));
-                if (yf)
-                    yf[at + j] = bf16_to_f32(r);
-                else
-                    y[at + j] = r;
-            }
-        }
-    }
-}
-
-/* y (M, N) = x (M, K) @ w^T (+ bias) for a K-pair packed w, split over the calling team by tiles of four
- * 16-row blocks; input rows go eight, four, two or one at a time through each tile. With yf, the bf16-rounded
- * results go there widened to float32 instead of into y. */
-static void gemv_team_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, const uint16_t *bias,
-                           uint16_t *y, float *yf, int64_t N) {
-    const int64_t blocks = (N + 15) / 16, tiles = (blocks + 3) / 4;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-        int64_t m0 = 0;
-        for (; m0 + 8 <= M; m0 += 8) {
-            gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 8, 2);
-            gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4 + 2, m0, 8, 2);
-        }
-        for (; m0 + 4 <= M; m0 += 4) gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 4, 4);
-        for (; m0 + 2 <= M; m0 += 2) gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 2, 4);
-        for (; m0 < M; ++m0) gemv_tile_bf16(x, K, wp, blocks, bias, y, yf, N, t * 4, m0, 1, 4);
-    }
-}
-
-/* yf (M, N) float32 = x (M, K) @ w^T rounded to bf16, for a K-pair packed w, over a new team: the LM head of
- * a prefill's few sampled rows, outside the fused step. */
-rg_status rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N) {
-#pragma omp parallel
-    gemv_team_bf16(x, M, K, wp, NULL, NULL, yf, N);
-    return RG_OK;
-}
-
 /* One row of (2I) gate|up -> (I): silu(gate), rounded to bf16 as torch's silu returns it, times up. */
 static inline void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t I) {
     int64_t i = 0;
@@ -305,6 +216,12 @@ rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int
 #pragma omp parallel for schedule(static) if (M * I >= 32768)
     for (int64_t m = 0; m < M; ++m) silu_mul_row_bf16(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
     return RG_OK;
+}
+
+/* The group sums an int4 matmul reads, per thread: M rows x (widest input) / 32 (the smallest int4 group). */
+static inline size_t step_sums_bytes(int64_t M, int64_t hidden, int64_t H, int64_t D, int64_t inter) {
+    const int64_t widest = hidden > inter ? (hidden > H * D ? hidden : H * D) : (inter > H * D ? inter : H * D);
+    return rg_span(M * (widest / 32 + 1), sizeof(float));
 }
 
 /* The fused step's KV store and decode attention (the unfused kernels' code) for the layer's pool format. */
@@ -335,25 +252,28 @@ static void layer_decode_attention_team_bf16(const rg_layer_bf16 *ly, const uint
 }
 
 /* Scratch of rg_decode_step_bf16 in bytes, for `threads` threads and pieces of at most max_piece positions:
- * the contexts (M int64) shared, then per thread a float32 query block (H D), scores (max_piece G) and bf16
- * private rows: the normed and the residual stream (M hidden each) and the MLP activation (M inter). */
+ * the contexts (M int64) shared, then per thread a float32 query block (H D), scores (max_piece G), bf16
+ * private rows: the normed and the residual stream (M hidden each) and the MLP activation (M inter), and the
+ * group sums of int4 matmuls. */
 int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                                           int64_t inter, int64_t max_piece, int64_t threads) {
     const size_t per_thread = rg_span(H * D, sizeof(float)) + rg_span(max_piece * (H / Hkv), sizeof(float)) +
-                              2 * rg_span(M * hidden, sizeof(uint16_t)) + rg_span(M * inter, sizeof(uint16_t));
+                              2 * rg_span(M * hidden, sizeof(uint16_t)) + rg_span(M * inter, sizeof(uint16_t)) +
+                              step_sums_bytes(M, hidden, H, D, inter);
     return (int64_t)(rg_span(M, sizeof(int64_t)) + (size_t)threads * per_thread);
 }
 
-/* ids (M,): the tokens, whose rows of embed (vocab, hidden) start the residual stream; positions (M,): theirs,
+/* ids (M,): the tokens, whose rows of embed (vocab rows of hidden) start the residual stream; positions (M,): theirs,
  * each request's context being its position + 1 (the token's own K/V included). out (M, hidden): the final
  * norm's output. x, res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
  * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch, and so is `scratch`
  * (scratch_bytes, at least rg_decode_step_scratch_bytes_bf16 for the longest context: RG_ERR_SCRATCH
- * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. With an
- * LM head (K-pair packed, vocab rows), logits (M, vocab) float32 = out @ lm_head^T rounded to bf16, by the
- * same team. par (NULL at tp 1, pp 1): the step on one rank of a parallel group (cpu_parallel.h). */
+ * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. The matmul
+ * weights are descriptors (cpu_linear.h) of any layout. With an LM head (vocab rows), logits (M, vocab) float32
+ * = out @ lm_head^T rounded to bf16, by the same team. par (NULL at tp 1, pp 1): the step on one rank of a
+ * parallel group (cpu_parallel.h); embed is then read only for RG_STAGE_IDS. */
 rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
-                              const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                              const rg_weight *lm_head, float *logits, const rg_weight *embed,
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                               int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
@@ -374,10 +294,11 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
     char *per_thread = (char *)scratch + rg_span(M, sizeof(int64_t));
     const size_t qf_bytes = rg_span(qsz, sizeof(float)), sc_bytes = rg_span(max_piece * G, sizeof(float));
     const size_t rows_bytes = rg_span(M * hidden, sizeof(uint16_t));
-    const size_t thread_bytes = qf_bytes + sc_bytes + 2 * rows_bytes + rg_span(M * inter, sizeof(uint16_t));
+    const size_t ap_bytes = rg_span(M * inter, sizeof(uint16_t));
+    const size_t thread_bytes = qf_bytes + sc_bytes + 2 * rows_bytes + ap_bytes + step_sums_bytes(M, hidden, H, D, inter);
     for (int64_t m = 0; m < M; ++m) {
         seq_lens[m] = positions[m] + 1;
-        if (par_input(par) == RG_STAGE_IDS) memcpy(x + m * hidden, embed + ids[m] * hidden, sizeof(uint16_t) * (size_t)hidden);
+        if (par_input(par) == RG_STAGE_IDS) rg_w_row(embed, ids[m], NULL, x + m * hidden);
     }
     /* The norms and the SiLU run redundantly in every thread, on private copies, so that only the matmuls
      * and attention need the team to meet: the residual stream alternates between two shared buffers
@@ -390,6 +311,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
         float *qf = (float *)mine, *sc = (float *)(mine + qf_bytes);
         uint16_t *hp = (uint16_t *)(mine + qf_bytes + sc_bytes), *rp = (uint16_t *)(mine + qf_bytes + sc_bytes + rows_bytes);
         uint16_t *ap = (uint16_t *)(mine + qf_bytes + sc_bytes + 2 * rows_bytes);
+        float *sx = (float *)(mine + qf_bytes + sc_bytes + 2 * rows_bytes + ap_bytes);
         uint16_t *res[2] = {res_a, res_b};
         int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
         for (int64_t l = 0; l < n_layers; ++l) {
@@ -403,7 +325,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             }
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
-            gemv_team_bf16(hp, M, hidden, ly->qkv, ly->qkv_bias, qkv, NULL, qkv_n);
+            linear_team_bf16(&ly->qkv, hp, M, ly->qkv_bias, qkv, NULL, sx);
             lora_add_team(ly->lora, 0, hp, hidden, qkv, qkv_n, (const int64_t[]){qsz, qsz + kvsz, qkv_n}, 3);
 #pragma omp single
             {
@@ -416,24 +338,24 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             }
             layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
                                              scale, splits, part, qf, sc);
-            gemv_team_bf16(attn, M, qsz, ly->o, NULL, x, NULL, hidden);
+            linear_team_bf16(&ly->o, attn, M, NULL, x, NULL, sx);
             lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
             memcpy(rp, res[cur], row_bytes);
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
-            gemv_team_bf16(hp, M, hidden, ly->gate_up, NULL, gu, NULL, 2 * inter);
+            linear_team_bf16(&ly->gate_up, hp, M, NULL, gu, NULL, sx);
             lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * inter, (const int64_t[]){inter, 2 * inter}, 2);
             silu_mul_bf16(gu, ap, M, inter);
-            gemv_team_bf16(ap, M, inter, ly->down, NULL, x, NULL, hidden);
+            linear_team_bf16(&ly->down, ap, M, NULL, x, NULL, sx);
             lora_add_team(ly->lora, 3, ap, inter, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
         }
         if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */
 #pragma omp single
             rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
-            if (lm_head) gemv_team_bf16(out, M, hidden, lm_head, NULL, NULL, logits, vocab);
+            if (lm_head) linear_team_bf16(lm_head, out, M, NULL, NULL, logits, sx);
         }
     }
     return RG_OK;
@@ -657,14 +579,6 @@ int rg_has_decode_step(void) { return 1; }
 /* Built without AVX512-BF16: the same entry points, each refusing (the prototypes above keep their signatures
  * the real ones). */
 int rg_has_decode_step(void) { return 0; }
-rg_status rg_pack_kpairs_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
-    (void)w, (void)N, (void)K, (void)out;
-    return RG_ERR_UNSUPPORTED;
-}
-rg_status rg_gemv_kpairs_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, float *yf, int64_t N) {
-    (void)x, (void)M, (void)K, (void)wp, (void)yf, (void)N;
-    return RG_ERR_UNSUPPORTED;
-}
 rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
     (void)gu, (void)out, (void)M, (void)I;
     return RG_ERR_UNSUPPORTED;
@@ -675,14 +589,14 @@ int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, 
     return 0;
 }
 rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
-                              const uint16_t *lm_head, int64_t vocab, float *logits, const uint16_t *embed,
+                              const rg_weight *lm_head, float *logits, const rg_weight *embed,
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                               int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
                               uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
                               void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
-    (void)layers, (void)n_layers, (void)final_norm, (void)lm_head, (void)vocab, (void)logits, (void)embed;
+    (void)layers, (void)n_layers, (void)final_norm, (void)lm_head, (void)logits, (void)embed;
     (void)ids, (void)M, (void)hidden, (void)H, (void)Hkv, (void)D, (void)inter, (void)eps, (void)scale;
     (void)positions, (void)cos_sin, (void)out_slots, (void)table, (void)table_stride, (void)rows, (void)splits;
     (void)x, (void)out, (void)res_a, (void)res_b, (void)qkv, (void)attn, (void)gu, (void)part, (void)scratch;

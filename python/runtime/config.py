@@ -13,6 +13,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
 JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "int8", "awq", "gptq", "gguf", "fp8")  # quantization
 # kv_cache_dtype: auto (the model dtype) or the code dtype of an 8-bit pool (radixgen.kernels.kv_quant)
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
@@ -150,6 +151,12 @@ class RuntimeConfig:
     disable_cuda_graph: bool = option(False, "CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
                                     "--max-running-requests)")
+    # ---- quantized weights (layers/quantization)
+    quantization: str = option(
+        "auto", "linear layers' weights: auto (the checkpoint's quantization_config: awq, gptq or fp8; else none; "
+        "a .gguf file dequantized), none, int8 (per output channel, quantized at load), awq / gptq (int4 "
+        "checkpoints), gguf (a .gguf file run from its own Q4_0 / Q4_1 / Q8_0 / Q6_K blocks), fp8 (e4m3 "
+        "checkpoints, or quantized at load)", choices=QUANTIZATIONS, flags=("--quantization", "-q"))
     # ---- KV cache quantization (issue 15)
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
                                  "bf16 scale per token and KV head (about twice the tokens in the same memory)",
@@ -197,6 +204,7 @@ class RuntimeConfig:
         check_choice("load_format", self.load_format, LOAD_FORMATS)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_choice("grammar_json_whitespace", self.grammar_json_whitespace, JSON_WHITESPACE)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

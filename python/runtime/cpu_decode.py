@@ -4,16 +4,17 @@ decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu_f
 Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
 adds on top (a Python call, a tensor allocation and a thread fork/join per op, a cold start of every matmul)
 is most of the rest of the step. The fused step runs the same math with the same bf16 roundings inside one
-OpenMP team, LM head included, on its own copy of the matmul weights in a layout its kernel streams at 45-55
-GB/s here (oneDNN reaches about 20-30 on the same matrices at batch 1). Larger batches, prefill and float32
-keep the unfused path.
+OpenMP team, LM head and embedding gather included, reading the linear layers' own packed weights
+(radixgen.kernels.cpu_linear: bf16 K pairs, which its kernel streams at 45-55 GB/s here where oneDNN reaches
+about 20-30 on the same matrices at batch 1, or int8 / int4 dequantized in registers). Larger batches, prefill,
+float32 and layers in another layout (fp8, GPTQ's activation order) keep the unfused path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixgen.kernels import cpu_fused
+from radixgen.kernels import cpu_fused, cpu_linear
 from radixgen.kernels.cpu import CKernels
 from radixgen.runtime import distributed
 
@@ -35,10 +36,7 @@ class FusedDecode:
                  scale: float, lora: cpu_fused.LoRAStepWeights | None = None) -> None:
         self.kl, self.weights, self.model, self.cos_sin_cache, self.scale = kl, weights, model, cos_sin_cache, scale
         self.lora = lora
-        tp = distributed.tp_size() > 1
-        self.hook = cpu_fused.TensorParallelHook(distributed.all_reduce) if tp else None
-        # at tp 1 the C step reads the embedding rows itself; a vocabulary-parallel one is looked up here
-        self.embed = model.embed_tokens.weight if model.is_first_stage and not tp else None
+        self.hook = cpu_fused.TensorParallelHook(distributed.all_reduce) if distributed.tp_size() > 1 else None
 
     @classmethod
     def build(cls, model, kv_pool, kl: CKernels, lora_pool=None) -> FusedDecode | None:
@@ -52,27 +50,42 @@ class FusedDecode:
         attn = mine[0].self_attn
         # per-head q/k norms are supported in Qwen3's form (q_norm / k_norm RMSNorms), no other override
         qk_norms = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
-        weight = attn.qkv_proj.weight
+        norm = mine[0].input_layernorm.weight  # the activations' dtype and device (the linear weights are packed)
         inter = mine[0].mlp.down_proj.in_features  # this rank's share
         if ((type(attn).qk_norm is not LlamaAttention.qk_norm and not qk_norms)
-                or weight.dtype != torch.bfloat16 or not weight.is_cpu or attn.head_dim > kl.d_max
-                or (model.config.hidden_size | attn.num_heads * attn.head_dim | inter) % 2):  # the K-pair layout
+                or norm.dtype != torch.bfloat16 or not norm.is_cpu or attn.head_dim > kl.d_max):
             return None
+
+        def packed(layer):  # the layer's own weight as the C matmuls read it, or None
+            return layer.method.packed_weight(layer)
+
         lora = lora_pool.fused_weights() if lora_pool is not None else None
         layers = []
         for i, layer in enumerate(mine):
             a, mlp = layer.self_attn, layer.mlp
-            layers.append({"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.weight,
-                           "qkv_bias": a.qkv_proj.bias, "o": a.o_proj.weight,
-                           "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.weight,
-                           "down": mlp.down_proj.weight, "q_norm": a.q_norm.weight if qk_norms else None,
+            matmuls = {"qkv": packed(a.qkv_proj), "o": packed(a.o_proj), "gate_up": packed(mlp.gate_up_proj),
+                       "down": packed(mlp.down_proj)}
+            if any(w is None for w in matmuls.values()):
+                return None
+            layers.append({"input_norm": layer.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias, **matmuls,
+                           "post_norm": layer.post_attention_layernorm.weight,
+                           "q_norm": a.q_norm.weight if qk_norms else None,
                            "k_norm": a.k_norm.weight if qk_norms else None, **_pool_of(kv_pool, i),
                            "lora": lora.address(model.start_layer + i) if lora is not None else None})
         last = model.is_last_stage
+        embed = None  # a rank whose step starts from embedded rows or a previous stage's output reads no table
+        if model.is_first_stage and distributed.tp_size() == 1:
+            table = model.embed_tokens.table
+            embed = packed(table) if table is model.lm_head else cpu_linear.pack_rows(table.weight)
+            if embed is None:
+                return None
+        lm_head = packed(model.lm_head) if last else None
+        if last and lm_head is None:
+            return None
         weights = cpu_fused.DecodeStepWeights(
             kl, layers, model.norm.weight if last else None, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
-            eps=model.config.rms_norm_eps, lm_head=model.lm_head.weight if last else None)
+            eps=model.config.rms_norm_eps, embed=embed, lm_head=lm_head)
         return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale, lora)
 
     def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
@@ -105,18 +118,19 @@ class FusedDecode:
         io = cpu_fused.StageIO(final=model.is_last_stage, hook=self.hook)
         if stage_input is not None:
             io = io._replace(hidden=stage_input.hidden, residual=stage_input.residual)
-        elif self.embed is None:  # the vocabulary-parallel embedding, summed over the ranks
+        elif self.weights.embed is None:  # the vocabulary-parallel embedding, summed over the ranks
             io = io._replace(embedded=model.embed_tokens(ids))
         # the context split as in a decode step of the same requests, so that a row's attention rounds as there
-        out, logits = cpu_fused.decode_step(self.kl, self.weights, self.embed, ids, pos, self.cos_sin_cache, slots,
-                                            req_to_slot, rows, max_len, self.scale, io, requests=n)
+        out, logits = cpu_fused.decode_step(self.kl, self.weights, ids, pos, self.cos_sin_cache, slots, req_to_slot,
+                                            rows, max_len, self.scale, io, requests=n)
         if not model.is_last_stage:
             return StageHidden(out.clone(), logits.clone())
         return model.lm_head.gather(logits.index_select(0, fi.logit_rows))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The float32 logits of up to MAX_BATCH bf16 final hidden states on the step's packed LM head (a prefill's
-        sampled rows): oneDNN streams the head at about half the speed at so few rows. Gathered as __call__'s."""
+        """The float32 logits of up to MAX_BATCH bf16 final hidden states on the step's LM head (a prefill's sampled
+        rows), straight into float32 (the head's C matmul writes the bf16-rounded logits widened). Gathered as
+        __call__'s."""
         return self.model.lm_head.gather(cpu_fused.lm_head_logits(self.kl, self.weights, hidden))
 
 

@@ -79,7 +79,7 @@ class CudaGraphRunner:
         self.input_ids, self.positions, self.out_slots, self.req_indices, self.seq_lens = self._buf.unbind(0)
         # this rank's vocabulary rows (all of them at tp 1): a graph records no collective but the layers'
         # all-reduces; the logits of a tensor-parallel group are gathered after the replay
-        self.logits = torch.zeros((self.max_bs, runner.model.lm_head.weight.shape[0]), dtype=torch.float32,
+        self.logits = torch.zeros((self.max_bs, runner.model.lm_head.out_features), dtype=torch.float32,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0

@@ -43,7 +43,7 @@ LORA_UPDATE_TIMEOUT_S = 300.0  # reading an adapter; a pinned one may wait for a
 class Engine:
     def __init__(self, model: str | os.PathLike | None = None, **config: Any) -> None:
         self.config = RuntimeConfig.from_kwargs(model=None if model is None else str(model), **config)
-        self.model_path = resolve_model_path(self.config.model)
+        self.model_path = resolve_model_path(self.config.model, self.config.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         self._client = SchedulerClient(self.config, str(self.model_path))
         ready = self._client.ready

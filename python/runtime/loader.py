@@ -3,6 +3,9 @@
 Every model is resolved to a Hugging Face-style folder (config.json, *.safetensors, tokenizer files).
 A GGUF file is converted once (dequantized with the `gguf` package) into a cached folder under
 ``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``), so later loads read safetensors in about a second.
+With quantization="gguf" it runs from its own blocks instead: a cached folder `<name>-<hash>-native` holds the
+config and tokenizer only (and gguf.json, naming the file), and the weights are read from the GGUF file at
+every load (layers/quantization/gguf.py decodes its blocks).
 """
 
 from __future__ import annotations
@@ -41,20 +44,26 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A folder with config.json and safetensors for `model` (None: the bundled default)."""
+def resolve_model_path(model: str | os.PathLike | None, quantization: str = "auto") -> Path:
+    """A folder with config.json and safetensors for `model` (None: the bundled default); for a GGUF file under
+    quantization="gguf", its native folder (config and tokenizer; the weights stay in the file)."""
     if model is None:
-        return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
+        path, name = default_gguf_path(), DEFAULT_MODEL_NAME
+    else:
+        path, name = Path(model).expanduser(), None
+        if not path.exists():
+            raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file must be a .gguf file, got {path}")
-        return convert_gguf(path)
+        return prepare_gguf_native(path, name) if quantization == "gguf" else convert_gguf(path, name)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model folder has no config.json: {path}")
     return path
+
+
+def is_gguf_native(folder: Path) -> bool:
+    return (folder / GGUF_SOURCE).is_file()
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -79,8 +88,9 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 
 class CheckpointSlice:
     """A checkpoint tensor not read yet: `narrow(dim, start, length)` reads only that part of the file
-    (safetensors' get_slice), so a tensor-parallel rank reads its shard and never the whole tensor. Weight
-    loaders call only `shape` and `narrow`, which a torch tensor has too."""
+    (safetensors' get_slice), so a tensor-parallel rank reads its shard and never the whole tensor; `read()` reads
+    it whole (a tensor that is not split, such as a scale of shape ()). Weight loaders call only `shape` and
+    `narrow`, which a torch tensor has too, and `read` where they take the whole tensor (layers/linear.py)."""
 
     def __init__(self, part) -> None:
         self._part = part
@@ -90,6 +100,9 @@ class CheckpointSlice:
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)
         return self._part[tuple(index)]
+
+    def read(self) -> torch.Tensor:
+        return self._part[...]
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
@@ -109,9 +122,14 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
             raise ModelLoadError(f"corrupt safetensors file {f}: {e}") from e
 
 
-def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto", seed: int = 0) -> None:
-    """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy)."""
+def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto", seed: int = 0,
+                 quantized: str = "none") -> None:
+    """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy). `quantized`: the
+    weight format (layers.quantization), named in the error when the checkpoint's tensors do not fit it."""
     if load_format == "dummy":
+        if quantized not in ("none", "int8", "fp8"):
+            raise ModelLoadError(f"load_format dummy makes float weights; quantization {quantized!r} needs its "
+                                 f"checkpoint")
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -120,7 +138,13 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
                     gen = torch.Generator(p.device).manual_seed(seed + len(name))
                     p.normal_(0.0, 0.02, generator=gen)
         return
-    model.load_weights(iter_safetensors(folder))
+    tensors = iter_gguf_native(folder) if is_gguf_native(folder) else iter_safetensors(folder)
+    try:
+        model.load_weights(tensors)
+    except ValueError as e:
+        if quantized == "none" or isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{e} (the checkpoint's tensors do not match quantization {quantized!r})") from e
 
 
 # ---------------------------------------------------------------- GGUF conversion
@@ -162,17 +186,21 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(path: Path, name: str | None = None) -> Path:
-    """Convert `path` once into a cached HF folder; return the folder."""
+GGUF_SOURCE = "gguf.json"  # in a native GGUF folder: the file its weights are read from
+
+
+def _cache_folder(path: Path, name: str | None, suffix: str, fill) -> Path:
+    """The cached folder of GGUF file `path` (`fill(path, folder)` writes it once); its name is keyed by the file's
+    path, size and mtime."""
     st = path.stat()
     digest = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / f"{name or path.stem}-{digest}"
+    out = cache_root() / f"{name or path.stem}-{digest}{suffix}"
     if (out / "DONE").exists():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        _convert_gguf_into(path, tmp)
+        fill(path, tmp)
         (tmp / "DONE").write_text("ok\n")
         try:
             tmp.rename(out)
@@ -186,10 +214,26 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     return out
 
 
-def _convert_gguf_into(path: Path, out: Path) -> None:
+def convert_gguf(path: Path, name: str | None = None) -> Path:
+    """Convert `path` once into a cached HF folder (dequantized weights); return the folder."""
+    return _cache_folder(path, name, "", _convert_gguf_into)
+
+
+def prepare_gguf_native(path: Path, name: str | None = None) -> Path:
+    """The cached native folder of `path`: config, tokenizer and gguf.json; the weights stay in the file."""
+
+    def fill(path: Path, out: Path) -> None:
+        reader, arch, meta = _open_gguf(path)
+        token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        tied = not any(t.name == "output.weight" for t in reader.tensors)
+        _write_gguf_metadata(reader, arch, meta, path, out, int(token_embd.shape[-1]), tied)
+        (out / GGUF_SOURCE).write_text(json.dumps({"path": str(path.resolve())}))
+
+    return _cache_folder(path, name, "-native", fill)
+
+
+def _open_gguf(path: Path):
     import gguf
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -202,29 +246,64 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
     def meta(key: str, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
 
+    return reader, arch, meta
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """Our checkpoint name of a GGUF tensor, or None for tensors recomputed from the config (rope_freqs)."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
+
+
+def _rope_heads(arch: str, gguf_name: str, meta) -> int | None:
+    """The head count whose llama.cpp row order (interleaved rotary pairs) a llama Q / K tensor has, else None."""
+    if arch != "llama":
+        return None
     n_heads = int(meta("attention.head_count"))
-    n_kv = int(meta("attention.head_count_kv", n_heads))
-    hidden = int(meta("embedding_length"))
+    if parts_is(gguf_name, "attn_q.weight"):
+        return n_heads
+    if parts_is(gguf_name, "attn_k.weight"):
+        return int(meta("attention.head_count_kv", n_heads))
+    return None
+
+
+def _convert_gguf_into(path: Path, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+
+    reader, arch, meta = _open_gguf(path)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            hf_name = _GGUF_NAMES[t.name]
-        else:
-            parts = t.name.split(".", 2)
-            if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            hf_name = f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        hf_name = _hf_name(t.name)
+        if hf_name is None:
+            continue
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
+                                 f"dequantized ({e})") from e
         w = torch.from_numpy(data.copy()).to(torch.float32)
-        if arch == "llama" and parts_is(t.name, "attn_q.weight"):
-            w = _unpermute_rope(w, n_heads)
-        elif arch == "llama" and parts_is(t.name, "attn_k.weight"):
-            w = _unpermute_rope(w, n_kv)
+        heads = _rope_heads(arch, t.name, meta)
+        if heads is not None:
+            w = _unpermute_rope(w, heads)
         tensors[hf_name] = w.contiguous()
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"))
+    _write_gguf_metadata(reader, arch, meta, path, out, vocab, tied)
 
+
+def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: int, tied: bool) -> None:
+    """The tokenizer files and config.json of a GGUF model into `out`."""
+    from transformers import AutoTokenizer
+
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    hidden = int(meta("embedding_length"))
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     template = _gguf_field(reader, "tokenizer.chat_template")
     if template:
@@ -257,3 +336,37 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
 
 def parts_is(gguf_name: str, suffix: str) -> bool:
     return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[2] == suffix
+
+
+# tensors a native GGUF load hands over as stored: the matmul weights (and the embedding when it is the LM head's)
+_GGUF_MATMULS = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                 "ffn_up.weight", "ffn_down.weight"}
+
+
+def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a native folder's GGUF file: matmul weights as GGUFTensors (their blocks, rows in our order),
+    everything else (norms, biases, an untied embedding) dequantized to float32."""
+    from radixgen.runtime.layers.quantization.gguf import GGUFTensor
+
+    path = Path(json.loads((folder / GGUF_SOURCE).read_text())["path"])
+    if not path.is_file():
+        raise ModelLoadError(f"the GGUF file of {folder} is gone: {path}")
+    reader, arch, meta = _open_gguf(path)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        if hf_name is None:
+            continue
+        raw = torch.from_numpy(t.data.copy())
+        if raw.dim() == 1:  # a vector (norm, bias): float in every GGUF we read
+            yield hf_name, raw.float()
+            continue
+        heads = _rope_heads(arch, t.name, meta)
+        if heads is not None:  # the permutation moves whole rows: it applies to the blocks as they are
+            raw = _unpermute_rope(raw, heads)
+        g = GGUFTensor(t.name, t.tensor_type.name, raw, int(t.shape[0]))
+        matmul = t.name.startswith("blk.") and t.name.split(".", 2)[2] in _GGUF_MATMULS
+        if matmul or t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+            yield hf_name, g
+        else:
+            yield hf_name, g.dense()

@@ -15,8 +15,9 @@ from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
 from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
+from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
-from radixgen.runtime.loader import load_weights, read_hf_config, resolve_model_path
+from radixgen.runtime.loader import is_gguf_native, load_weights, read_hf_config, resolve_model_path
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
@@ -24,6 +25,29 @@ from radixgen.runtime.models import model_class
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def _mallopt(settings: dict[int, int]) -> bool:
+    """glibc malloc settings (mallopt parameter -> value), process-wide; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(bool(mallopt(param, value)) for param, value in settings.items())
+
+
+def map_large_blocks() -> bool:
+    """While the weights load: every block over 64 KiB its own mapping, given back to the kernel when freed.
+
+    glibc otherwise raises its mmap threshold to the size of each large block freed, so after the first few
+    loading temporaries (a checkpoint tensor, a dequantized or repacked weight) the next ones come from the heap,
+    between the layouts that stay; freed, they cannot be returned, and the process keeps them resident (about
+    200 MB for the bundled model's GGUF blocks)."""
+    return _mallopt({_M_MMAP_THRESHOLD: 64 << 10})
 
 
 def keep_freed_host_memory() -> bool:
@@ -34,30 +58,26 @@ def keep_freed_host_memory() -> bool:
     that the kernel faults in and zeroes: about 15,000 page faults and 5-8% of the prefill on this CPU. With the
     thresholds raised, the blocks are reused from one op, layer and step to the next, the way the caching
     allocators of GPU runtimes work. Process-wide and idempotent; False where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30})
 
 
 class ModelRunner:
     """This process's model (its shard and pipeline stage on a rank of a parallel group: distributed.state()),
     the KV pool of its layers and KV heads, the request->slot table tensor, the ops set; `forward` runs a step."""
 
-    def __init__(self, cfg: RuntimeConfig, model_path=None, req_to_slot: torch.Tensor | None = None) -> None:
+    def __init__(self, cfg: RuntimeConfig, model_path=None, req_to_slot: torch.Tensor | None = None,
+                 ops: TorchOps | None = None) -> None:
         """`req_to_slot`: another runner's request->slot table to read instead of a new one (a draft model's
-        runner reads the target's: its pool has the same slots, and a position's slot is the same in both)."""
+        runner reads the target's: its pool has the same slots, and a position's slot is the same in both).
+        ops: the ops set (default: the device's, `ops_for`); tests pass TritonOps to run a CPU model on the
+        Triton kernels under TRITON_INTERPRET=1, how the CUDA path's wiring is checked without a GPU."""
         self.runtime_config = cfg
         self.parallel = par = distributed.state()
         self.device = distributed.rank_device(cfg.device)
         self.dtype = cfg.torch_dtype
-        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model)
+        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model, cfg.quantization)
         self.hf_config = read_hf_config(self.model_path)
+        self.quantization = quantization.resolve(cfg.quantization, self.hf_config, is_gguf_native(self.model_path))
         self.model_config = ModelConfig.from_hf(self.hf_config)
         mc = self.model_config
         self.context_length = cfg.context_length or min(mc.max_position_embeddings, 8192)
@@ -66,14 +86,19 @@ class ModelRunner:
                              f"max_position_embeddings={mc.max_position_embeddings}")
 
         # parameters are allocated uninitialized, directly on the device and in the target dtype
+        if self.device.type == "cpu":
+            map_large_blocks()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
                 model = model_class(mc.architecture)(mc)
+                self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels)  # the device's ops, chosen once
+                self.ops.prepare(model, self.quantization)  # linear methods: the parameters the checkpoint fills
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed)
+        load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed, quantized=self.quantization.method)
+        self.ops.install(model)  # each linear layer re-lays out its weight (one copy), before mallopt below
         self.model = model.eval()
         if self.device.type == "cpu":
             keep_freed_host_memory()
@@ -92,11 +117,17 @@ class ModelRunner:
             new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
         self.table_log = TableWriteLog() if par.world_size > 1 else None
-        self.fused_decode: FusedDecode | None = None
         # the resident LoRA adapters' weights (the scheduler's LoRA manager decides which sit where)
         self.lora_pool = LoRAPool.for_config(cfg, mc, self.dtype, self.device) if cfg.lora_enabled else None
-        self.set_ops(ops_for(self.device, cfg.disable_cpu_kernels))  # the device's ops, chosen once
-        logger.info("model %s loaded: %s, %d KV slots (KV cache %s)", self.model_path, self.dtype, num_slots,
+        if self.lora_pool is not None:  # the LoRA layers wrap whatever linear methods the ops set installed
+            attach_lora(self.model, self.lora_pool, self.ops)
+        logger.info("ops: %s (linear layers: %s)", self.ops.name, ", ".join(self.ops.linear_methods(self.model)))
+        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
+        # that does not apply)
+        kl = self.ops.kl if isinstance(self.ops, CpuOps) else None
+        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl, self.lora_pool) if kl is not None else None
+        logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots (KV cache %s)", self.model_path,
+                    self.dtype, self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots,
                     cfg.kv_cache_dtype)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only; per rank with
         # tensor parallelism, not with pipeline stages)
@@ -106,20 +137,6 @@ class ModelRunner:
         from radixgen.runtime.parallel_step import StepGroup
 
         self.group = StepGroup(self) if par.world_size > 1 else None
-
-    def set_ops(self, ops: TorchOps) -> None:
-        """Install the ops set (layers/ops.py) on the model: its layers' kernels, its attention backend, its linear
-        method. __init__ installs the device's; tests switch a CPU runner to TritonOps (under TRITON_INTERPRET=1,
-        how the CUDA path's wiring is checked without a GPU) or TorchOps."""
-        self.ops = ops
-        ops.install(self.model)
-        if self.lora_pool is not None:  # the LoRA layers wrap whatever linear methods the ops set installed
-            attach_lora(self.model, self.lora_pool, ops)
-        logger.info("ops: %s (linear layers: %s)", ops.name, ops.linear_method.name)
-        # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
-        # that does not apply)
-        kl = ops.kl if isinstance(ops, CpuOps) else None
-        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl, self.lora_pool) if kl is not None else None
 
     def _lora_batch(self, fi: ForwardInput):
         if fi.lora_slots is None:
@@ -154,6 +171,11 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def memory_info(self) -> dict:
+        """What the weights (each in its one layout) and the KV pool's buffers take, in bytes; the weight format."""
+        return {"weight_bytes": quantization.weight_bytes(self.model), "kv_pool_bytes": self.kv_pool.nbytes(),
+                "quantization": str(self.quantization)}
 
     def cuda_graph_info(self) -> dict:
         g = self.cuda_graph_runner

@@ -18,6 +18,7 @@ from radixgen.kernels import (
     _cpu_build,
     cpu,
     cpu_fused,
+    cpu_linear,
     decode_attention_ref,
     extend_attention_ref,
     fused_add_rmsnorm_ref,
@@ -143,15 +144,12 @@ def test_rotary(kl, dtype, gen):
 
 
 def test_bf16_kernels(kl, gen):
-    """Extend attention, SiLU, the K-pair matmul, the LoRA deltas: checked where the build has them, refused where
-    it has not."""
+    """Extend attention, SiLU, the LoRA deltas: checked where the build has them, refused where it has not."""
     pool = make_pool([19, 40], 2, 64, torch.bfloat16, max_context_len=64, gen=gen)
     q = torch.randn(24, 6, 64, generator=gen).to(torch.bfloat16)
     args = (q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, torch.tensor([11, 24]),
             torch.tensor([8, 16]), 0.2)
     x = (3 * torch.randn(5, 2 * 40, generator=gen)).to(torch.bfloat16)
-    w = torch.randn(37, 24, generator=gen).to(torch.bfloat16)
-    h = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
     lora = lora_case(gen)
     if not kl.has_decode_step:
         with pytest.raises(ValueError, match="AVX512-BF16"):
@@ -166,11 +164,24 @@ def test_bf16_kernels(kl, gen):
     assert rel_err(y.float() - lora.y.float(), lora.reference().float() - lora.y.float()) < TOL[torch.bfloat16]
     assert rel_err(cpu.extend_attention(*args, kl=kl), extend_attention_ref(*args)) < TOL[torch.bfloat16]
     assert torch.equal(cpu.silu_and_mul(x, kl=kl), cpu.silu_and_mul_ref(x))
-    packed = torch.empty(48 * 24, dtype=torch.bfloat16)
-    kl.fn("rg_pack_kpairs_bf16")(w=w.data_ptr(), N=37, K=24, out=packed.data_ptr())
-    out = torch.empty(3, 37)
-    kl.fn("rg_gemv_kpairs_bf16")(x=h.data_ptr(), M=3, K=24, wp=packed.data_ptr(), yf=out.data_ptr(), N=37)
-    assert rel_err(out, (h.float() @ w.float().t()).to(torch.bfloat16).float()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_layouts(kl, dtype, gen):
+    """The matmul and row gather over every weight layout exist in every build (AVX512-BF16 ones have a faster
+    bf16 path): decode-sized and prefill-sized row counts against the reference, rows exactly."""
+    w = torch.randn(37, 64, generator=gen)
+    q4 = torch.randint(0, 16, (37, 64), generator=gen, dtype=torch.uint8)
+    s4, o4 = (torch.rand(37, 2, generator=gen) * 0.1).half().float(), torch.randint(0, 16, (37, 2)).float()
+    for pw in (cpu_linear.pack_bf16(w),
+               cpu_linear.pack_int8(torch.randint(-127, 128, (37, 64), generator=gen, dtype=torch.int8),
+                                    torch.rand(37, 2, generator=gen), 32),
+               cpu_linear.pack_int4(q4, s4, o4, 32, False), cpu_linear.pack_int4(q4, s4, o4, 32, True)):
+        assert torch.equal(cpu_linear.rows(pw, torch.arange(37), torch.float32, kl=kl), cpu_linear.unpack(pw))
+        for m in (1, 5, 40):
+            x = torch.randn(m, 64, generator=gen).to(dtype)
+            bias = torch.randn(37, generator=gen).to(dtype)
+            assert rel_err(cpu_linear.linear(pw, x, bias, kl=kl), cpu_linear.linear_ref(pw, x, bias)) < CTOL[dtype]
 
 
 def test_stubs_refuse(kl):
@@ -178,9 +189,7 @@ def test_stubs_refuse(kl):
     not supported: an exception, never a silent no-op."""
     if kl.has_decode_step:
         pytest.skip("this build has the bf16 kernels")
-    for name, kw in (("rg_pack_kpairs_bf16", dict(w=0, N=1, K=2, out=0)),
-                     ("rg_gemv_kpairs_bf16", dict(x=0, M=1, K=2, wp=0, yf=0, N=1)),
-                     ("rg_silu_and_mul_bf16", dict(gu=0, out=0, M=1, I=1)),
+    for name, kw in (("rg_silu_and_mul_bf16", dict(gu=0, out=0, M=1, I=1)),
                      ("rg_lora_delta_bf16", dict.fromkeys(kl.fn("rg_lora_delta_bf16").argnames, 0)),
                      *((name, dict.fromkeys(kl.fn(name).argnames, 0))
                        for name in ("rg_extend_attention_i8_bf16", "rg_extend_attention_f8_bf16"))):
@@ -188,7 +197,8 @@ def test_stubs_refuse(kl):
             kl.fn(name)(**kw)
     step = {a: 0 for a in kl.fn("rg_decode_step_bf16").argnames}
     with pytest.raises(cpu.CKernelError, match="not supported"):
-        kl.fn("rg_decode_step_bf16")(**{**step, "layers": None})
+        kl.fn("rg_decode_step_bf16")(**{**step, "layers": None, "lm_head": None, "embed": None})
     with pytest.raises(ValueError, match="AVX512-BF16"):
         cpu_fused.DecodeStepWeights(kl, [], torch.ones(8, dtype=torch.bfloat16), num_heads=1, num_kv_heads=1,
-                                    head_dim=8, intermediate=8, eps=1e-6)
+                                    head_dim=8, intermediate=8, eps=1e-6,
+                                    embed=cpu_linear.pack_rows(torch.ones(4, 8, dtype=torch.bfloat16)))

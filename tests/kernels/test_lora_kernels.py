@@ -109,9 +109,8 @@ def test_triton_wired_runner_with_adapters_matches_peft(triton, tmp_path):
     models = {n: make_adapter("llama", tmp_path / n, rank=r, seed=s) for n, r, s in (("a", 4, 1), ("b", 8, 2))}
     cfg = RuntimeConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512,
                         max_running_requests=4, enable_lora=True, max_loras=2, max_lora_rank=8)
-    runner = ModelRunner(cfg)
-    runner.set_ops(TritonOps())
-    assert runner.model.layers[0].self_attn.qkv_proj.method.name == "dense+lora"
+    runner = ModelRunner(cfg, ops=TritonOps())
+    assert runner.model.layers[0].self_attn.qkv_proj.method.name.endswith("+lora")
     for slot, name in enumerate(("b", "a")):
         runner.lora_pool.write(slot, runner.lora_pool.stage(load_lora_adapter(name, tmp_path / name)))
     prompts, uses, slot_of = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], ["a", None, "b"], [1, -1, 0]
@@ -123,13 +122,14 @@ def test_triton_wired_runner_with_adapters_matches_peft(triton, tmp_path):
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.cat([torch.arange(n) for n in lens])
     last = torch.tensor(lens).cumsum(0) - 1
-    got = [runner.forward(ForwardInput(ids, pos, torch.cat(slots), torch.tensor(rows), [0] * 3, lens, last, slot_of))]
+    got = [runner.forward(ForwardInput(ids, pos, torch.cat(slots), torch.tensor(rows), [0] * 3, lens, last,
+                                      lora_slots=slot_of))]
     s = kv.allocator.allocate(3)
     for i, row in enumerate(rows):
         kv.table.write(row, lens[i], s[i:i + 1])
     nxt = [50, 51, 52]
     got.append(runner.forward(ForwardInput(torch.tensor(nxt), torch.tensor(lens), s, torch.tensor(rows), lens,
-                                           [1] * 3, torch.arange(3), slot_of)))
+                                           [1] * 3, torch.arange(3), lora_slots=slot_of)))
     base = base_model("llama")
     for i, (p, use) in enumerate(zip(prompts, uses, strict=True)):
         with torch.no_grad():

@@ -9,9 +9,10 @@ import torch
 from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
-from radixgen.kernels import cpu, cpu_fused
+from radixgen.kernels import cpu, cpu_fused, cpu_linear
 from radixgen.runtime import cpu_decode
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 pytestmark = pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),
@@ -84,8 +85,9 @@ def test_fused_step_matches_unfused_path(arch, batch):
 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen3"])
 def test_prefill_logits_on_the_packed_lm_head(arch):
-    """A bf16 prefill's sampled rows go through the fused step's K-pair LM head: the logits of the oneDNN head
-    within bf16 rounding, and the kernel really ran; more rows than a decode batch keep the oneDNN head."""
+    """A bf16 prefill's sampled rows go through the fused step's LM head straight into float32 logits: those of the
+    head's own matmul within bf16 rounding, and the kernel really ran; more rows than a decode batch go through
+    the LM head layer."""
     folder = str(tiny_model_dir(arch))
     fused, plain = runner_for(folder), runner_for(folder)
     plain.fused_decode = None
@@ -199,32 +201,51 @@ def test_where_the_fused_step_does_not_apply():
 
 def test_decode_step_weights_check_their_tensors():
     bf = torch.bfloat16
-    layer = {"input_norm": torch.ones(8, dtype=bf), "qkv": torch.ones(16, 8, dtype=bf), "qkv_bias": None,
-             "o": torch.ones(8, 8, dtype=bf), "post_norm": torch.ones(8, dtype=bf),
-             "gate_up": torch.ones(12, 8, dtype=bf), "down": torch.ones(8, 6, dtype=bf),
+
+    def pw(n, k):
+        return cpu_linear.pack_bf16(torch.ones(n, k))
+
+    layer = {"input_norm": torch.ones(8, dtype=bf), "qkv": pw(16, 8), "qkv_bias": None, "o": pw(8, 8),
+             "post_norm": torch.ones(8, dtype=bf), "gate_up": pw(12, 8), "down": pw(8, 6),
              "k_buf": torch.zeros(4, 1, 4, dtype=bf), "v_buf": torch.zeros(4, 1, 4, dtype=bf)}
-    kw = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "intermediate": 6, "eps": 1e-6}
+    kw = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "intermediate": 6, "eps": 1e-6,
+          "embed": cpu_linear.pack_rows(torch.ones(40, 8, dtype=bf))}
     kl = cpu.lib()
     w = cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw)  # consistent: accepted
-    assert [p.numel() for p in w.packed] == [16 * 8, 16 * 8, 16 * 8, 16 * 6]  # rows padded to blocks of 16
+    assert w.layers[0].gate_up.N == 12 and w.layers[0].gate_up.data == layer["gate_up"].data.data_ptr()  # not copied
     with pytest.raises(ValueError, match="layer 0 qkv"):
-        cpu_fused.DecodeStepWeights(kl, [{**layer, "qkv": torch.ones(15, 8, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
+        cpu_fused.DecodeStepWeights(kl, [{**layer, "qkv": pw(15, 8)}], torch.ones(8, dtype=bf), **kw)
     with pytest.raises(ValueError, match="layer 0 down"):
-        cpu_fused.DecodeStepWeights(kl, [{**layer, "down": torch.ones(8, 6)}], torch.ones(8, dtype=bf), **kw)
-    with pytest.raises(ValueError, match="even"):
+        cpu_fused.DecodeStepWeights(kl, [{**layer, "down": torch.ones(8, 6, dtype=bf)}], torch.ones(8, dtype=bf), **kw)
+    with pytest.raises(ValueError, match="layer 0 input_norm"):
+        cpu_fused.DecodeStepWeights(kl, [{**layer, "input_norm": torch.ones(8)}], torch.ones(8, dtype=bf), **kw)
+    with pytest.raises(ValueError, match="layer 0 gate_up"):
         cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **{**kw, "intermediate": 5})
-    w = cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 8, dtype=bf))
-    assert w.vocab == 40 and w.lm_head.numel() == 48 * 8  # the LM head packed like the layers
+    w = cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=pw(40, 8))
+    assert w.vocab == 40
     with pytest.raises(ValueError, match="lm_head"):
-        cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=torch.ones(40, 6, dtype=bf))
+        cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=pw(40, 6))
+    with pytest.raises(ValueError, match="lm_head"):  # a rows table is no matmul weight
+        cpu_fused.DecodeStepWeights(kl, [layer], torch.ones(8, dtype=bf), **kw, lm_head=kw["embed"])
+
+
+def test_fused_step_reads_the_layers_own_weights():
+    """One copy of every weight: the fused step's descriptors point at the layers' packed layouts (the tied
+    embedding at the LM head's), and no layer keeps a dense weight besides."""
+    r = runner_for(str(tiny_model_dir("llama-tied")))
+    w, model = r.fused_decode.weights, r.model
+    layer = model.layers[1]
+    assert w.layers[1].qkv.data == layer.self_attn.qkv_proj.packed.data.data_ptr()
+    assert w.layers[1].down.data == layer.mlp.down_proj.packed.data.data_ptr()
+    assert w.lm_head is model.lm_head.packed and w.embed is model.lm_head.packed
+    assert model.embed_tokens.weight is None and model.lm_head.weight is None
+    assert all(m.weight is None for m in model.modules() if isinstance(m, LinearBase))
 
 
 def test_kpair_packing_layout():
     """The packed layout: block b, pair p, row j holds w[16 b + j, 2p : 2p + 2]; rows past N are zero."""
-    kl = cpu.lib()
     w = torch.arange(20 * 6, dtype=torch.float32).reshape(20, 6).to(torch.bfloat16)
-    out = torch.empty(32 * 6, dtype=torch.bfloat16)
-    kl.fn("rg_pack_kpairs_bf16")(w=w.data_ptr(), N=20, K=6, out=out.data_ptr())
+    out = cpu_linear.pack_bf16(w).data
     view = out.view(2, 3, 16, 2)  # (blocks, pairs, rows, 2)
     padded = torch.cat([w, torch.zeros(12, 6, dtype=torch.bfloat16)]).view(2, 16, 3, 2).transpose(1, 2)
     assert torch.equal(view, padded)
@@ -276,10 +297,10 @@ def test_decode_step_reports_failure_instead_of_writing():
     w = cpu_fused.DecodeStepWeights(fd.kl, [dict(ly) for ly in fd.weights.keep[0]], fd.weights.final_norm,
                                     num_heads=fd.weights.num_heads, num_kv_heads=fd.weights.num_kv_heads,
                                     head_dim=fd.weights.head_dim, intermediate=fd.weights.intermediate,
-                                    eps=fd.weights.eps)
+                                    eps=fd.weights.eps, embed=fd.weights.embed)
     one = torch.ones(1, dtype=torch.int64)
     k_before = r.kv_pool.k_buffers[0].clone()
     with pytest.raises(cpu.CKernelError, match="scratch buffer is too small"):
-        cpu_fused.decode_step(fd.kl, w, fd.embed, one, one * 300, fd.cos_sin_cache, one, r.req_to_slot, one * 0,
+        cpu_fused.decode_step(fd.kl, w, one, one * 300, fd.cos_sin_cache, one, r.req_to_slot, one * 0,
                               1, fd.scale)  # position 300, but the longest context given as 1
     assert torch.equal(r.kv_pool.k_buffers[0], k_before)

@@ -31,10 +31,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def make_runner(device: str, max_reqs: int, **kw) -> ModelRunner:
+def make_runner(device: str, max_reqs: int, ops=None, **kw) -> ModelRunner:
     cfg = RuntimeConfig(model=str(tiny_model_dir("llama")), dtype="float32", device=device, max_total_tokens=600,
                         max_running_requests=max_reqs, **kw)
-    return ModelRunner(cfg)
+    return ModelRunner(cfg, ops=ops)
 
 
 def use_triton_interpreter() -> None:
@@ -64,14 +64,14 @@ def build_pair(mode: str, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, Mo
         assert eager.cuda_graph_runner is None and graphed.cuda_graph_runner.capture_graphs
         assert graphed.cuda_graph_runner.buckets == [1, 2, 4, 8, 16, 24]
         return eager, graphed
-    eager, graphed = (make_runner("cpu", 8, kv_cache_dtype=kv_cache_dtype) for _ in range(2))
-    assert graphed.cuda_graph_runner is None  # never on the CPU: tests attach one in eager mode
+    ops = None
     if mode == "cpu-triton":
         use_triton_interpreter()
         from radixgen.runtime.layers.ops import TritonOps
 
-        eager.set_ops(TritonOps())
-        graphed.set_ops(TritonOps())
+        ops = TritonOps
+    eager, graphed = (make_runner("cpu", 8, ops and ops(), kv_cache_dtype=kv_cache_dtype) for _ in range(2))
+    assert graphed.cuda_graph_runner is None  # never on the CPU: tests attach one in eager mode
     graphed.cuda_graph_runner = CudaGraphRunner(graphed, capture=False)
     assert graphed.cuda_graph_runner.buckets == [1, 2, 4, 8]
     return eager, graphed

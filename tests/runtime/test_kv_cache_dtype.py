@@ -29,9 +29,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def runner(arch: str = "llama-hd64", kv: str = "auto", dtype: str = "bfloat16", **kw) -> ModelRunner:
+def runner(arch: str = "llama-hd64", kv: str = "auto", dtype: str = "bfloat16", ops=None, **kw) -> ModelRunner:
     return ModelRunner(RuntimeConfig(model=str(tiny_model_dir(arch)), dtype=dtype, max_total_tokens=1024,
-                                     max_running_requests=6, kv_cache_dtype=kv, **kw))
+                                     max_running_requests=6, kv_cache_dtype=kv, **kw), ops=ops)
 
 
 def drive(r: ModelRunner, prompts: list[list[int]], steps: int = 4, chunks: int = 1) -> torch.Tensor:
@@ -205,8 +205,7 @@ def test_triton_path_over_the_8bit_pool(kv):
     pytest.importorskip("triton")
     from radixgen.runtime.layers.ops import TritonOps
 
-    tr = runner("llama", kv, "float32")
-    tr.set_ops(TritonOps())
+    tr = runner("llama", kv, "float32", TritonOps())
     got = drive(tr, prompts((5, 12)), steps=2)
     want = drive(runner("llama", kv, "float32"), prompts((5, 12)), steps=2)
     assert rel(got, want) < 5e-3

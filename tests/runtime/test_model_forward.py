@@ -59,6 +59,15 @@ class Driver:
             start += e
         return out
 
+    def greedy(self, last: dict[str, torch.Tensor], seqs: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """One decode step feeding each request the argmax of its `last` logits row (appended to `seqs`); the
+        new last rows."""
+        nxt = {k: int(v.argmax()) for k, v in last.items()}
+        out = self.step({k: [t] for k, t in nxt.items()})
+        for k, t in nxt.items():
+            seqs[k].append(t)
+        return {k: v[-1] for k, v in out.items()}
+
 
 # "c": the CPU path with radixgen.kernels.cpu and oneDNN-packed weights (the default); "torch": plain torch ops
 PATHS = ["c", "torch"]
@@ -135,11 +144,7 @@ def test_decode_steps_of_requests_started_at_different_times(pair):
             seqs["a"].append(int(last["a"].argmax()))
             last = {k: v[-1] for k, v in out.items()}
             continue
-        nxt = {k: int(v.argmax()) for k, v in last.items()}
-        out = d.step({k: [t] for k, t in nxt.items()})
-        for k, t in nxt.items():
-            seqs[k].append(t)
-        last = {k: v[-1] for k, v in out.items()}
+        last = d.greedy(last, seqs)
         for k in last:
             assert rel_err(last[k], ref_logits(ref, seqs[k])[-1]) < TOL, (step, k)
 

@@ -11,8 +11,10 @@ import torch
 
 from radixgen.kernels import cpu
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
-from radixgen.runtime.layers.linear import DENSE, ONEDNN_PACKED, ColumnParallelLinear
+from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear
 from radixgen.runtime.layers.ops import CpuOps, OpsLayer, TorchOps, TritonOps, ops_for
+from radixgen.runtime.layers.quantization.base import CpuPackedLinear
+from radixgen.runtime.layers.quantization.unquantized import ONEDNN
 from radixgen.runtime.layers.rotary import RotaryEmbedding
 
 needs_c = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
@@ -27,25 +29,57 @@ def test_ops_chosen_per_device():
     assert type(ops_for("cuda")) is TritonOps and type(ops_for("cuda").attention) is TritonAttentionBackend
     assert type(ops_for("cpu", disable_cpu_kernels=True)) is TorchOps
     torch_ops = ops_for("cpu", disable_cpu_kernels=True)
-    assert type(torch_ops.attention) is TorchAttentionBackend and torch_ops.linear_method is DENSE
+    assert type(torch_ops.attention) is TorchAttentionBackend and torch_ops.kernels is None
     cpu_ops = ops_for("cpu")
-    assert type(cpu_ops) is CpuOps and cpu_ops.linear_method is ONEDNN_PACKED
-    assert cpu_ops.kl is cpu.lib()
+    assert type(cpu_ops) is CpuOps and cpu_ops.kl is cpu.lib() and cpu_ops.kernels is cpu.lib()
     if cpu_ops.kl is not None:
         assert type(cpu_ops.attention) is CpuAttentionBackend
 
 
-def test_install_sets_every_layer_and_linear_method():
-    model = torch.nn.Sequential(RotaryEmbedding(16, 32, 10000.0), ColumnParallelLinear(8, 4))
+def _linear(dtype: torch.dtype) -> torch.nn.Sequential:
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as the runner builds its model: layers take the model's dtype
+    try:
+        model = torch.nn.Sequential(RotaryEmbedding(16, 32, 10000.0), ColumnParallelLinear(8, 4))
+    finally:
+        torch.set_default_dtype(default)
     model[1].weight.normal_()
+    return model
+
+
+def test_prepare_and_install_set_every_layer_and_linear_method():
+    model = _linear(torch.float32)
+    w = model[1].weight.detach().clone()
     assert model[0].ops is OpsLayer.ops  # plain torch until installed
-    ops = CpuOps(None)
+    ops = CpuOps(None)  # no C kernels: float32 weights go to oneDNN
+    ops.prepare(model)
     ops.install(model)
-    assert model[0].ops is ops and model[1].method is ONEDNN_PACKED
+    assert model[0].ops is ops and model[1].method is ONEDNN
+    assert (model[1].weight is None) == (model[1].packed is not None)  # one copy: oneDNN's, where it applies
     x = torch.randn(3, 8)
-    assert torch.allclose(model[1](x), x @ model[1].weight.t(), atol=1e-5)
+    assert torch.allclose(model[1](x), x @ w.t(), atol=1e-5)
+    assert torch.equal(model[1].method.dequantize(model[1]), w)
+    model = _linear(torch.float32)
+    TorchOps().prepare(model)
     TorchOps().install(model)
-    assert model[1].method is DENSE and model[1].packed is None
+    assert model[1].method is DENSE and model[1].packed is None and model[1].weight is not None
+
+
+@needs_c
+def test_cpu_bf16_linears_hold_the_k_pair_layout_only():
+    if not cpu.lib().has_decode_step:
+        pytest.skip("the K-pair layout needs AVX512-BF16")
+    model = _linear(torch.bfloat16)
+    w = model[1].weight.detach().clone()
+    ops = CpuOps(cpu.lib())
+    ops.prepare(model)
+    ops.install(model)
+    layer = model[1]
+    assert isinstance(layer.method, CpuPackedLinear) and layer.weight is None
+    assert layer.packed.nbytes == 16 * 8 * 2  # 4 rows padded to a block of 16
+    assert torch.equal(layer.method.dequantize(layer), w.float())
+    x = torch.randn(3, 8).bfloat16()
+    assert rel(layer(x), (x.float() @ w.float().t()).bfloat16()) < 1e-2
 
 
 @needs_c

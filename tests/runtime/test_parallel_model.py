@@ -7,7 +7,9 @@ same weights and the same steps (parallel_helpers.drive: extends with and withou
 - over an 8-bit KV cache (each rank quantizes its KV heads' rows, as one process does): tp 2 within float32
   rounding of tp 1, pp 2 bit for bit;
 - bfloat16, the fused decode step per rank (its all-reduces inside the C call): tp 2's fused step gives the
-  same bits as tp 2's unfused path, and pipeline stages change no rounding at all (pp 2 == tp 1, bit for bit).
+  same bits as tp 2's unfused path, and pipeline stages change no rounding at all (pp 2 == tp 1, bit for bit);
+- quantized weights sharded in their own layouts (an AWQ int4 checkpoint): tp 2 within float32 rounding of one
+  process, and the bf16 fused step per rank over the int4 layouts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from parallel_helpers import run_group, run_single
+from quant_checkpoints import write_awq
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu
@@ -67,3 +70,16 @@ def test_fused_step_per_rank(arch):
     assert ((fused["logits"] - single["logits"]).norm() / single["logits"].norm()).item() < 2e-2
     staged = run_group(path, dtype="bfloat16", pp_size=2)
     assert staged["fused"] and torch.equal(staged["logits"], single["logits"])
+
+
+def test_tp2_over_int4_weights(tmp_path):
+    """Column-parallel layers take their packed output columns of qweight / qzeros / scales, row-parallel ones whole
+    groups of input rows: the same dequantized weights as one process, so the same logits within float32
+    rounding; in bf16 every rank's fused step reads its int4 shards."""
+    path = str(write_awq(tmp_path / "awq", group=32)[0])
+    want = run_single(path, dtype="float32", quantization="awq")["logits"]
+    assert rel_max(run_group(path, dtype="float32", tp_size=2)["logits"], want) < TOL
+    if cpu.available() and cpu.lib().has_decode_step:
+        fused, single = run_group(path, dtype="bfloat16", tp_size=2), run_single(path, dtype="bfloat16")
+        assert fused["fused"] and single["fused"]
+        assert ((fused["logits"] - single["logits"]).norm() / single["logits"].norm()).item() < 2e-2

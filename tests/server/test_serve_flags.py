@@ -56,7 +56,7 @@ def help_text() -> str:
 
 
 def test_help_lists_every_field(help_text):
-    listed = set(re.findall(r"--[a-z0-9-]+", help_text))
+    listed = set(re.findall(r"(?<![\w-])--?[a-z0-9][a-z0-9-]*", help_text))  # long flags and short ones (-q)
     for cls in (RuntimeConfig, ServerConfig):
         for f in dataclasses.fields(cls):
             names = f.metadata.get("flags") or (flag(f.name),)
@@ -122,13 +122,13 @@ def test_sglang_command_line():
         "--schedule-policy", "fcfs", "--disable-radix-cache", "--context-length", "4096",
         "--max-running-requests", "16", "--max-total-tokens", "20000", "--api-key", "sk-1",
         "--served-model-name", "m", "--device", "cuda", "--dtype", "bfloat16", "--log-level", "warning",
-        "--page-size", "4", "--cuda-graph-max-bs", "32", "--disable-cuda-graph",
+        "--page-size", "4", "--cuda-graph-max-bs", "32", "--disable-cuda-graph", "--quantization", "awq",
     )
     cfg = RuntimeConfig(**args.engine)
     assert (cfg.model, cfg.device, cfg.dtype, cfg.chunked_prefill_size) == ("/models/m", "cuda", "bfloat16", 256)
     assert (cfg.schedule_policy, cfg.disable_radix_cache, cfg.context_length) == ("fcfs", True, 4096)
     assert (cfg.max_running_requests, cfg.max_total_tokens, cfg.page_size) == (16, 20000, 4)
-    assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph) == (32, True)
+    assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph, cfg.quantization) == (32, True, "awq")
     s = args.server
     assert (s.host, s.port, s.served_model_name, s.log_level) == ("0.0.0.0", 8000, "m", "warning")
     assert args.api_keys == ("sk-1",)
@@ -160,6 +160,7 @@ def test_sglang_lora_command_line():
     (["--max-kv-memory-gb", "lots"], "argument --max-kv-memory-gb: invalid float value"),
     (["--schedule-policy", "random"], "argument --schedule-policy: invalid choice: 'random'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["--quantization", "int3"], "argument --quantization/-q: invalid choice: 'int3'"),
     (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
     (["--page-size", "0"], "page_size must be >= 1, got 0"),
     (["--max-total-tokens", "-5"], "max_total_tokens must be >= 0"),

@@ -9,14 +9,18 @@ vocabulary.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixgen.runtime import distributed
-from radixgen.runtime.layers.linear import DENSE, LinearMethod
+from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearBase, LinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
+    """A table of vocabulary rows; tied to an LM head (ParallelLMHead.tie) it has none of its own and reads the
+    rows through the head's layout, which holds the one copy of the shared weight."""
+
+    method: LinearMethod = DENSE  # how its own table is read: as loaded
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -24,6 +28,11 @@ class VocabParallelEmbedding(nn.Module):
                                                                      distributed.tp_rank())
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+
+    @property
+    def table(self) -> nn.Module:
+        """The module whose weight holds the rows: this one, or the LM head it is tied to."""
+        return self.__dict__.get("_tied_head") or self
 
     def weight_loader(self, param, loaded, shard_id=None):
         if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
@@ -33,32 +42,44 @@ class VocabParallelEmbedding(nn.Module):
         param.data[self.valid:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.table
         if self.shard == self.vocab_size:
-            return F.embedding(ids, self.weight)
+            return table.method.embed(table, ids)
         # ids [start, start + valid) are this rank's; the others read row 0 and are zeroed, then summed
         mine = (ids >= self.start) & (ids < self.start + self.valid)
-        out = F.embedding((ids - self.start) * mine, self.weight)
+        out = table.method.embed(table, (ids - self.start) * mine)
         return distributed.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> vocabulary logits; shares the embedding's weight when the model ties them."""
+class ParallelLMHead(ColumnParallelLinear):
+    """hidden -> this rank's vocabulary logits (T, rows), a linear layer over the vocabulary shard (so any linear
+    method applies; `gather` makes the vocabulary's logits); tied, it is also the embedding's table."""
 
-    packed: torch.Tensor | None = None
-    bias = None
-    method: LinearMethod = DENSE
+    tied = False
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        self.vocab_size = vocab_size
+        self.start, rows, self.valid = distributed.vocab_shard(vocab_size, distributed.tp_size(),
+                                                               distributed.tp_rank())
+        self.full_out, self.out_start = vocab_size, self.start
+        LinearBase.__init__(self, hidden, rows, bias=False)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
+        """Share the weight with `embedding`: the checkpoint's embedding loads into this head (the model's
+        load_weights renames it), and the embedding gives up its own table."""
+        embedding.weight = None
+        embedding.__dict__["_tied_head"] = self  # not a submodule: the model holds the head already
+        self.tied = True
 
-    def set_linear_method(self, method: LinearMethod) -> None:
-        """As LinearBase's: the (possibly tied) weight applied by `method`."""
-        self.method = method
-        method.process_weights(self)
+    def out_part(self, shard_id):
+        return 0, self.start, self.valid, self.vocab_size
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's logits (T, rows): `gather` makes the vocabulary's."""
-        return self.method.apply(self, hidden)
+    def weight_loader(self, param, loaded, shard_id=None):
+        """The rank's vocabulary rows; the padding rows past the vocabulary are zero."""
+        super().weight_loader(param, loaded, shard_id)
+        if param.output_dim is not None and self.valid < self.out_features:
+            pack = param.output_pack
+            param.data.narrow(param.output_dim, self.valid // pack, (self.out_features - self.valid) // pack).zero_()
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         """(T, rows) float32 of every rank -> (T, vocab) on the stage's first rank, None on the others."""

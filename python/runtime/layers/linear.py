@@ -2,11 +2,16 @@
 
 Column-parallel layers hold a range of the output features, row-parallel ones a range of the input features
 and sum their partial outputs over the tensor-parallel ranks (all-reduce) after the matmul. Each parameter
-carries a `weight_loader` that copies the rank's part of a checkpoint tensor: `loaded` is a torch tensor or a
-loader.CheckpointSlice, and only its `narrow` is called, so a sharded load reads only the rank's part.
+carries a `weight_loader` that copies the rank's part of a checkpoint tensor, and the dims it runs along
+(`new_param`), so that the same loaders take quantized tensors (packed along one dim, grouped along another):
+`loaded` is a torch tensor, a loader.CheckpointSlice or a GGUF tensor, and only its `shape` and `narrow` are
+called before the part is read, so a sharded load reads only the rank's part. How a layer keeps and applies its
+weight is its `LinearMethod` (the quantization package has one per format).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -35,16 +40,41 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class LinearMethod:
-    """How a linear layer keeps and applies its weight: one method per weight layout (quantized formats will be
-    more of them), chosen by the device's ops set and set on each layer once its weights are loaded."""
+    """How a linear layer keeps and applies its weight: one method per weight format and device (the quantization
+    package holds them), chosen by the device's ops set before the weights are loaded.
+
+    `create_weights` gives the layer the parameters its checkpoint's tensors load into (quantized checkpoints have
+    other names and shapes than the dense `weight` LinearBase makes), `process_weights` re-lays them out, after
+    loading, into the one layout `apply` reads, dropping what the checkpoint needed: a layer holds one copy of its
+    weight. `dequantize` is the dense weight the layer computes with (tests, and switching layouts), `embed` reads
+    rows of it (the embedding of a tied LM head), `nbytes` what the layout takes, `packed_weight` the C
+    descriptor the fused CPU decode step reads (None where the layout is not one of csrc/cpu_linear.h's)."""
 
     name = "?"
 
-    def process_weights(self, layer: nn.Module) -> None:
-        """After loading: derive what `apply` needs from layer.weight / layer.bias."""
+    def create_weights(self, layer: LinearBase) -> None:
+        """Before loading: the parameters the checkpoint fills (by default the dense weight the layer made)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def process_weights(self, layer: LinearBase) -> None:
+        """After loading: the layout `apply` reads, derived from the loaded parameters."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        """The dense (out, in) float32 weight this layer computes with."""
+        raise NotImplementedError
+
+    def embed(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in the layer's activation dtype (a tied LM head's embedding lookup)."""
+        return F.embedding(ids, self.dequantize(layer).to(layer.dtype))
+
+    def nbytes(self, layer: LinearBase) -> int:
+        return sum(t.numel() * t.element_size() for t in (*layer.parameters(recurse=False),
+                                                          *layer.buffers(recurse=False)))
+
+    def packed_weight(self, layer: LinearBase):
+        return None
 
 
 class DenseLinear(LinearMethod):
@@ -52,71 +82,136 @@ class DenseLinear(LinearMethod):
 
     name = "dense"
 
-    def process_weights(self, layer):
-        layer.packed = None
-
     def apply(self, layer, x):
         return F.linear(x, layer.weight, layer.bias)
 
+    def dequantize(self, layer):
+        return layer.weight.float()
 
-class OneDnnPackedLinear(LinearMethod):
-    """On the CPU, a oneDNN-packed copy of the weight for the matmul (see pack_weight); the dense weight stays
-    the parameter (the fused decode step repacks it, checkpoints and tests read it). Dense where packing does
-    not apply."""
-
-    name = "onednn-packed"
-
-    def process_weights(self, layer):
-        layer.packed = pack_weight(layer.weight)
-
-    def apply(self, layer, x):
-        if layer.packed is None:
-            return F.linear(x, layer.weight, layer.bias)
-        return packed_linear(x, layer.packed, layer.bias)
+    def embed(self, layer, ids):
+        return F.embedding(ids, layer.weight)
 
 
-DENSE, ONEDNN_PACKED = DenseLinear(), OneDnnPackedLinear()
+DENSE = DenseLinear()
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype | None, loader, output_dim: int | None,
+              input_dim: int | None, output_pack: int = 1, input_pack: int = 1) -> nn.Parameter:
+    """A checkpoint-filled parameter and where its loader finds the split dims: output_dim (column-parallel layers
+    take a range of it; merged layers place their parts along it), `output_pack` output features per element
+    (e.g. 8 for nibbles packed in an int32), and input_dim (row-parallel layers take a range of it), `input_pack`
+    input features per element (8 for GPTQ's packed rows, the group size for group scales and zeros); None: the
+    parameter does not run along that dim (every part, or every rank, loads it whole)."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader, p.output_dim, p.input_dim = loader, output_dim, input_dim
+    p.output_pack, p.input_pack = output_pack, input_pack
+    return p
 
 
 class LinearBase(nn.Module):
-    """weight (out, in) [+ bias], applied by `method` (dense until the ops set installs its method)."""
+    """weight (out, in) [+ bias], applied by `method` (dense until the ops set installs the device's method for the
+    model's quantization, which may replace the weight by other parameters before loading and re-lay it out after:
+    see LinearMethod). `packed` holds the method's layout where it is not a parameter.
+
+    Loading: the rank's part of a checkpoint tensor is its output features `out_part(shard_id)` and input features
+    `in_part` (the whole layer by default; the parallel layers below narrow them), cut from each parameter along
+    the dims new_param gave it (`checkpoint_part`)."""
 
     method: LinearMethod = DENSE
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        self.packed: torch.Tensor | None = None  # the oneDNN-packed method's copy of the weight
+        self.dtype = torch.get_default_dtype()  # the activations' dtype (the model's)
+        self.weight = new_param((out_features, in_features), None, self.weight_loader, 0, 1)
+        self.bias = new_param((out_features,), None, self.weight_loader, 0, None) if bias else None
+        self.packed = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        raise NotImplementedError
+    def out_part(self, shard_id) -> tuple[int, int, int, int]:
+        """Checkpoint part `shard_id` along the output features: (offset in this layer, first feature in the
+        checkpoint tensor, features, the checkpoint tensor's features)."""
+        return 0, 0, self.out_features, self.out_features
+
+    @property
+    def in_part(self) -> tuple[int, int, int]:
+        """This layer's input features in the checkpoint: (first, features, the checkpoint tensor's features)."""
+        return 0, self.in_features, self.in_features
+
+    def checkpoint_part(self, param: nn.Parameter, loaded, shard_id=None):
+        """The part of checkpoint tensor `loaded` (a torch tensor or anything with its `shape` and `narrow`: a
+        loader.CheckpointSlice, a GGUF tensor) that `param` holds, not read yet where `loaded` is lazy. A scale
+        stored as one value for the whole tensor (param.fill) is the same for every part."""
+        if getattr(param, "fill", False) and math.prod(loaded.shape) == 1:
+            return loaded
+        if param.output_dim is not None:
+            _, start, size, full = self.out_part(shard_id)
+            loaded = _features(loaded, param.output_dim, param.output_pack, full, start, size)
+        if param.input_dim is not None:
+            start, size, full = self.in_part
+            loaded = _features(loaded, param.input_dim, param.input_pack, full, start, size)
+        return loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """param <- this rank's part of `loaded`, at part `shard_id`'s place. A parameter with no output dim (GPTQ's
+        g_idx) is shared by a merged layer's parts: they must agree."""
+        part = _whole(self.checkpoint_part(param, loaded, shard_id))
+        fill = getattr(param, "fill", False)
+        if param.output_dim is None:
+            if getattr(param, "placed", False) and not torch.equal(param.data, part.to(param.dtype)):
+                raise ValueError("the merged projections' tensors of this name differ; they must be equal")
+            _copy(param.data, part, fill)
+            param.placed = True
+            return
+        offset, _, size, _ = self.out_part(shard_id)
+        pack = param.output_pack
+        _copy(param.data.narrow(param.output_dim, offset // pack, size // pack), part, fill)
 
     def set_linear_method(self, method: LinearMethod) -> None:
-        """After the weights are loaded (the method may derive its layout from them)."""
+        """Before the weights are loaded: the method makes the parameters the checkpoint fills."""
         self.method = method
-        method.process_weights(self)
+        method.create_weights(self)
+
+    def process_weights(self) -> None:
+        """After loading: the method's layout (which may replace the method: GGUF picks one per tensor type)."""
+        self.method.process_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
 
-def _narrow(loaded, dim: int, full: int, start: int, size: int) -> torch.Tensor:
+def _narrow(loaded, dim: int, full: int, start: int, size: int):
     """Rows (dim 0) or columns (dim 1) [start, start + size) of a checkpoint tensor whose dim must be `full`."""
     if len(loaded.shape) <= dim or loaded.shape[dim] != full:
         raise ValueError(f"weight shape mismatch: expected {full} along dim {dim}, got {tuple(loaded.shape)}")
     return loaded.narrow(dim, start, size)
 
 
-def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def _features(loaded, dim: int, pack: int, full: int, start: int, size: int):
+    """Features [start, start + size) of the `full` ones along dim `dim` of a checkpoint tensor holding `pack`
+    features per element (packed values, or a group's scale): the split must fall on those elements' bounds."""
+    if pack > 1 and (start % pack or size % pack):
+        raise ValueError(f"this rank's features [{start}, {start + size}) of {full} do not fall on the tensor's "
+                         f"elements of {pack} features (packed values or a group's scale): tensor parallelism "
+                         f"cannot split it there (tp_size={distributed.tp_size()})")
+    return _narrow(loaded, dim, full // pack, start // pack, size // pack)
+
+
+def _whole(loaded) -> torch.Tensor:
+    """A checkpoint tensor as a torch tensor (a loader.CheckpointSlice is read here)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor, fill: bool = False) -> None:
+    """param <- loaded of the same shape; with `fill` (a scale stored per tensor, or per row as (rows,) or
+    (rows, 1)), a single value fills param."""
+    if fill and loaded.numel() == 1:
+        param.fill_(loaded.reshape(()).item())
+        return
+    if fill and loaded.dim() == 2 and loaded.shape[1] == 1:
+        loaded = loaded.reshape(-1)
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.copy_(loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -127,8 +222,8 @@ class ColumnParallelLinear(LinearBase):
         self.out_start, size = split_range(out_features, distributed.tp_size(), distributed.tp_rank())
         super().__init__(in_features, size, bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        _copy(param, _narrow(loaded, 0, self.full_out, self.out_start, param.shape[0]))
+    def out_part(self, shard_id):
+        return 0, self.out_start, self.out_features, self.full_out
 
 
 class RowParallelLinear(LinearBase):
@@ -142,13 +237,17 @@ class RowParallelLinear(LinearBase):
         self.in_start, size = in_range or split_range(in_features, distributed.tp_size(), distributed.tp_rank())
         super().__init__(size, out_features, bias)
 
+    @property
+    def in_part(self):
+        return self.in_start, self.in_features, self.full_in
+
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 2:
-            _copy(param, _narrow(loaded, 1, self.full_in, self.in_start, param.shape[1]))
-        elif distributed.tp_rank() == 0:
-            _copy(param, _narrow(loaded, 0, param.shape[0], 0, param.shape[0]))
-        else:
+        if param is self.bias and distributed.tp_rank() != 0:
+            if tuple(loaded.shape) != tuple(param.shape):
+                raise ValueError(f"bias shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
             param.data.zero_()
+            return
+        super().weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return distributed.all_reduce(super().forward(x))
@@ -163,10 +262,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = [size for _, size in self.parts]
         LinearBase.__init__(self, in_features, sum(self.out_sizes), bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def out_part(self, shard_id):
         start, size = self.parts[shard_id]
-        _copy(param.data.narrow(0, sum(self.out_sizes[:shard_id]), size),
-              _narrow(loaded, 0, self.full_sizes[shard_id], start, size))
+        return sum(self.out_sizes[:shard_id]), start, size, self.full_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -181,10 +279,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         LinearBase.__init__(self, hidden, self.q_size + 2 * self.kv_size, bias)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def out_part(self, shard_id):
         d, heads = self.head_dim, self.heads
         # (offset in our rows, first row in the checkpoint tensor, rows)
         offset, src, size = {"q": (0, heads.q_start * d, self.q_size),
                              "k": (self.q_size, heads.kv_start * d, self.kv_size),
                              "v": (self.q_size + self.kv_size, heads.kv_start * d, self.kv_size)}[shard_id]
-        _copy(param.data.narrow(0, offset, size), _narrow(loaded, 0, self.full_rows[shard_id], src, size))
+        return offset, src, size, self.full_rows[shard_id]

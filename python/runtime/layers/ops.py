@@ -1,12 +1,13 @@
 """The device's ops: one set chosen once at start (`ops_for`), installed on the model's layers, which call
 `ops.rms_norm`, `ops.add_rms_norm`, `ops.rotary`, `ops.silu_and_mul`, `ops.lora_delta_` (LoRA layers);
 attention goes through `ops.attention` (the backend the runner puts in each step's ForwardContext) and linear
-layers through `ops.linear_method`.
+layers through the method the ops set picks for the model's quantization (`prepare`, before the weights are
+loaded: see layers/quantization).
 
 - `TorchOps`: plain torch, any device. The reference the others are tested against (disable_cpu_kernels
   selects it for a whole model), and what their ops fall back to for a shape or stride they do not cover.
 - `CpuOps`: radixgen.kernels.cpu's C kernels (where the build exists and the shape and strides fit), the CPU
-  attention backend, oneDNN-packed linear weights.
+  attention backend, C matmuls over packed weights (bf16 K pairs, int8, int4; oneDNN for float32).
 - `TritonOps`: radixgen.kernels' Triton kernels; on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 """
 
@@ -17,26 +18,37 @@ from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
-from radixgen.runtime.layers.embedding import ParallelLMHead
-from radixgen.runtime.layers.linear import DENSE, ONEDNN_PACKED, LinearBase, LinearMethod
+from radixgen.runtime.layers.linear import LinearBase
+from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
 
 
 class TorchOps:
     name = "torch"
+    kernels: cpu_kernels.CKernels | None = None  # the C kernels the linear methods use (CpuOps)
 
     def __init__(self) -> None:
         self.attention = TorchAttentionBackend()
-        self.linear_method: LinearMethod = DENSE
         self._rotary_lookup: tuple = (None, None, None, None)  # (positions, dtype, table, (cos, sin))
 
+    def prepare(self, model: nn.Module, spec: QuantSpec = NONE) -> None:
+        """Before `model`'s weights are loaded: give each linear layer this device's method for weight format
+        `spec`, which makes the parameters the checkpoint fills."""
+        for m in model.modules():
+            if isinstance(m, LinearBase):
+                m.set_linear_method(linear_method(self.name, spec, m, self.kernels))
+
     def install(self, model: nn.Module) -> None:
-        """Make this the ops of every layer of `model` (once, after its weights are loaded: linear methods may
-        re-lay-out the weights)."""
+        """Once `model`'s weights are loaded: the linear methods re-lay them out (one copy each), and this becomes
+        the ops of every layer."""
         for m in model.modules():
             if isinstance(m, OpsLayer):
                 m.ops = self
-            if isinstance(m, (LinearBase, ParallelLMHead)):
-                m.set_linear_method(self.linear_method)
+            if isinstance(m, LinearBase):
+                m.process_weights()
+
+    def linear_methods(self, model: nn.Module) -> list[str]:
+        """The names of the linear methods `model`'s layers use."""
+        return sorted({m.method.name for m in model.modules() if isinstance(m, LinearBase)})
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in float32, rounded once to x's dtype."""
@@ -96,16 +108,15 @@ def _heads_contiguous(t: torch.Tensor, head_dim: int) -> bool:
 
 
 class CpuOps(TorchOps):
-    """The C kernels of `kl` (None: no build, torch throughout) where they apply, else the torch op; oneDNN-packed
-    linear weights either way."""
+    """The C kernels of `kl` (None: no build, torch throughout) where they apply, else the torch op; linear layers
+    on the C matmuls' packed layouts where the build has them, oneDNN-packed float weights otherwise."""
 
     name = "cpu"
 
     def __init__(self, kl: cpu_kernels.CKernels | None) -> None:
         super().__init__()
-        self.kl = kl
+        self.kl = self.kernels = kl
         self.attention = CpuAttentionBackend(kl) if kl is not None else TorchAttentionBackend()
-        self.linear_method = ONEDNN_PACKED
 
     def _c_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the C RMSNorm takes x: (T, N) rows of unit stride, float32 or bfloat16, weight alike."""

@@ -26,6 +26,15 @@ class LoRALinearMethod(LinearMethod):
     def process_weights(self, layer: nn.Module) -> None:
         self.base.process_weights(layer)
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return self.base.dequantize(layer)
+
+    def nbytes(self, layer: nn.Module) -> int:
+        return self.base.nbytes(layer)
+
+    def packed_weight(self, layer: nn.Module):
+        return self.base.packed_weight(layer)  # the fused step adds the deltas itself (csrc/cpu_lora.h)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, x)
         ctx = get_forward_context()

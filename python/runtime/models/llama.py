@@ -115,8 +115,8 @@ class LlamaForCausalLM(nn.Module):
         # this pipeline stage's layers; the others are empty placeholders, so that names keep their indices
         self.start_layer, self.end_layer = distributed.layer_range(cfg.num_layers, par.pp_size, par.pp_rank)
         self.is_first_stage, self.is_last_stage = par.is_first_stage, par.is_last_stage
-        self.embed_tokens = None  # the first stage's (and the last's, for a tied LM head)
-        if self.is_first_stage or (self.is_last_stage and cfg.tie_word_embeddings):
+        self.embed_tokens = None  # the first stage's (a tied LM head on another stage holds its own copy)
+        if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # one rotary table shared by all layers
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-            if cfg.tie_word_embeddings:
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.tie(self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
@@ -170,11 +170,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+        tied = self.config.tie_word_embeddings
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
                 continue
-            name = name.removeprefix("model.")
-            if (name == "lm_head.weight" and self.config.tie_word_embeddings) or self.on_other_stage(name):
+            name = ckpt_name.removeprefix("model.")
+            if name == "lm_head.weight" and tied:
+                continue
+            if name == "embed_tokens.weight" and tied and self.lm_head is not None:
+                name = "lm_head.weight"  # the head holds the shared weight (ParallelLMHead.tie)
+            if self.on_other_stage(name):
                 continue  # never read
             shard = None
             for ckpt, (ours, shard_id) in self.stacked.items():
@@ -182,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
                     break
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
@@ -190,10 +195,11 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"shape mismatch for {name}: {tuple(param.shape)} vs {tuple(tensor.shape)}")
                 param.data.copy_(tensor.narrow(0, 0, tensor.shape[0]))  # a CheckpointSlice reads it here
             else:
-                loader(param, tensor, shard)
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} (into {name}): {e}") from e
             loaded.add(name)
-        missing = set(params) - loaded
-        if self.config.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+        missing = {n for n, p in params.items() if n not in loaded and not getattr(p, "optional", False)}
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")

@@ -249,6 +249,7 @@ class Scheduler:
             "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
             "cuda_graph": self.runner.cuda_graph_info(),
+            "memory": self.runner.memory_info(),
             "kv_cache": self.runner.kv_cache_info(),
             "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
             "speculative": self.spec.info() if self.spec is not None else None,

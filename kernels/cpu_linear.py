@@ -1,0 +1,202 @@
+"""CPU linear layers: a weight packed once into the layout its C matmul reads (csrc/cpu_linear.h), and the matmul
+and row gather over it.
+
+A `PackedWeight` is one (N, K) weight in one layout, a flat tensor plus the descriptor the C kernels take:
+`pack_rows` (a bf16 embedding table as it is), `pack_bf16` (K pairs), `pack_int8` (int8 values, a float32 scale
+per row and group), `pack_int4` (4-bit values, an fp16 scale and offset per row and group). `linear` computes
+y = x @ w^T (+ bias) for float32 or bf16 x, `rows` gathers dequantized rows (an embedding lookup). The torch
+references: `unpack` (the dense float32 weight, decoded from the layout in torch) and `linear_ref`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_contiguous, check_tensor, expect
+from ._cpu_bindings import CKernels, WeightDesc
+
+KIND_ROWS, KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2, 3  # csrc/cpu_linear.h's RG_W_*
+KIND_NAMES = {KIND_ROWS: "bf16 rows", KIND_BF16: "bf16", KIND_INT8: "int8", KIND_INT4: "int4"}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """One (n, k) weight in the layout of `kind` (see csrc/cpu_linear.h). `data` must stay alive and in place as
+    long as the descriptor is used (this object holds it)."""
+
+    kind: int
+    n: int
+    k: int
+    data: torch.Tensor
+    group: int = 0
+    zero_points: bool = False
+    desc: WeightDesc = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.desc = WeightDesc(self.kind, self.n, self.k, self.group, int(self.zero_points), self.data.data_ptr())
+
+    @property
+    def ref(self):
+        """The descriptor by reference, as the C functions take it."""
+        return ctypes.byref(self.desc)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def __repr__(self) -> str:
+        group = f", group {self.group}" if self.kind in (KIND_INT8, KIND_INT4) else ""
+        return f"PackedWeight({KIND_NAMES[self.kind]}, {self.n} x {self.k}{group}, {self.nbytes} bytes)"
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """t (N, ...) with its rows padded with zeros to a multiple of 16."""
+    pad = -t.shape[0] % 16
+    return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+
+
+def _check_groups(k: int, group: int, multiple: int, what: str) -> None:
+    expect(group > 0 and group % multiple == 0 and k % group == 0,
+           f"{what}: the group size must be a positive multiple of {multiple} dividing the input size {k}, "
+           f"got group {group}")
+
+
+def pack_rows(w: torch.Tensor) -> PackedWeight:
+    """A (N, K) bf16 table read by rows only (an untied embedding), in place."""
+    check_tensor("w", w, 2, (torch.bfloat16,))
+    check_contiguous("w", w)
+    return PackedWeight(KIND_ROWS, w.shape[0], w.shape[1], w)
+
+
+def pack_bf16(w: torch.Tensor) -> PackedWeight:
+    """(N, K) float weight -> bf16 K pairs: [N/16][K/2][16][2]."""
+    check_tensor("w", w, 2, (torch.float32, torch.bfloat16, torch.float16))
+    n, k = w.shape
+    expect(k % 2 == 0, f"the bf16 layout needs an even input size, got {k}")
+    blocks = _blocks(w.to(torch.bfloat16))
+    data = blocks.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(-1)
+    return PackedWeight(KIND_BF16, n, k, data)
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor, group: int) -> PackedWeight:
+    """q (N, K) int8 and scales (N, K / group) -> per block and group: 16 float32 scales, then the group's values
+    in K-pair order; w = scales * q."""
+    check_tensor("q", q, 2, (torch.int8,))
+    n, k = q.shape
+    _check_groups(k, group, 16, "int8")
+    ng = k // group
+    check_tensor("scales", scales, 2, (torch.float32, torch.float16, torch.bfloat16))
+    expect(tuple(scales.shape) == (n, ng), f"scales must be ({n}, {ng}), got {tuple(scales.shape)}")
+    values = _blocks(q).view(-1, 16, ng, group // 2, 2).permute(0, 2, 3, 1, 4)  # (block, group, pair, row, 2)
+    s = _blocks(scales.float()).view(-1, 16, ng).permute(0, 2, 1).contiguous()  # (block, group, row)
+    nb = values.shape[0]
+    data = torch.cat([s.view(torch.uint8).view(nb, ng, 64), values.reshape(nb, ng, 16 * group).view(torch.uint8)], 2)
+    return PackedWeight(KIND_INT8, n, k, data.contiguous().view(-1), group)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
+              zero_points: bool) -> PackedWeight:
+    """q (N, K) uint8 in 0..15, scales and offsets (N, K / group) (fp16 exactly: they are stored as fp16) ->
+    per block and group: 16 fp16 scales, 16 fp16 offsets, then per quad of columns 32 bytes (see the header).
+    w = scales * q + offsets, or with zero_points w = scales * (q - offsets)."""
+    check_tensor("q", q, 2, (torch.uint8,))
+    n, k = q.shape
+    _check_groups(k, group, 32, "int4")
+    ng = k // group
+    for name, t in (("scales", scales), ("offsets", offsets)):
+        check_tensor(name, t, 2, (torch.float32, torch.float16, torch.bfloat16))
+        expect(tuple(t.shape) == (n, ng), f"{name} must be ({n}, {ng}), got {tuple(t.shape)}")
+    expect(int(q.max()) <= 15 if q.numel() else True, "q holds 4-bit values: 0..15")
+    # column 4c + 2h + t of a group: quad c, byte 2j + t, nibble h (low for pair 2c, high for pair 2c+1)
+    v = _blocks(q).view(-1, 16, ng, group // 4, 2, 2).permute(0, 2, 3, 1, 5, 4)  # (block, group, quad, row, t, h)
+    nb = v.shape[0]
+    nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(nb, ng, 8 * group)
+    meta = [_blocks(t.to(torch.float16)).view(-1, 16, ng).permute(0, 2, 1).contiguous().view(torch.uint8)
+            for t in (scales, offsets)]  # (block, group, 32 bytes) each
+    data = torch.cat([*meta, nibbles], 2)
+    return PackedWeight(KIND_INT4, n, k, data.contiguous().view(-1), group, zero_points)
+
+
+def unpack(pw: PackedWeight) -> torch.Tensor:
+    """The dense (n, k) float32 weight of `pw`, decoded in torch: the reference of the C kernels' reading."""
+    n, k = pw.n, pw.k
+    if pw.kind == KIND_ROWS:
+        return pw.data.float()
+    if pw.kind == KIND_BF16:
+        return pw.data.view(-1, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, k)[:n].float()
+    g, ng = pw.group, k // pw.group
+    if pw.kind == KIND_INT8:
+        data = pw.data.view(-1, ng, 64 + 16 * g)
+        s = data[..., :64].contiguous().view(torch.float32)  # (block, group, row)
+        q = data[..., 64:].contiguous().view(torch.int8).view(-1, ng, g // 2, 16, 2).permute(0, 3, 1, 2, 4)
+        w = q.float() * s.transpose(1, 2)[..., None, None]
+        return w.reshape(-1, k)[:n]
+    data = pw.data.view(-1, ng, 64 + 8 * g)
+    s, o = (data[..., lo:lo + 32].contiguous().view(torch.float16).float() for lo in (0, 32))  # (block, group, row)
+    b = data[..., 64:].view(-1, ng, g // 4, 16, 2)  # (block, group, quad, row, t)
+    q = torch.stack([b & 15, b >> 4], -1).permute(0, 3, 1, 2, 5, 4).float()  # (block, row, group, quad, h, t)
+    s, o = (t.transpose(1, 2)[..., None, None, None] for t in (s, o))
+    w = s * (q - o) if pw.zero_points else s * q + o
+    return w.reshape(-1, k)[:n]
+
+
+def linear_ref(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
+               float_out: bool = False) -> torch.Tensor:
+    """The reference of `linear`: x @ unpack(pw)^T (+ bias) in float32, rounded to x's dtype (and widened back with
+    float_out)."""
+    y = F.linear(x.float(), unpack(pw), None if bias is None else bias.float()).to(x.dtype)
+    return y.float() if float_out else y
+
+
+def check_packed(pw: PackedWeight, matmul: bool) -> None:
+    expect(isinstance(pw, PackedWeight), f"expected a PackedWeight, got {type(pw).__name__}")
+    expect(not (matmul and pw.kind == KIND_ROWS), "a bf16 rows table is read by rows only, not multiplied")
+
+
+def linear(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None, *, float_out: bool = False,
+           kl: CKernels | None = None) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ w^T (+ bias (N,)), x float32 or bf16 on the CPU; computed in float32 and rounded to
+    x's dtype once, returned in that dtype or, with float_out, widened to float32 (logits)."""
+    from .cpu import _require
+
+    check_packed(pw, True)
+    check_tensor("x", x, 2, tuple(SUFFIX))
+    expect(x.shape[1] == pw.k, f"x must have {pw.k} columns, got shape {tuple(x.shape)}")
+    expect(x.device.type == "cpu", f"x must be a CPU tensor, got {x.device}")
+    if bias is not None:
+        check_tensor("bias", bias, 1, (x.dtype,))
+        expect(bias.shape[0] == pw.n, f"bias must have {pw.n} elements, got {bias.shape[0]}")
+    return _linear(_require(kl), pw, x.contiguous(), None if bias is None else bias.contiguous(), float_out)
+
+
+def _linear(kl: CKernels, pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None,
+            float_out: bool = False) -> torch.Tensor:
+    m = x.shape[0]
+    y = torch.empty((m, pw.n), dtype=torch.float32 if float_out else x.dtype)
+    kl.fn("linear", SUFFIX[x.dtype])(w=pw.ref, x=x.data_ptr(), M=m, bias=None if bias is None else bias.data_ptr(),
+                                     y=None if float_out else y.data_ptr(), yf=y.data_ptr() if float_out else None)
+    return y
+
+
+def rows(pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+         kl: CKernels | None = None) -> torch.Tensor:
+    """(len(ids), k) rows `ids` of the weight, dequantized to `dtype` (float32 or bf16): an embedding lookup."""
+    from .cpu import _require
+
+    check_packed(pw, False)
+    check_tensor("ids", ids, 1, (torch.int64,))
+    expect(dtype in SUFFIX, f"dtype must be float32 or bfloat16, got {dtype}")
+    ids = ids.contiguous()
+    expect(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < pw.n), f"ids must lie in [0, {pw.n})")
+    return _rows(_require(kl), pw, ids, dtype)
+
+
+def _rows(kl: CKernels, pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty((ids.shape[0], pw.k), dtype=dtype)
+    kl.fn("weight_rows", SUFFIX[dtype])(w=pw.ref, ids=ids.data_ptr(), n=ids.shape[0], out=out.data_ptr())
+    return out

@@ -1,0 +1,221 @@
+"""GGUF weights executed from their own blocks (quantization="gguf"): Q4_0 and Q4_1 as int4, Q8_0 and Q6_K as
+int8, the blocks' exact values and scales repacked into the C kernels' layouts at load. Other types are
+dequantized (with a log line) to the model's dtype; float tensors stay float; a type the gguf package cannot
+dequantize either is an error naming the tensor.
+
+Blocks (per row of K values, K / block_size blocks; fp16 scales):
+  Q4_0  32 values in 18 bytes: d, then 16 bytes: value j in the low nibble of byte j, value j + 16 in its high
+        nibble; w = d (q - 8)                       -> int4 with zero point 8, scale d, group 32
+  Q4_1  32 values in 20 bytes: d, m, the same nibbles; w = d q + m   -> int4, scale d, offset m, group 32
+  Q8_0  32 values in 34 bytes: d, 32 int8; w = d q                 -> int8, scale d, group 32
+  Q6_K  256 values in 210 bytes: ql (128 bytes, low 4 bits), qh (64 bytes, high 2 bits), 16 int8 sub-block
+        scales, d; value e has scale d * scales[e / 16] and 6-bit q with w = scale (q - 32): in each half h of
+        128 values, l < 32: value l takes ql[l] low nibble and qh[l] bits 0-1, value l + 32 ql[l + 32] low and
+        qh[l] bits 2-3, value l + 64 ql[l] high and bits 4-5, value l + 96 ql[l + 32] high and bits 6-7 (ql, qh
+        offset by 64 h and 32 h)                   -> int8 (q - 32), scale d * scales[e / 16], group 16
+A merged layer (qkv, gate|up) whose parts differ in kind is dequantized as a whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from radixgen.runtime.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, new_param
+from radixgen.runtime.layers.quantization import unquantized
+from radixgen.runtime.layers.quantization.base import CpuPackedLinear, Format, QuantizedWeight, TorchQuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+NATIVE = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")
+FLOAT = ("F32", "F16", "BF16")
+
+
+class GGUFError(ValueError):
+    """A GGUF tensor radixgen can neither execute nor dequantize."""
+
+
+@dataclass(eq=False)
+class GGUFTensor:
+    """One GGUF tensor as stored: `raw` (rows, bytes per row) uint8 for block types, or the float values (rows,
+    columns) for float types; rows are output features, `columns` input features."""
+
+    name: str
+    type_name: str
+    raw: torch.Tensor
+    columns: int
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.columns
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
+        """Output rows (dim 0) or input columns (dim 1, whole blocks) [start, start + length): a tensor-parallel
+        rank's part, as a checkpoint tensor's narrow."""
+        if dim == 0:
+            return GGUFTensor(self.name, self.type_name, self.raw.narrow(0, start, length), self.columns)
+        per_block, block_bytes = self.block()
+        if start % per_block or length % per_block:
+            raise ValueError(f"GGUF tensor {self.name!r} ({self.type_name}): input columns [{start}, {start + length})"
+                             f" do not fall on its blocks of {per_block} values, so tensor parallelism cannot split "
+                             f"it there")
+        return GGUFTensor(self.name, self.type_name,
+                          self.raw.narrow(1, start // per_block * block_bytes, length // per_block * block_bytes),
+                          length)
+
+    def block(self) -> tuple[int, int]:
+        """(values, elements of `raw`) per block along a row: (1, 1) for float types."""
+        if self.type_name in FLOAT:
+            return 1, 1
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+
+    def padded(self, rows: int) -> GGUFTensor:
+        """`rows` rows, the ones past its own zero (zero blocks dequantize to zero in every type: their scales
+        are 0): an LM head's padding past the vocabulary."""
+        pad = self.raw.new_zeros((rows - self.rows, self.raw.shape[1]))
+        return GGUFTensor(self.name, self.type_name, torch.cat([self.raw, pad]), self.columns)
+
+    def quantized(self) -> QuantizedWeight | None:
+        """The blocks' exact values and scales, or None for a type without a native kernel."""
+        decode = _DECODERS.get(self.type_name)
+        return None if decode is None else decode(self.raw, self.rows, self.columns)
+
+    def dense(self) -> torch.Tensor:
+        """The (rows, columns) float32 weight (the gguf package's dequantization for block types)."""
+        if self.type_name in FLOAT:
+            return self.raw.float()
+        import gguf
+
+        try:
+            data = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.type_name])
+        except (NotImplementedError, KeyError, ValueError) as e:
+            raise GGUFError(f"GGUF tensor {self.name!r} has type {self.type_name}, which radixgen can neither run "
+                            f"nor dequantize ({e})") from e
+        return torch.from_numpy(data.copy()).float().reshape(self.rows, self.columns)
+
+
+def _blocks(raw: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
+    return raw.reshape(n, -1, block_bytes)
+
+
+def _f16(b: torch.Tensor, lo: int) -> torch.Tensor:
+    """The fp16 at bytes [lo, lo + 2) of every block, as float32 (n, blocks)."""
+    return b[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _nibbles16(qs: torch.Tensor) -> torch.Tensor:
+    """(n, blocks, 16) bytes -> (n, blocks, 32) values: low nibbles first, then high nibbles."""
+    return torch.cat([qs & 15, qs >> 4], -1)
+
+
+def _q4_0(raw, n, k):
+    b = _blocks(raw, n, 18)
+    return QuantizedWeight(4, _nibbles16(b[..., 2:]).reshape(n, k), _f16(b, 0), 32,
+                           torch.full((n, k // 32), 8.0), zero_points=True)
+
+
+def _q4_1(raw, n, k):
+    b = _blocks(raw, n, 20)
+    return QuantizedWeight(4, _nibbles16(b[..., 4:]).reshape(n, k), _f16(b, 0), 32, _f16(b, 2))
+
+
+def _q8_0(raw, n, k):
+    b = _blocks(raw, n, 34)
+    return QuantizedWeight(8, b[..., 2:].contiguous().view(torch.int8).reshape(n, k), _f16(b, 0), 32)
+
+
+def _q6_k(raw, n, k):
+    b = _blocks(raw, n, 210)
+    ql, qh = b[..., :128], b[..., 128:192]
+    halves = []
+    for h in range(2):
+        lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        halves += [(lo[..., :32] & 15) | ((hi & 3) << 4), (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4),
+                   (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4), (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)]
+    q = (torch.cat(halves, -1).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
+    sub = b[..., 192:208].contiguous().view(torch.int8).float()  # (n, blocks, 16)
+    return QuantizedWeight(8, q, (_f16(b, 208)[..., None] * sub).reshape(n, k // 16), 16)
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q6_K": _q6_k}
+
+
+class Decoded(Format):
+    """A format whose values were decoded from GGUF blocks already."""
+
+    def __init__(self, qw: QuantizedWeight, name: str) -> None:
+        self.qw, self.name = qw, name
+
+    def quantized(self, layer):
+        return self.qw
+
+    def drop(self, layer):
+        self.qw = None  # the method holds its own layout now
+
+
+def _part_order(layer) -> list:
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(range(len(layer.out_sizes)))
+    return [None]
+
+
+class GGUFLinear(LinearMethod):
+    """Collects a layer's GGUF tensors (one per merged part) while loading, then hands the layer to the method of
+    what they hold: the C int4 / int8 kernels (TorchOps: the torch reference) for the native types, the float
+    method for the rest (dequantized)."""
+
+    name = "gguf"
+
+    def __init__(self, ops: str, kl) -> None:
+        self.ops, self.kl = ops, kl
+
+    def create_weights(self, layer):
+        parts: dict = {}
+
+        def collect(param, loaded, shard_id=None):
+            if not isinstance(loaded, GGUFTensor):
+                raise ValueError(f"expected a GGUF tensor, got {type(loaded).__name__}")
+            parts[shard_id] = layer.checkpoint_part(param, loaded, shard_id)  # this rank's rows and columns
+
+        layer.weight = new_param((0,), None, collect, 0, 1)  # what the loader addresses
+        layer.gguf_parts = parts
+
+    def process_weights(self, layer):
+        parts = [layer.gguf_parts[s] for s in _part_order(layer)]
+        del layer.gguf_parts
+        if len(parts) == 1 and parts[0].rows < layer.out_features:  # a vocabulary shard's padding rows
+            parts = [parts[0].padded(layer.out_features)]
+        names = ", ".join(f"{p.name} ({p.type_name})" for p in parts)
+        decoded = [p.quantized() for p in parts]
+        qw = None if any(d is None for d in decoded) else QuantizedWeight.cat(decoded)
+        if qw is not None and (qw.group % (16 if qw.bits == 8 else 32) or layer.in_features % qw.group):
+            qw = None
+        if qw is None:
+            if any(p.type_name not in FLOAT for p in parts):
+                logger.info("GGUF %s: no native kernel, dequantized to %s", names, layer.dtype)
+            dense = torch.cat([p.dense() for p in parts]).to(layer.dtype)
+            layer.weight = torch.nn.Parameter(dense, requires_grad=False)
+            final = unquantized.method(self.ops, layer, self.kl)
+        else:
+            layer.weight = None
+            fmt = Decoded(qw, f"gguf {'/'.join(sorted({p.type_name for p in parts}))}")
+            final = CpuPackedLinear(self.kl, fmt) if self.kl is not None else TorchQuantizedLinear(fmt)
+        layer.method = final
+        final.process_weights(layer)
+
+
+def method(ops: str, spec, layer, kl):
+    if ops == "triton":
+        raise ValueError("quantization=gguf runs on the CPU (its kernels are the C ones); on CUDA load the .gguf "
+                         "file with quantization auto (dequantized)")
+    return GGUFLinear(ops, kl if ops == "cpu" else None)

@@ -1,0 +1,88 @@
+"""The CPU linear layouts (radixgen.kernels.cpu_linear, csrc/cpu_linear.h) on this CPU's build: each layout packed
+from fresh random values decodes (in torch and in C) to exactly the weight those values stand for, and the C
+matmul matches its reference at every row count (the streaming path up to 16 rows, the blocked GEMM past it,
+each tail of both), with and without bias, bf16 and float32, output rows that fill no whole block. Every
+instruction-set build runs the same checks in test_cpu_kernel_variants.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixgen.kernels import cpu, cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def layouts(n: int, k: int, group: int, gen: torch.Generator) -> dict:
+    """name -> (PackedWeight, the dense float32 weight its values stand for)."""
+    w = torch.randn(n, k, generator=gen)
+    q8 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    s8 = torch.rand(n, k // 16, generator=gen) + 0.01
+    q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    s4 = (torch.rand(n, k // group, generator=gen) * 0.1).half().float()  # fp16 exactly: stored as fp16
+    m4 = (torch.randn(n, k // group, generator=gen) * 0.1).half().float()
+    z4 = torch.randint(0, 17, (n, k // group), generator=gen).float()  # 16: GPTQ v1's stored 15 + 1
+    s, m, z = (t.repeat_interleave(group, 1) for t in (s4, m4, z4))
+    return {
+        "bf16": (cpu_linear.pack_bf16(w), w.bfloat16().float()),
+        "int8": (cpu_linear.pack_int8(q8, s8, 16), q8.float() * s8.repeat_interleave(16, 1)),
+        "int4 offsets": (cpu_linear.pack_int4(q4, s4, m4, group, False), q4.float() * s + m),
+        "int4 zero points": (cpu_linear.pack_int4(q4, s4, z4, group, True), s * (q4.float() - z)),
+    }
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (100, 192, 64), (16, 128, 128)])
+def test_layouts_decode_to_their_values(n, k, group, gen):
+    for name, (pw, dense) in layouts(n, k, group, gen).items():
+        assert torch.equal(cpu_linear.unpack(pw), dense), name
+        ids = torch.randint(0, n, (9,), generator=gen)
+        assert torch.equal(cpu_linear.rows(pw, ids, torch.float32), dense[ids]), name
+        assert torch.equal(cpu_linear.rows(pw, ids, torch.bfloat16), dense[ids].bfloat16()), name
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16, 17, 24, 29, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_matches_reference(m, dtype, gen):
+    for name, (pw, _) in layouts(53, 128, 32, gen).items():
+        x = torch.randn(m, 128, generator=gen).to(dtype)
+        bias = torch.randn(53, generator=gen).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert rel(cpu_linear.linear(pw, x, bias), cpu_linear.linear_ref(pw, x, bias)) < tol, (name, m)
+        y = cpu_linear.linear(pw, x, float_out=True)
+        assert y.dtype == torch.float32 and rel(y, cpu_linear.linear_ref(pw, x, float_out=True)) < tol, (name, m)
+
+
+def test_bf16_rounding_of_the_outputs(gen):
+    """The results are rounded to bf16 once: float_out gives exactly the bf16 outputs widened."""
+    pw, _ = layouts(40, 64, 32, gen)["int4 offsets"]
+    for m in (3, 40):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        assert torch.equal(cpu_linear.linear(pw, x, float_out=True), cpu_linear.linear(pw, x).float())
+
+
+def test_packing_checks_its_input():
+    q4, s = torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear.pack_int4(q4, torch.ones(16, 4), torch.ones(16, 4), 16, False)
+    with pytest.raises(ValueError, match="scales must be"):
+        cpu_linear.pack_int4(q4, torch.ones(16, 3), s, 32, False)
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_linear.pack_int4(q4 + 16, s, s, 32, False)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_linear.pack_int8(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 5), 8)
+    with pytest.raises(ValueError, match="even"):
+        cpu_linear.pack_bf16(torch.ones(4, 5))
+    pw = cpu_linear.pack_bf16(torch.ones(4, 8))
+    with pytest.raises(ValueError, match="8 columns"):
+        cpu_linear.linear(pw, torch.ones(2, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        cpu_linear.linear(pw, torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rows only"):
+        cpu_linear.linear(cpu_linear.pack_rows(torch.ones(4, 8, dtype=torch.bfloat16)), torch.ones(2, 8))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\)"):
+        cpu_linear.rows(pw, torch.tensor([4]))

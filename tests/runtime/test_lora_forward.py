@@ -111,13 +111,14 @@ def test_mixed_batch_equals_each_request_alone(arch_adapters, path):
             assert rel(a[0], b[i]) < 1e-5, (i, adapter)
 
 
-def test_fused_decode_with_adapter_rows_equals_unfused(arch_adapters):
-    """bf16: the fused C step adds the LoRA deltas after each of its matmuls; its logits are the unfused
-    path's (the C segmented kernel), and it really ran, with the adapters' effect."""
+@pytest.mark.parametrize("quant", ["none", "int8"])  # int8: the deltas after matmuls over int8 weights
+def test_fused_decode_with_adapter_rows_equals_unfused(arch_adapters, quant):
+    """bf16: the fused C step adds the LoRA deltas after each of its matmuls, whatever the base weights' layout;
+    its logits are the unfused path's (the C segmented kernel), and it really ran, with the adapters' effect."""
     if not (cpu.available() and cpu.lib().has_decode_step):
         pytest.skip("the fused decode step needs the CPU kernels built with AVX512-BF16")
     arch, root, _ = arch_adapters
-    fused, plain = runner_for(arch, root, dtype="bfloat16"), runner_for(arch, root, dtype="bfloat16")
+    fused, plain = (runner_for(arch, root, dtype="bfloat16", quantization=quant) for _ in range(2))
     plain.fused_decode = None
     assert fused.fused_decode is not None and fused.fused_decode.lora is not None
     gen = torch.Generator().manual_seed(3)
@@ -136,7 +137,8 @@ def test_fused_decode_with_adapter_rows_equals_unfused(arch_adapters):
         want = torch.stack(steps(plain, prompts, uses, forced, logits_of_all=False)[1:])
         base = torch.stack(steps(plain, prompts, [None] * batch, forced, logits_of_all=False)[1:])
         assert len(calls) == 4
-        assert ((got - want).norm() / want.norm()).item() < 1e-2, batch
+        # over int8 the unfused GEMM rounds each dequantized tile to bf16, the fused step's gemv does not
+        assert ((got - want).norm() / want.norm()).item() < (1e-2 if quant == "none" else 2e-2), batch
         lora_rows = [i for i, u in enumerate(uses) if u is not None]
         if lora_rows:
             assert ((base[:, lora_rows] - want[:, lora_rows]).norm() / want[:, lora_rows].norm()).item() > 0.05

@@ -15,10 +15,7 @@ import dataclasses
 import torch
 
 from radixgen.runtime.batch import Batch, ForwardInput
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+from radixgen.runtime.layers.quantization import weight_bytes
 
 
 class DraftModelDrafter:

@@ -5,24 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import AbortRequest, FinishReason, GenerateRequest, ReqOutput
 from radixgen.runtime.sampling_params import SamplingParams
 from radixgen.runtime.scheduler import Scheduler
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return load_tokenizer(model_dir)
 
 
 def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:

@@ -9,10 +9,8 @@ import time
 
 import pytest
 import torch
-from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import FinishReason, GenerateRequest, ReqOutput
 from radixgen.runtime.sampling_params import SamplingParams
@@ -20,16 +18,6 @@ from radixgen.runtime.scheduler import Scheduler
 from radixgen.runtime.scheduler import output as output_mod
 from radixgen.runtime.scheduler.process import _make_grammar_backend
 from radixgen.runtime.special_tokens import eos_token_ids
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return load_tokenizer(model_dir)
 
 
 def make_scheduler(model_dir, tokenizer, grammar: bool = False, **kw) -> Scheduler:

@@ -18,7 +18,6 @@ from tiny_models import perturbed_model_dir, tiny_model_dir
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.grammar import make_backend
-from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.radix_cache import RadixCache
 from radixgen.runtime.request import FinishReason, GenerateRequest
@@ -27,16 +26,6 @@ from radixgen.runtime.scheduler import Scheduler
 from radixgen.runtime.speculative import adaptive
 from radixgen.runtime.speculative.adaptive import Acceptance, draft_lengths
 from radixgen.runtime.speculative.ngram import NgramIndex
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return load_tokenizer(model_dir)
 
 
 def spec_scheduler(model_dir, tokenizer, algo: str = "ngram", draft=None, **kw):

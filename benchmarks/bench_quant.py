@@ -108,6 +108,8 @@ from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.scheduler.process import _make_grammar_backend
 tok = load_tokenizer(None)
 grammar = _make_grammar_backend(RuntimeConfig(), tok, len(tok), (tok.eos_token_id,))
+from radixgen.runtime.model_runner import release_free_heap
+release_free_heap()  # as the scheduler process does once it has started
 print(psutil.Process().memory_info().rss)
 """
 

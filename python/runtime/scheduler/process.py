@@ -20,7 +20,7 @@ import torch
 
 from radixgen.runtime import distributed
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
-from radixgen.runtime.model_runner import ModelRunner
+from radixgen.runtime.model_runner import ModelRunner, release_free_heap
 from radixgen.runtime.ranks import RankArgs, rank_threads
 from radixgen.runtime.request import ControlKind, ControlReply, ControlRequest, FatalError, ReadySignal
 from radixgen.runtime.scheduler.core import Scheduler
@@ -75,6 +75,8 @@ def run_scheduler_process(args: RankArgs) -> int:
         sched = (PipelineScheduler if cfg.pp_size > 1 else Scheduler)(cfg, runner, tokenizer, grammar)
         if runner.group is not None:
             distributed.mark_started()
+        if runner.device.type == "cpu":
+            release_free_heap()  # what start-up freed goes back before serving
         send(ReadySignal(num_slots=sched.kv.capacity, context_length=runner.context_length,
                          vocab_size=runner.vocab_size, dtype=str(runner.dtype).removeprefix("torch."),
                          max_running_requests=cfg.max_running_requests, grammar=grammar is not None,

@@ -108,13 +108,15 @@ class FusedDecode:
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
         n = len(fi.extend_lens)
-        if ids.shape[0] != n:  # several rows of a request: each row reads its request's table row
+        row_adapters = fi.lora_slots  # each row's adapter slot (None: no row has one)
+        if ids.shape[0] != n:  # several rows of a request (a verification): each its request's table row, adapter
             rows = rows.repeat_interleave(torch.tensor(fi.extend_lens), output_size=ids.shape[0])
+            if row_adapters is not None:
+                row_adapters = [s for s, e in zip(row_adapters, fi.extend_lens, strict=True) for _ in range(e)]
         max_len = max(p + e for p, e in zip(fi.prefix_lens, fi.extend_lens, strict=True))
         model = self.model
-        if self.lora is not None:  # adapter slots per row: a verification has several rows per request
-            self.lora.set_rows(fi.lora_slots if fi.lora_slots is None or ids.shape[0] == n else
-                               [s for s, e in zip(fi.lora_slots, fi.extend_lens, strict=True) for _ in range(e)])
+        if self.lora is not None:
+            self.lora.set_rows(row_adapters)
         io = cpu_fused.StageIO(final=model.is_last_stage, hook=self.hook)
         if stage_input is not None:
             io = io._replace(hidden=stage_input.hidden, residual=stage_input.residual)

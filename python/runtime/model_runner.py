@@ -27,17 +27,21 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-def _mallopt(settings: dict[int, int]) -> bool:
-    """glibc malloc settings (mallopt parameter -> value), process-wide; False where the C library is not glibc."""
+def _glibc(name: str):
+    """The glibc malloc function `name`, or None where the C library is not glibc."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
-        return False
-    return all(bool(mallopt(param, value)) for param, value in settings.items())
+        return None
+
+
+def _mallopt(settings: dict[int, int]) -> bool:
+    """glibc malloc settings (mallopt parameter -> value), process-wide; False where the C library is not glibc."""
+    mallopt = _glibc("mallopt")
+    return mallopt is not None and all(bool(mallopt(param, value)) for param, value in settings.items())
 
 
 def map_large_blocks() -> bool:
@@ -55,12 +59,8 @@ def release_free_heap() -> bool:
     the weights, the tokenizer and the grammar backend freed (about 30 MB of the tokenizer's parse alone).
     keep_freed_host_memory's threshold stops only automatic trimming, so the blocks the steps reuse stay
     cached. False where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim(0)
     return True

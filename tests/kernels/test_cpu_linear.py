@@ -57,6 +57,24 @@ def test_linear_matches_reference(m, dtype, gen):
         assert y.dtype == torch.float32 and rel(y, cpu_linear.linear_ref(pw, x, float_out=True)) < tol, (name, m)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [144, 597])
+def test_linear_over_every_split_of_the_blocks(n, threads, gen):
+    """The streaming path's work split: each thread a run of blocks, in tiles of four and a shorter last one, each
+    tile prefetching the next. 144 outputs are 9 blocks (4 + 5 at two threads: a tile and a tile of one), 597 are
+    38 blocks with a part-filled last one, at one to three threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, (pw, _) in layouts(n, 96, 32, gen).items():
+            for m in (1, 3, 8):
+                x = torch.randn(m, 96, generator=gen).bfloat16()
+                bias = torch.randn(n, generator=gen).bfloat16()
+                assert rel(cpu_linear.linear(pw, x, bias), cpu_linear.linear_ref(pw, x, bias)) < 1e-2, (name, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bf16_rounding_of_the_outputs(gen):
     """The results are rounded to bf16 once: float_out gives exactly the bf16 outputs widened."""
     pw, _ = layouts(40, 64, 32, gen)["int4 offsets"]

@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) void gemv_tile_bf16(const rg_weight
 /* The same for int8 / int4 weights: per group, vdpbf16ps sums of the dequantized slices, then scaled into the
  * result; sx (M x K/group) holds each input row's group sums (int4 only). Prefetches: with `near`, GEMV_PREFETCH
  * bytes ahead in each block's stream; and the first `far` blocks of the tile four blocks on (the caller's next)
- * at the position read here, a tile ahead. */
+ * at the position read here, a tile ahead: each group's scales, then its slices' lines. */
 static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w, const uint16_t *x,
                                                              const float *sx, const uint16_t *bias, uint16_t *y,
                                                              float *yf, int64_t blk0, int64_t m0, const int MB,
@@ -256,6 +256,8 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
             for (int i = 0; i < MB; ++i) ag[b][i] = _mm512_setzero_ps();
         }
         const uint16_t *xg = x + m0 * K + g * G;
+        for (int b = 0; b < NB && b < far; ++b) /* the next tile's group scales: a line the slices' lines miss */
+            _mm_prefetch((const char *)(wb[b] + g * gb) + ahead, GEMV_HINT);
         if (INT4) {
             for (int64_t c = 0; c < G / 4; ++c) { /* a quad: pairs 2c and 2c+1 of the group */
                 __m512bh lo[4], hi[4];

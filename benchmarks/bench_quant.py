@@ -1,7 +1,7 @@
 """Quantized weights on the CPU: the bundled model in bf16 (its GGUF dequantized, the default), int8 (quantized
 at load from that bf16) and int4 (the GGUF's own Q4_1 blocks, quantization="gguf"), in one run: decode steps at
 batch 1 and 8 over 256-token contexts and a 1024-token prefill (the engines taking turns inside each measurement
-window, the machine's copy bandwidth measured right before and after it), the scheduler process's resident memory
+window, the machine's copy bandwidth taking its turns among them), the scheduler process's resident memory
 against the weights' bytes, and perplexity on a fixed text written for this benchmark (data/quant_text.txt).
 The int8 KV cache's row comes from benchmarks/bench_kv_cache.py (`kv_cache_row`: its decode, prefill, capacity
 and perplexity against the bf16 cache, also taking turns, in this run). Then issue 15's targets, each checked on
@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the Engine's scheduler process does (before torch loads)
 
 import torch
-from bench_forward import OurModel, measure_peaks
+from bench_forward import OurModel
 from bench_kv_cache import kv_cache_row
 
 from radixgen.runtime.kv_pool import KVPool
@@ -51,21 +51,29 @@ def matmul_bytes(runner) -> int:
     return sum(m.method.nbytes(m) for m in runner.model.modules() if isinstance(m, LinearBase))
 
 
+COPY_BYTES = 256 << 20  # the bandwidth reference: a copy of this many bytes, far beyond the caches
+
+
 def timed_windows(fns: dict, reps: int, n_windows: int) -> list[dict]:
-    """Per window: each engine's best time (the engines take turns, one run each, `reps` rounds) and the copy
-    bandwidth, the better of two measurements right before and after the window."""
-    for fn in fns.values():
+    """Per window: each engine's best time and the machine's copy bandwidth, all taking turns, one run each,
+    `reps` rounds: the bandwidth reference is the best of as many copies, taken between the same steps, so that
+    it sees what they see (measured apart, before and after a window, it read up to 70 GB/s beside steps that
+    streamed at 45 on this shared machine)."""
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    turns = {**fns, None: lambda: dst.copy_(src)}  # None: the copy
+    for fn in turns.values():
         fn()  # warm-up
     out = []
     for _ in range(n_windows):
-        before = measure_peaks(torch.bfloat16)[1]
-        best = {name: math.inf for name in fns}
+        best = dict.fromkeys(turns, math.inf)
         for _ in range(reps):
-            for name, fn in fns.items():
+            for name, fn in turns.items():
                 t0 = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
-        out.append({"t": best, "bw": max(before, measure_peaks(torch.bfloat16)[1])})
+        copy = best.pop(None)
+        out.append({"t": best, "bw": 2 * COPY_BYTES / copy})
     return out
 
 

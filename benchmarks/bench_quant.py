@@ -1,11 +1,11 @@
 """Quantized weights on the CPU: the bundled model in bf16 (its GGUF dequantized, the default), int8 (quantized
 at load from that bf16) and int4 (the GGUF's own Q4_1 blocks, quantization="gguf"), in one run: decode steps at
 batch 1 and 8 over 256-token contexts and a 1024-token prefill (the engines taking turns inside each measurement
-window, the machine's copy bandwidth taking its turns among them), the scheduler process's resident memory
-against the weights' bytes, and perplexity on a fixed text written for this benchmark (data/quant_text.txt).
-The int8 KV cache's row comes from benchmarks/bench_kv_cache.py (`kv_cache_row`: its decode, prefill, capacity
-and perplexity against the bf16 cache, also taking turns, in this run). Then issue 15's targets, each checked on
-figures of this run.
+window, and with them the machine's memory bandwidth, from a copy and a sum), the scheduler process's resident
+memory against the weights' bytes, and perplexity on a fixed text written for this benchmark
+(data/quant_text.txt). The int8 KV cache's row comes from benchmarks/bench_kv_cache.py (`kv_cache_row`: its
+decode, prefill, capacity and perplexity against the bf16 cache, also taking turns, in this run). Then issue 15's
+targets, each checked on figures of this run.
 
     python benchmarks/bench_quant.py [--quick] [--reps N] [--windows N]
 """
@@ -51,17 +51,19 @@ def matmul_bytes(runner) -> int:
     return sum(m.method.nbytes(m) for m in runner.model.modules() if isinstance(m, LinearBase))
 
 
-COPY_BYTES = 256 << 20  # the bandwidth reference: a copy of this many bytes, far beyond the caches
+STREAM_BYTES = 256 << 20  # the bandwidth references stream this many bytes, far beyond the caches
 
 
 def timed_windows(fns: dict, reps: int, n_windows: int) -> list[dict]:
-    """Per window: each engine's best time and the machine's copy bandwidth, all taking turns, one run each,
-    `reps` rounds: the bandwidth reference is the best of as many copies, taken between the same steps, so that
-    it sees what they see (measured apart, before and after a window, it read up to 70 GB/s beside steps that
-    streamed at 45 on this shared machine)."""
-    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
+    """Per window: each engine's best time and the machine's memory bandwidth, all taking turns, one run each,
+    `reps` rounds. The bandwidth is the better of a copy (its bytes read and written) and a sum (bytes read, as
+    the weights are), each the best of as many runs, taken between the same steps so that it sees what they see:
+    measured apart, before and after a window, a copy read up to 70 GB/s on this shared machine beside steps that
+    streamed at 45."""
+    src = torch.ones(STREAM_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    turns = {**fns, None: lambda: dst.copy_(src)}  # None: the copy
+    refs = {("copy", 2 * STREAM_BYTES): lambda: dst.copy_(src), ("sum", STREAM_BYTES): src.sum}
+    turns = {**fns, **refs}
     for fn in turns.values():
         fn()  # warm-up
     out = []
@@ -72,8 +74,8 @@ def timed_windows(fns: dict, reps: int, n_windows: int) -> list[dict]:
                 t0 = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
-        copy = best.pop(None)
-        out.append({"t": best, "bw": 2 * COPY_BYTES / copy})
+        rates = {what: nbytes / best.pop((what, nbytes)) for what, nbytes in refs}
+        out.append({"t": best, "bw": max(rates.values()), "rates": rates})
     return out
 
 
@@ -172,17 +174,17 @@ def main() -> None:
                           n_windows)
         rows[f"decode b={b}"] = (b, w, {n: matmul_bytes(e.runner) + kv_per_token * b * CTX for n, e in engines.items()})
 
-    print(f"\n{'case':13} {'engine':7} {'tok/s':>9} {'vs bf16':>8} {'GB moved':>9} {'of roofline':>12}  (copy GB/s)")
+    print(f"\n{'case':13} {'engine':7} {'tok/s':>9} {'vs bf16':>8} {'GB moved':>9} {'of roofline':>12} (copy/sum GB/s)")
     figures = {}
     for case, (tokens, windows, nbytes) in rows.items():
         for name in engines:
             best = tokens / min(win["t"][name] for win in windows)
             figures[(case, name)] = best
             line = f"{case:13} {name:7} {best:9.1f} {best / figures[(case, 'bf16')]:7.2f}x"
-            if nbytes is not None:  # decode: bandwidth-bound; each window's time against its own copy bandwidth
+            if nbytes is not None:  # decode: bandwidth-bound; each window's time against its own bandwidth
                 fracs = sorted(nbytes[name] / win["t"][name] / win["bw"] for win in windows)
                 figures[(case, name, "roof")] = statistics.median(fracs)
-                bws = ", ".join(f"{win['bw'] / 1e9:.1f}" for win in windows)
+                bws = ", ".join("/".join(f"{r / 1e9:.1f}" for r in win["rates"].values()) for win in windows)
                 line += f" {nbytes[name] / 1e9:9.3f} {statistics.median(fracs):11.1%}  ({bws})"
             print(line)
 

@@ -28,6 +28,25 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 MODES = {"awq": 0, "gptq": 1, "int8": 2, "fp8": 3}
 
 
+def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (R, 8 C) uint8, nibble i (bits 4i .. 4i + 3) of column c becoming column 8c + i."""
+    return ((packed[..., None] >> _SHIFTS.to(packed.device)) & 15).reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (8 R, C) uint8, nibble i of row r becoming row 8r + i (GPTQ's qweight)."""
+    nibbles = (packed[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 15  # (R, 8, C)
+    return nibbles.reshape(-1, packed.shape[1]).to(torch.uint8)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (R, 8 C) uint8 in output-column order: nibble i of column c is column 8c + AWQ_ORDER[i]."""
+    nibbles = unpack_cols(packed).view(packed.shape[0], -1, 8)
+    out = torch.empty_like(nibbles)
+    out[..., list(AWQ_ORDER)] = nibbles
+    return out.view(packed.shape[0], -1)
+
+
 def _check_x(x: torch.Tensor, k: int, bias: torch.Tensor | None, n: int) -> None:
     check_tensor("x", x, 2, FLOAT_DTYPES)
     expect(x.shape[1] == k and x.stride(1) == 1, f"x must be (M, {k}) with unit stride along K, got {tuple(x.shape)}")
@@ -57,13 +76,7 @@ def awq_matmul(x, qweight, qzeros, scales, group: int, bias=None) -> torch.Tenso
 
 
 def awq_matmul_ref(x, qweight, qzeros, scales, group: int, bias=None) -> torch.Tensor:
-    def unpack(p):  # (R, C) int32 -> (R, 8C), output-column order
-        nib = (p[..., None] >> _SHIFTS.to(p.device)) & 15
-        out = torch.empty_like(nib)
-        out[..., list(AWQ_ORDER)] = nib
-        return out.reshape(p.shape[0], -1)
-
-    q, z = unpack(qweight).float(), unpack(qzeros).float().repeat_interleave(group, 0)
+    q, z = unpack_awq(qweight).float(), unpack_awq(qzeros).float().repeat_interleave(group, 0)
     w = (q - z) * scales.float().repeat_interleave(group, 0)  # (K, N)
     return F.linear(x.float(), w.t(), None if bias is None else bias.float()).to(x.dtype)
 
@@ -82,9 +95,8 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, zero_offset: int, bias=None) 
 
 
 def gptq_matmul_ref(x, qweight, qzeros, scales, g_idx, zero_offset: int, bias=None) -> torch.Tensor:
-    s = _SHIFTS.to(qweight.device)
-    q = ((qweight[:, None, :] >> s[None, :, None]) & 15).reshape(-1, qweight.shape[1]).float()  # (K, N)
-    z = ((qzeros[..., None] >> s) & 15).reshape(qzeros.shape[0], -1).float() + zero_offset  # (G, N)
+    q = unpack_rows(qweight).float()  # (K, N)
+    z = unpack_cols(qzeros).float() + zero_offset  # (G, N)
     g = g_idx.long()
     w = (q - z[g]) * scales.float()[g]
     return F.linear(x.float(), w.t(), None if bias is None else bias.float()).to(x.dtype)

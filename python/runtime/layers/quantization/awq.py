@@ -3,14 +3,16 @@ columns, w = scale * (q - zero).
 
 Tensors per linear layer: qweight (in, out / 8) int32 and qzeros (in / group, out / 8) int32, eight 4-bit values
 per int32 along the output dim, nibble i (bits 4i .. 4i + 3) holding output column 8c + AWQ_ORDER[i] of packed
-column c; scales (in / group, out) fp16. config.json's quantization_config: quant_method "awq", bits 4,
-group_size, zero_point true, version "gemm". The LM head stays unquantized. On the CPU the values are repacked
-into the int4 layout of the C kernels; on CUDA the Triton kernel reads these tensors as they are."""
+column c (radixgen.kernels.quant_matmul: AWQ_ORDER, unpack_awq); scales (in / group, out) fp16. config.json's
+quantization_config: quant_method "awq", bits 4, group_size, zero_point true, version "gemm". The LM head stays
+unquantized. On the CPU the values are repacked into the int4 layout of the C kernels; on CUDA the Triton kernel
+reads these tensors as they are."""
 
 from __future__ import annotations
 
 import torch
 
+from radixgen.kernels.quant_matmul import unpack_awq
 from radixgen.runtime.layers.linear import new_param
 from radixgen.runtime.layers.quantization.base import (
     CheckpointLinear,
@@ -20,17 +22,6 @@ from radixgen.runtime.layers.quantization.base import (
     TorchQuantizedLinear,
     split_note,
 )
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
-
-def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (R, 8 C) uint8: the eight nibbles of each int32 in output-column order."""
-    nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 15  # (R, C, 8): nibble i
-    out = torch.empty_like(nibbles)
-    out[..., list(AWQ_ORDER)] = nibbles  # column 8c + AWQ_ORDER[i] <- nibble i
-    return out.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
 class AWQFormat(Format):

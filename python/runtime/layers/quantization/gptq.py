@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from radixgen.kernels.quant_matmul import unpack_cols, unpack_rows
 from radixgen.runtime import distributed
 from radixgen.runtime.layers.linear import new_param
 from radixgen.runtime.layers.quantization.base import (
@@ -24,19 +25,6 @@ from radixgen.runtime.layers.quantization.base import (
     TorchQuantizedLinear,
     split_note,
 )
-
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
-
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (8 R, C) uint8, nibble i of row r becoming row 8r + i."""
-    nibbles = (packed[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 15  # (R, 8, C)
-    return nibbles.reshape(-1, packed.shape[1]).to(torch.uint8)
-
-
-def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (R, 8 C) uint8, nibble i of column c becoming column 8c + i."""
-    return ((packed[..., None] >> _SHIFTS.to(packed.device)) & 15).reshape(packed.shape[0], -1).to(torch.uint8)
 
 
 class GPTQFormat(Format):

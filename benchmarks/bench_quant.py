@@ -56,10 +56,10 @@ STREAM_BYTES = 256 << 20  # the bandwidth references stream this many bytes, far
 
 def timed_windows(fns: dict, reps: int, n_windows: int) -> list[dict]:
     """Per window: each engine's best time and the machine's memory bandwidth, all taking turns, one run each,
-    `reps` rounds. The bandwidth is the better of a copy (its bytes read and written) and a sum (bytes read, as
-    the weights are), each the best of as many runs, taken between the same steps so that it sees what they see:
-    measured apart, before and after a window, a copy read up to 70 GB/s on this shared machine beside steps that
-    streamed at 45."""
+    `reps` rounds: {"t": engine -> seconds, "rates": {"copy": bytes/s, "sum": bytes/s}}. The bandwidth is the
+    better of a copy (its bytes read and written) and a sum (bytes read, as the weights are), each the best of as
+    many runs, taken between the same steps so that it sees what they see: measured apart, before and after a
+    window, a copy read up to 70 GB/s on this shared machine beside steps that streamed at 45."""
     src = torch.ones(STREAM_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     refs = {("copy", 2 * STREAM_BYTES): lambda: dst.copy_(src), ("sum", STREAM_BYTES): src.sum}
@@ -74,8 +74,8 @@ def timed_windows(fns: dict, reps: int, n_windows: int) -> list[dict]:
                 t0 = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
-        rates = {what: nbytes / best.pop((what, nbytes)) for what, nbytes in refs}
-        out.append({"t": best, "bw": max(rates.values()), "rates": rates})
+        rates = {what: nbytes / best.pop((what, nbytes)) for what, nbytes in refs}  # best: the engines' alone now
+        out.append({"t": best, "rates": rates})
     return out
 
 
@@ -182,7 +182,7 @@ def main() -> None:
             figures[(case, name)] = best
             line = f"{case:13} {name:7} {best:9.1f} {best / figures[(case, 'bf16')]:7.2f}x"
             if nbytes is not None:  # decode: bandwidth-bound; each window's time against its own bandwidth
-                fracs = sorted(nbytes[name] / win["t"][name] / win["bw"] for win in windows)
+                fracs = sorted(nbytes[name] / win["t"][name] / max(win["rates"].values()) for win in windows)
                 figures[(case, name, "roof")] = statistics.median(fracs)
                 bws = ", ".join("/".join(f"{r / 1e9:.1f}" for r in win["rates"].values()) for win in windows)
                 line += f" {nbytes[name] / 1e9:9.3f} {statistics.median(fracs):11.1%}  ({bws})"

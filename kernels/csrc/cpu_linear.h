@@ -202,14 +202,14 @@ static inline void int4_slices(const uint8_t *p, __m512bh *lo, __m512bh *hi) {
     *hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), bias);
 }
 
-/* Rows [m0, m0+MB) x blocks [blk0, blk0+NB) of y = x @ w^T (+ bias) for bf16 K-pair weights. Blocks past the last
- * are computed on a clamped copy and not stored. */
+/* Rows [m0, m0+MB) x blocks [blk0, blk0+NB) of y = x @ w^T (+ bias) for bf16 K-pair weights (blocks that exist:
+ * linear_team_bf16 never hands out more). */
 static inline __attribute__((always_inline)) void gemv_tile_bf16(const rg_weight *w, const uint16_t *x,
                                                                 const uint16_t *bias, uint16_t *y, float *yf,
                                                                 int64_t blk0, int64_t m0, const int MB, const int NB) {
-    const int64_t K = w->K, N = w->N, pairs = K / 2, blocks = (N + 15) / 16;
+    const int64_t K = w->K, N = w->N, pairs = K / 2;
     const uint16_t *wb[4];
-    for (int b = 0; b < NB; ++b) wb[b] = (const uint16_t *)w->data + (blk0 + b < blocks ? blk0 + b : blocks - 1) * pairs * 32;
+    for (int b = 0; b < NB; ++b) wb[b] = (const uint16_t *)w->data + (blk0 + b) * pairs * 32;
     __m512 acc[4][8];
     for (int b = 0; b < NB; ++b)
         for (int i = 0; i < MB; ++i) acc[b][i] = _mm512_setzero_ps();
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void gemv_tile_bf16(const rg_weight
             for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], xb, wv[b]);
         }
     }
-    for (int b = 0; b < NB && blk0 + b < blocks; ++b)
+    for (int b = 0; b < NB; ++b)
         for (int i = 0; i < MB; ++i)
             store16(acc[b][i], bias, y, yf, (m0 + i) * N + (blk0 + b) * 16, (blk0 + b) * 16, N - (blk0 + b) * 16);
 }
@@ -237,10 +237,9 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
                                                              const float *sx, const uint16_t *bias, uint16_t *y,
                                                              float *yf, int64_t blk0, int64_t m0, const int MB,
                                                              const int NB, const int INT4, int near, int far) {
-    const int64_t K = w->K, N = w->N, G = w->group, ng = K / G, gb = rg_w_group_bytes(w), blocks = (N + 15) / 16;
+    const int64_t K = w->K, N = w->N, G = w->group, ng = K / G, gb = rg_w_group_bytes(w);
     const uint8_t *wb[4];
-    for (int b = 0; b < NB; ++b)
-        wb[b] = (const uint8_t *)w->data + (blk0 + b < blocks ? blk0 + b : blocks - 1) * ng * gb;
+    for (int b = 0; b < NB; ++b) wb[b] = (const uint8_t *)w->data + (blk0 + b) * ng * gb;
     const int64_t ahead = 4 * ng * gb; /* the same position four blocks on */
 #define Q_PREFETCH(q, b) do { if ((b) < far) _mm_prefetch((const char *)(q) + ahead, GEMV_HINT); \
                               if (near) _mm_prefetch((const char *)(q) + GEMV_PREFETCH, GEMV_HINT); } while (0)
@@ -310,7 +309,7 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
             }
         }
     }
-    for (int b = 0; b < NB && blk0 + b < blocks; ++b)
+    for (int b = 0; b < NB; ++b)
         for (int i = 0; i < MB; ++i)
             store16(acc[b][i], bias, y, yf, (m0 + i) * N + (blk0 + b) * 16, (blk0 + b) * 16, N - (blk0 + b) * 16);
 #undef Q_PREFETCH

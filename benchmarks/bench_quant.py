@@ -160,7 +160,8 @@ def main() -> None:
                for name, cfg in cases.items()}
     for name, e in engines.items():
         print(f"  {name}: linear layers {', '.join(e.runner.ops.linear_methods(e.runner.model))}; "
-              f"weights {quantization.weight_bytes(e.runner.model) / 1e6:.1f} MB")
+              f"weights {quantization.weight_bytes(e.runner.model) / 1e6:.1f} MB; decode steps "
+              f"{'fused (one C call)' if e.runner.fused_decode is not None else 'layer by layer (no fused step here)'}")
     mc = next(iter(engines.values())).runner.model_config
     kv_per_token = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16)
 

@@ -169,7 +169,9 @@ def test_bf16_kernels(kl, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_layouts(kl, dtype, gen):
     """The matmul and row gather over every weight layout exist in every build (AVX512-BF16 ones have a faster
-    bf16 path): decode-sized and prefill-sized row counts against the reference, rows exactly."""
+    bf16 path, AVX2 ones stream int8 / int4 weights for up to 16 rows): decode-sized row counts through each of
+    the streaming path's row tiles (4, 2, 1 and their tails) and prefill-sized ones against the reference, rows
+    exactly."""
     w = torch.randn(37, 64, generator=gen)
     q4 = torch.randint(0, 16, (37, 64), generator=gen, dtype=torch.uint8)
     s4, o4 = (torch.rand(37, 2, generator=gen) * 0.1).half().float(), torch.randint(0, 16, (37, 2)).float()
@@ -178,7 +180,7 @@ def test_linear_layouts(kl, dtype, gen):
                                     torch.rand(37, 2, generator=gen), 32),
                cpu_linear.pack_int4(q4, s4, o4, 32, False), cpu_linear.pack_int4(q4, s4, o4, 32, True)):
         assert torch.equal(cpu_linear.rows(pw, torch.arange(37), torch.float32, kl=kl), cpu_linear.unpack(pw))
-        for m in (1, 5, 40):
+        for m in (1, 2, 3, 4, 5, 7, 16, 17, 40):
             x = torch.randn(m, 64, generator=gen).to(dtype)
             bias = torch.randn(37, generator=gen).to(dtype)
             assert rel_err(cpu_linear.linear(pw, x, bias, kl=kl), cpu_linear.linear_ref(pw, x, bias)) < CTOL[dtype]

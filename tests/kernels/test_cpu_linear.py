@@ -47,8 +47,9 @@ def test_layouts_decode_to_their_values(n, k, group, gen):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16, 17, 24, 29, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_matches_reference(m, dtype, gen):
-    for name, (pw, _) in layouts(53, 128, 32, gen).items():
+@pytest.mark.parametrize("group", [32, 64])
+def test_linear_matches_reference(m, dtype, group, gen):
+    for name, (pw, _) in layouts(53, 128, group, gen).items():
         x = torch.randn(m, 128, generator=gen).to(dtype)
         bias = torch.randn(53, generator=gen).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 1e-2

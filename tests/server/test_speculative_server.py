@@ -9,7 +9,13 @@ import json
 import pytest
 from server_proc import start_server, stop_server
 
+from radixgen.kernels import cpu
+
 pytestmark = pytest.mark.slow
+# Outputs equal token for token whatever the drafts were only where a verification's rows compute as single
+# decode rows do: the fused C step (AVX512-BF16). Elsewhere the layer-by-layer path's oneDNN matmuls round
+# differently at different row counts, and a request whose drafts differ may part from its twin.
+EXACT = cpu.available() and cpu.lib().has_decode_step
 
 PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -44,7 +50,8 @@ def metric(http, name: str) -> float:
 def test_meta_info_server_info_and_metrics_report_the_drafts(http):
     first = generate(http, sampling_params=GREEDY)
     second = generate(http, sampling_params=GREEDY)  # its drafts: the tree's continuation (the first's output)
-    assert second["output_ids"] == first["output_ids"]
+    if EXACT:
+        assert second["output_ids"] == first["output_ids"]
     meta = second["meta_info"]
     assert meta["completion_tokens"] == 24
     assert 0 < meta["spec_verify_ct"] < 23  # fewer decode steps than tokens after the first
@@ -75,9 +82,11 @@ def test_n_samples_and_the_openai_api(http, server):
     out = generate(http, sampling_params={"max_new_tokens": 16, "temperature": 0.8, "n": 3, "seed": 5})
     assert len(out) == 3 and all(o["meta_info"]["completion_tokens"] > 0 for o in out)
     again = generate(http, sampling_params={"max_new_tokens": 16, "temperature": 0.8, "n": 3, "seed": 5})
-    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in out]  # seeded: reproducible
+    assert len(again) == 3
+    if EXACT:  # seeded: reproducible
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in out]
     r = http.post("/v1/completions", json={"model": server.model, "prompt": PROMPT, "max_tokens": 12,
                                            "temperature": 0, "n": 2})
     assert r.status_code == 200, r.text
     texts = [c["text"] for c in r.json()["choices"]]
-    assert len(texts) == 2 and texts[0] == texts[1]
+    assert len(texts) == 2 and (texts[0] == texts[1] or not EXACT)

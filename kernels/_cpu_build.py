@@ -31,10 +31,22 @@ def compiler() -> str:
     return cc
 
 
+def cpu_vendor() -> str:
+    """This CPU's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where /proc/cpuinfo does not say."""
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("vendor_id"))
+    except (OSError, StopIteration):
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def flags(isa: str) -> tuple[str, ...]:
+    """The compiler's flags for `isa`. The native build of an AMD CPU streams matmul weights with NTA prefetches
+    (RG_STREAM_NTA), every other build with T0 ones: see GEMV_HINT in csrc/cpu_linear.h."""
     if isa not in ISAS:
         raise ValueError(f"unknown instruction set {isa!r}; known: {sorted(ISAS)}")
-    return (*_FLAGS, ISAS[isa])
+    nta = ("-DRG_STREAM_NTA",) if isa == "native" and cpu_vendor() == "AuthenticAMD" else ()
+    return (*_FLAGS, ISAS[isa], *nta)
 
 
 def cache_dir() -> Path:

@@ -183,8 +183,16 @@ static rg_status linear_f32math(const rg_weight *w, const float *xf, int64_t M, 
 #include <omp.h>
 
 #define GEMV_PREFETCH 1024 /* bytes ahead within each weight stream */
-#define GEMV_HINT _MM_HINT_NTA /* weights are read once a step: on a Zen 5, two threads streaming with T1 (into
-                                * L2) prefetches topped out near 40 GB/s, with NTA ones near 50, as fast as a copy */
+/* The hint of the weight streams' prefetches. The weights are read once a step, and the best hint differs by
+ * vendor: on a Zen 5, two threads streaming with T1 (into L2) prefetches topped out near 40 GB/s and with NTA ones
+ * near 50, as fast as a copy; on a Xeon with AMX, NTA prefetches held the same streams to 11 GB/s where T0 ones
+ * reached 29, the speed of a plain sum (a C test taking turns). _cpu_build defines RG_STREAM_NTA for the native
+ * build of an AMD CPU. */
+#ifdef RG_STREAM_NTA
+#define GEMV_HINT _MM_HINT_NTA
+#else
+#define GEMV_HINT _MM_HINT_T0
+#endif
 #define GEMV_MAX_M 16      /* rows up to which a matmul streams its weights (gemv); more run the blocked GEMM */
 #define GEMM_NC 6          /* blocks per GEMM panel: 96 output columns, a panel of K = 1536 is 288 KiB (L2) */
 

@@ -57,6 +57,16 @@ def test_each_variant_is_its_own_library(kl):
         assert not kl.has_decode_step
 
 
+@pytest.mark.parametrize(("vendor", "nta"), [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])
+def test_weight_streams_prefetch_nta_only_in_an_amd_native_build(monkeypatch, vendor, nta):
+    monkeypatch.setattr(_cpu_build, "cpu_vendor", lambda: vendor)
+    assert ("-DRG_STREAM_NTA" in _cpu_build.flags("native")) == nta
+    assert "-DRG_STREAM_NTA" not in _cpu_build.flags("x86-64-v3")
+    if "avx512_bf16" in _cpu_flags():  # the AVX512-BF16 matmuls are in this CPU's native build: their hint
+        text = _cpu_build.preprocess("native")
+        assert ("_MM_HINT_NTA" in text) == nta and ("_MM_HINT_T0" in text) != nta
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv(kl, dtype, gen):
     k_buf, v_buf = (torch.randn(30, 2, 16, generator=gen).to(dtype) for _ in range(2))

@@ -5,9 +5,10 @@ with the bf16 cache's greedy tokens forced (so both caches see the same contexts
 Stated tolerances: int8 logits within 5% (relative L2) of the bf16 cache's and the same argmax at >= 90% of the
 96 forced steps; fp8 e4m3 within 8% and >= 85%. (Measured against a float32 model with a float32 cache, the bf16
 cache is 1.0% off with 97.9% argmax agreement, int8 2.0% / 95.8%, fp8 e4m3 2.7% / 95.8%: the 8-bit caches about
-double the bf16 path's own error on this 135M model.) Greedy agreement is printed (-s) and bounded below loosely:
-a greedy sequence that takes another token at a near-tie goes its own way from there, so it is the forced-token
-figures that measure the cache's error."""
+double the bf16 path's own error on this 135M model.) Greedy agreement is printed (-s): a greedy sequence that
+takes another token at a near-tie goes its own way from there, so it is the forced-token figures that measure the
+cache's error, and where a greedy output parts from the bf16 cache's, the test asserts that it did so at a near-tie
+(NEAR_TIE) of the bf16 cache's own logits: which prompts part there depends on the CPU's rounding."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from radixgen.runtime.engine import Engine
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 BOUNDS = {"int8": (0.05, 0.90), "fp8_e4m3": (0.08, 0.85)}  # (relative logit error, argmax agreement)
+# the largest lead, in logits, of the bf16 cache's greedy token over the 8-bit cache's where the greedy outputs
+# part: bf16 logits near 16-32 lie 0.125 apart, and the partings seen were 1-2 such steps (a logit's spread over
+# the vocabulary is about 3.4)
+NEAR_TIE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +83,9 @@ def test_default_model_over_8bit_kv_cache(kv, prompt_ids, greedy_bf16):
           f"{same} of {NEW_TOKENS} (identical prefixes {prefix})")
     max_err, min_agree = BOUNDS[kv]
     assert err < max_err and agree >= min_agree
-    assert sum(prefix) >= NEW_TOKENS // 2  # of the 96 greedy tokens, at least 16 before the prompts diverge
+    # where a greedy sequence first leaves the bf16 cache's, the contexts are still the same, so the forced logits
+    # there are the bf16 cache's own: its top token may lead the 8-bit cache's choice only by a near-tie
+    for b, (o, p) in enumerate(zip(outs, prefix, strict=True)):
+        if p < NEW_TOKENS:
+            lead = (ref[p, b, greedy_bf16[b][p]] - ref[p, b, o["output_ids"][p]]).abs().item()
+            assert lead <= NEAR_TIE, f"prompt {b} left the bf16 cache's greedy tokens at step {p} by {lead} logits"

@@ -195,13 +195,15 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 
 def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale: float,
-                      max_len: int, k_scales=None, v_scales=None) -> torch.Tensor:
+                      max_len: int, k_scales=None, v_scales=None, requests: int | None = None) -> torch.Tensor:
+    """requests: the batch size to split the contexts for, where it is not q's rows (a verification's requests,
+    several rows each)."""
     b, h, d = q.shape
     hkv = k_buffer.shape[1]
     out = torch.empty((b, h, d), dtype=q.dtype)
     if b == 0:
         return out
-    splits = num_splits(b, max_len, torch.get_num_threads())
+    splits = num_splits(b if requests is None else requests, max_len, torch.get_num_threads())
     part = torch.empty(b * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
     kl.fn(_pool_kernel("decode_attention", k_buffer, SUFFIX[q.dtype]))(
         q=q.data_ptr(), q_stride=q.stride(0), **_pool_kwargs(k_buffer, v_buffer, k_scales, v_scales),

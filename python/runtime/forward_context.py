@@ -36,6 +36,9 @@ class ForwardContext:
     # The step's rows that have a LoRA adapter (lora.pool.LoRABatch: each row's pool slot), read by the LoRA
     # layers around the linear methods; None when no row has one.
     lora: object | None = None
+    # a verification of draft tokens (model_runner.ForwardInput.verify): each request's rows are its last token
+    # and its drafts, at consecutive positions
+    verify: bool = False
 
     @property
     def seq_lens(self) -> list[int]:

@@ -246,6 +246,7 @@ class ModelRunner:
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_to_slot, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
             extend_lens=fi.extend_lens, backend=self.ops.attention, keep_rows=keep, lora=self._lora_batch(fi),
+            verify=fi.verify,
         )
         self.ops.attention.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
         with forward_context(ctx):

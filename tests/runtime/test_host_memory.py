@@ -20,7 +20,8 @@ def faults_of_a_fresh_16mb_tensor():
 
 default = faults_of_a_fresh_16mb_tensor()
 ok = keep_freed_host_memory()
-kept = faults_of_a_fresh_16mb_tensor()
+faults_of_a_fresh_16mb_tensor()  # the first cycle after it may still fault (in about 1 process of 4 here)
+kept = max(faults_of_a_fresh_16mb_tensor() for _ in range(3))  # from then on, as every step: none
 print(default, ok, kept)
 """
 

@@ -110,3 +110,41 @@ def test_cpu_ops_match_torch_ops(dtype):
             tq, tk = t.rotary(positions, *view(qkv.clone()), cache)
             cq, ck = c.rotary(positions, *view(qkv.clone()), cache)
             assert rel(cq, tq) <= tol and rel(ck, tk) <= tol, (name, positions.dtype)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_verification_rows_attend_bit_for_bit_as_decode_steps(dtype):
+    """A verification's rows (each request's last token and its drafts) attend as the decode steps that would
+    otherwise have computed them, one token a step: the same kernel, the same split of each context, so that
+    speculative decoding leaves outputs bit for bit (a different kernel rounds differently, and a seeded request
+    then samples another token at a near-tie of its draw)."""
+    from radixgen.runtime.forward_context import ForwardContext
+    from radixgen.runtime.kv_pool import KVPool
+
+    gen = torch.Generator().manual_seed(0)
+    h, hkv, d, prefixes, new = 6, 2, 64, [300, 41], [3, 2]  # per request: tokens in the pool, rows verified
+    pool = KVPool(1, 512, hkv, d, dtype, torch.device("cpu"))
+    table = torch.zeros(2, 400, dtype=torch.int64)
+    table[0, :303], table[1, :43] = torch.arange(1, 304), torch.arange(304, 347)
+    rows = torch.tensor([0, 1])
+    for buf in (pool.k_buffers[0], pool.v_buffers[0]):
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    t = sum(new)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(dtype) for n in (h, hkv, hkv))
+    slots = torch.cat([table[b, p:p + e] for b, (p, e) in enumerate(zip(prefixes, new, strict=True))])
+
+    def run(step_rows: list[int], prefix_lens, extend_lens, verify):
+        be = CpuAttentionBackend(cpu.lib())
+        ctx = ForwardContext(is_decode=not verify, kv_pool=pool, out_slots=slots[step_rows], req_to_slot=table,
+                             req_indices=rows, prefix_lens=prefix_lens, extend_lens=extend_lens, backend=be,
+                             verify=verify)
+        be.prepare(ctx)
+        return be.forward(q[step_rows], k[step_rows], v[step_rows], 0, d ** -0.5, ctx)
+
+    verified = run(list(range(t)), prefixes, new, True)
+    for i in range(max(new)):  # decode steps of both requests, the second stopping after its 2 rows
+        if i >= min(new):  # one request alone splits its context differently: not the verification's step
+            break
+        step = run([sum(new[:b]) + i for b in range(2)], [p + i for p in prefixes], [1, 1], False)
+        assert torch.equal(step, verified[[sum(new[:b]) + i for b in range(2)]]), i

@@ -33,6 +33,8 @@ class DecodeMeta(NamedTuple):
     mask: torch.Tensor | None  # (B, 1, 1, Lmax) True where a position is attended
     seq_lens: torch.Tensor  # (B,) int64
     req_indices: torch.Tensor  # (B,) int64, contiguous
+    # the batch size the C kernel's context split is computed from, where it is not B: a verification's requests
+    split_batch: int | None = None
 
 
 class ExtendMeta(NamedTuple):  # the C extend kernel's step metadata
@@ -157,6 +159,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ctx.attn_meta = DecodeMeta(None, max(lens), None, torch.tensor(lens, dtype=torch.int64),
                                        ctx.req_indices.to(torch.int64).contiguous())
             return
+        if ctx.verify:
+            # every row of a verification is a decode query at its own position, its context split as in a decode
+            # step of the same requests (as the fused step does it): a row's attention then rounds as it would in
+            # the decode step that would otherwise have computed it, and speculation leaves outputs bit for bit
+            ctx.keep_rows = None
+            lens = [p + i + 1 for p, e in zip(ctx.prefix_lens, ctx.extend_lens, strict=True) for i in range(e)]
+            rows = ctx.req_indices.to(torch.int64).repeat_interleave(torch.tensor(ctx.extend_lens),
+                                                                     output_size=len(lens))
+            ctx.attn_meta = DecodeMeta(None, max(lens), None, torch.tensor(lens, dtype=torch.int64),
+                                       rows.contiguous(), split_batch=len(ctx.extend_lens))
+            return
         if cpu_kernels.extend_attention_supported(self.kl, dtype, k0.shape[2]):
             ctx.attn_meta = ExtendMeta(ctx.req_indices.to(torch.int64).contiguous(), list(ctx.prefix_lens),
                                        list(ctx.extend_lens))
@@ -197,9 +210,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return self.extend(q, *self.pool_kv(k, v, kv, ctx), kv, meta, scale)
         if not _heads_contiguous(q):
             q = q.contiguous()
-        if ctx.is_decode:
+        if isinstance(meta, DecodeMeta):  # a decode step, or a verification's rows as decode queries
             return cpu_kernels._decode_attention(self.kl, q, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
-                                                 meta.seq_lens, scale, meta.lmax, kv.k_scales, kv.v_scales)
+                                                 meta.seq_lens, scale, meta.lmax, kv.k_scales, kv.v_scales,
+                                                 requests=meta.split_batch)
         return cpu_kernels._extend_attention(self.kl, q, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
                                              meta.prefix_lens, meta.extend_lens, scale, kv.k_scales, kv.v_scales)
 

@@ -76,6 +76,30 @@ def test_linear_over_every_split_of_the_blocks(n, threads, gen):
         torch.set_num_threads(before)
 
 
+def test_gather_moves_the_weights_into_one_arena_in_order(gen):
+    """cpu_linear.gather: the weights back to back in the order given (a shared one once), the arena on a 2 MiB
+    boundary, each PackedWeight's data and descriptor pointing there (its holders see the move), the matmuls'
+    results bit for bit the same, and the old tensors freed."""
+    import weakref
+
+    named = layouts(40, 128, 32, gen)
+    weights = [pw for pw, _ in named.values()]
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    before = [cpu_linear.linear(pw, x) for pw in weights]
+    old = [weakref.ref(pw.data) for pw in weights]
+    arena = cpu_linear.gather([*weights, weights[1]])
+    assert arena.data_ptr() % (2 << 20) == 0
+    at = arena.data_ptr()
+    for pw in weights:
+        assert pw.data.data_ptr() == pw.desc.data == at and pw.data.untyped_storage().data_ptr() \
+            == arena.untyped_storage().data_ptr()
+        at += -(-pw.nbytes // 64) * 64
+    assert at == arena.data_ptr() + arena.numel()
+    assert all(torch.equal(cpu_linear.linear(pw, x), y) for pw, y in zip(weights, before, strict=True))
+    assert all(r() is None for r in old)
+    assert cpu_linear.gather([]) is None
+
+
 def test_bf16_rounding_of_the_outputs(gen):
     """The results are rounded to bf16 once: float_out gives exactly the bf16 outputs widened."""
     pw, _ = layouts(40, 64, 32, gen)["int4 offsets"]

@@ -240,6 +240,11 @@ def test_fused_step_reads_the_layers_own_weights():
     assert w.lm_head is model.lm_head.packed and w.embed is model.lm_head.packed
     assert model.embed_tokens.weight is None and model.lm_head.weight is None
     assert all(m.weight is None for m in model.modules() if isinstance(m, LinearBase))
+    # and the layouts lie back to back in one arena, in the order the step streams them (cpu_linear.gather)
+    packed = [m.packed for m in model.modules() if isinstance(m, LinearBase)]
+    starts = [p.data.data_ptr() for p in packed]
+    assert len({p.data.untyped_storage().data_ptr() for p in packed}) == 1
+    assert all(b == a + -(-p.nbytes // 64) * 64 for a, b, p in zip(starts, starts[1:], packed, strict=False))
 
 
 def test_kpair_packing_layout():

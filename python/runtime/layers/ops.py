@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
+from radixgen.kernels import cpu_linear
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
@@ -117,6 +118,14 @@ class CpuOps(TorchOps):
         super().__init__()
         self.kl = self.kernels = kl
         self.attention = CpuAttentionBackend(kl) if kl is not None else TorchAttentionBackend()
+
+    def install(self, model: nn.Module) -> None:
+        """As TorchOps.install; then the C matmuls' packed weights move into one arena in the order a decode step
+        streams them (cpu_linear.gather)."""
+        super().install(model)
+        packed = [m.packed for m in model.modules()
+                  if isinstance(m, LinearBase) and isinstance(m.packed, cpu_linear.PackedWeight)]
+        cpu_linear.gather(packed)
 
     def _c_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the C RMSNorm takes x: (T, N) rows of unit stride, float32 or bfloat16, weight alike."""

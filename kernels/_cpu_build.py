@@ -1,7 +1,8 @@
 """Building csrc/cpu_kernels.c with the system C compiler, for this CPU or for a named instruction set.
 
-`native` (-march=native) is what the runtime loads. The others are the CPUs that lack AVX512-BF16, for which
-the tests build and check a variant too: `x86-64-v3` (AVX2, FMA) and `skylake-avx512` (AVX512F, no BF16).
+`native` (-march=native) is what the runtime loads. The others are CPUs unlike this one, for which the tests
+build and check a variant too: `x86-64-v3` (AVX2, FMA) and `skylake-avx512` (AVX512F, no BF16) lack
+AVX512-BF16; `cooperlake` has it but not AVX512-VBMI2 (the int4 matmul's other path) nor AMX.
 Builds are cached under ~/.cache/radixgen/kernels (RADIXGEN_KERNEL_CACHE overrides), keyed by the sources,
 the compiler, the flags and, for native, the CPU.
 """
@@ -20,7 +21,8 @@ SRC_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h", "cpu_pool_impl.h", "cpu_kv_quant.h", "cpu_lora.h",
            "cpu_parallel.h", "cpu_linear.h",
            "cpu_linear_avx2.h")
-ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512"}
+ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512",
+        "cooperlake": "-march=cooperlake"}
 _FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 
 

@@ -1,6 +1,6 @@
 """Every instruction-set build of the C kernels (_cpu_build.ISAS: native, x86-64-v3 = AVX2, skylake-avx512 =
-AVX512F without BF16) against the torch references: each variant is compiled once per session into a temp
-dir and loaded as its own library, then every kernel it has runs on small random inputs. The bf16-only kernels
+AVX512F without BF16, cooperlake = AVX512-BF16 without VBMI2) against the torch references: each variant is
+compiled once per session into a temp dir and loaded as its own library, then every kernel it has runs on small random inputs. The bf16-only kernels
 of a build without AVX512-BF16 are stubs that must refuse with an error; where the build has them, they are
 checked like the others (test_cpu_kernels.py and tests/runtime/test_cpu_decode.py test the runtime's own
 build in depth). Variants this CPU cannot execute are skipped."""
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 CTOL = {torch.float32: 1e-5, torch.bfloat16: TOL[torch.bfloat16]}
 DTYPES = [torch.float32, torch.bfloat16]
 # the CPU flags each instruction set needs to run here
-NEEDS = {"native": set(), "x86-64-v3": {"avx2", "fma", "bmi2"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512vl"}}
+NEEDS = {"native": set(), "x86-64-v3": {"avx2", "fma", "bmi2"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512vl"},
+         "cooperlake": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}}
 
 
 def _cpu_flags() -> set[str]:
@@ -53,8 +54,10 @@ def kl(request, tmp_path_factory) -> cpu.CKernels:
 
 def test_each_variant_is_its_own_library(kl):
     assert kl.path.name.startswith(f"cpu_kernels-{kl.isa}-") and kl.path.parent != _cpu_build.cache_dir()
-    if kl.isa != "native":  # neither x86-64-v3 nor skylake-avx512 has AVX512-BF16
+    if kl.isa in ("x86-64-v3", "skylake-avx512"):  # neither has AVX512-BF16
         assert not kl.has_decode_step
+    if kl.isa == "cooperlake":
+        assert kl.has_decode_step
 
 
 @pytest.mark.parametrize(("vendor", "nta"), [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])

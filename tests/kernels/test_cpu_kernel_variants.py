@@ -1,9 +1,10 @@
 """Every instruction-set build of the C kernels (_cpu_build.ISAS: native, x86-64-v3 = AVX2, skylake-avx512 =
 AVX512F without BF16, cooperlake = AVX512-BF16 without VBMI2) against the torch references: each variant is
-compiled once per session into a temp dir and loaded as its own library, then every kernel it has runs on small random inputs. The bf16-only kernels
-of a build without AVX512-BF16 are stubs that must refuse with an error; where the build has them, they are
-checked like the others (test_cpu_kernels.py and tests/runtime/test_cpu_decode.py test the runtime's own
-build in depth). Variants this CPU cannot execute are skipped."""
+compiled once per session into a temp dir and loaded as its own library, then every kernel it has runs on small
+random inputs. The bf16-only kernels of a build without AVX512-BF16 are stubs that must refuse with an error;
+where the build has them, they are checked like the others (test_cpu_kernels.py and
+tests/runtime/test_cpu_decode.py test the runtime's own build in depth). Variants this CPU cannot execute are
+skipped."""
 
 from __future__ import annotations
 

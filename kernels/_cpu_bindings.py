@@ -7,12 +7,24 @@ prototypes of csrc/cpu_kernels.c, preprocessed for each instruction set (stubs i
 table against them: name, arity, and the C type and name of every argument.
 
 Kernels that can fail return `rg_status` (0: success); a call that gets anything else raises CKernelError.
+`libc_function` binds a function of the C library itself (malloc settings, madvise).
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 from pathlib import Path
+
+
+def libc_function(name: str):
+    """The C library's function `name` (untyped: set its argtypes where they are not all int), or None where there
+    is no such function (not glibc, not Linux)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
 
 # the element type of the dtype-generic kernels (csrc/cpu_kernels_impl.h's T), by name suffix
 ELEMENT_TYPES = {"f32": "float", "bf16": "uint16_t"}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_contiguous, check_tensor, expect
-from ._cpu_bindings import CKernels, WeightDesc
+from ._cpu_bindings import CKernels, WeightDesc, libc_function
 
 KIND_ROWS, KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2, 3  # csrc/cpu_linear.h's RG_W_*
 KIND_NAMES = {KIND_ROWS: "bf16 rows", KIND_BF16: "bf16", KIND_INT8: "int8", KIND_INT4: "int4"}
@@ -209,11 +209,8 @@ _HUGE_PAGE = 2 << 20
 def _advise_huge_pages(t: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) over the 2 MiB pages inside t's memory, before it is touched; False where that is not
     available (not Linux, or transparent huge pages off)."""
-    import ctypes.util
-
-    try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = libc_function("madvise")
+    if madvise is None:
         return False
     start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE

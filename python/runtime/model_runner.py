@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from radixgen.kernels._cpu_bindings import libc_function
 from radixgen.runtime import distributed
 from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
@@ -27,20 +28,9 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-def _glibc(name: str):
-    """The glibc malloc function `name`, or None where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
-
-
 def _mallopt(settings: dict[int, int]) -> bool:
     """glibc malloc settings (mallopt parameter -> value), process-wide; False where the C library is not glibc."""
-    mallopt = _glibc("mallopt")
+    mallopt = libc_function("mallopt")
     return mallopt is not None and all(bool(mallopt(param, value)) for param, value in settings.items())
 
 
@@ -59,7 +49,7 @@ def release_free_heap() -> bool:
     the weights, the tokenizer and the grammar backend freed (about 30 MB of the tokenizer's parse alone).
     keep_freed_host_memory's threshold stops only automatic trimming, so the blocks the steps reuse stay
     cached. False where the C library is not glibc."""
-    trim = _glibc("malloc_trim")
+    trim = libc_function("malloc_trim")
     if trim is None:
         return False
     trim(0)

@@ -1,0 +1,103 @@
+"""What a user installs: the wheel, not the editable tree.
+
+A wheel once shipped without a package that the scheduler imports (the package list was written by hand). This
+builds the wheel from the checkout, installs it into a fresh virtual environment (no index; the test
+environment's site-packages visible behind it for the dependencies), imports every module of the installed copy
+and runs one greedy request on the default model from it, which must give the editable tree's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "The capital of France is"
+
+# Run inside the fresh environment: import every module, then one greedy request.
+CHECK = r"""
+import importlib, json, pkgutil, sys
+import radixgen
+mods, failed = [], {}
+for info in pkgutil.walk_packages(radixgen.__path__, "radixgen."):
+    if info.name.endswith("__main__"):
+        continue  # running a module's __main__ starts a process; importing its package is what counts
+    try:
+        importlib.import_module(info.name)
+        mods.append(info.name)
+    except Exception as e:
+        failed[info.name] = repr(e)
+from radixgen import Engine
+with Engine(max_total_tokens=4096) as eng:
+    out = eng.generate(sys.argv[1], {"max_new_tokens": 8, "temperature": 0})
+print(json.dumps({"file": radixgen.__file__, "modules": mods, "failed": failed, "ids": out["output_ids"]}))
+"""
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+    assert p.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # --no-build-isolation: the build uses this environment's setuptools instead of fetching one
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)])
+    (whl,) = out.glob("radixgen-*.whl")
+    return whl
+
+
+def _source_modules() -> set[str]:
+    """Every module of the checkout, by import name (python/ is radixgen, kernels/ is radixgen.kernels)."""
+    names = set()
+    for folder, pkg in ((ROOT / "python", "radixgen"), (ROOT / "kernels", "radixgen.kernels")):
+        for f in folder.rglob("*.py"):
+            parts = f.relative_to(folder).with_suffix("").parts
+            if "__pycache__" in parts:
+                continue
+            names.add(".".join((pkg, *parts)).removesuffix(".__init__"))
+    return names
+
+
+def test_wheel_holds_every_module_and_the_kernel_sources(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        files = set(z.namelist())
+    shipped = {n.removesuffix(".py").replace("/", ".").removesuffix(".__init__") for n in files if n.endswith(".py")}
+    missing = _source_modules() - shipped
+    assert not missing, f"the wheel lacks {sorted(missing)}"
+    csrc = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".c", ".h"))
+    assert csrc and all(f"radixgen/kernels/csrc/{name}" in files for name in csrc)
+
+
+@pytest.mark.slow
+def test_installed_wheel_imports_every_module_and_serves_a_greedy_request(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    # The dependencies come from the test environment, behind the fresh one's own site-packages. A path listed in
+    # a .pth file is not scanned for .pth files itself, so the editable install's finder does not come along.
+    deps = [p for p in sys.path if p.endswith("site-packages")]  # this environment's (and any it layers over)
+    (site / "_test_env.pth").write_text("".join(f"{p}\n" for p in deps))
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", "--no-deps",
+          "--force-reinstall", str(wheel)])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = _run([str(py), "-c", CHECK, PROMPT], cwd=tmp_path, env=env)
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert Path(got["file"]).is_relative_to(site), f"imported {got['file']}, not the installed copy"
+    assert not got["failed"], f"modules that fail to import from the wheel: {got['failed']}"
+    assert {"radixgen.runtime.speculative.stage", "radixgen.runtime.scheduler.core"} <= set(got["modules"])
+
+    from radixgen import Engine
+
+    with Engine(max_total_tokens=4096) as eng:
+        want = eng.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0})["output_ids"]
+    assert got["ids"] == want

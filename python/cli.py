@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from radixgen.launch import run_server
 from radixgen.router.launch import ROUTER_DESCRIPTION, add_router_args, parse_router_args, run_router
-from radixgen.runtime.server.launch import SERVE_DESCRIPTION, add_server_args, parse_server_args, run_server
+from radixgen.runtime.server.launch import SERVE_DESCRIPTION, add_server_args, parse_server_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,6 +227,5 @@ def Runtime(model_path: str | None = None, **config: Any):  # noqa: N802 - SGLan
     """An in-process runtime as a backend: `EngineBackend(Engine(model_path, **config))`, shut down
     with `.shutdown()` (SGLang's Runtime starts a server; here nothing leaves the process)."""
     from radixgen.lang.backend_engine import EngineBackend
-    from radixgen.runtime.engine import Engine
 
-    return EngineBackend(Engine(model_path, **config), owns_engine=True)
+    return EngineBackend.start(model_path, **config)

@@ -40,6 +40,14 @@ class EngineBackend(BaseBackend):
         self.engine = engine
         self.owns_engine = owns_engine
 
+    @classmethod
+    def start(cls, model_path: str | None = None, **config: Any) -> EngineBackend:
+        """A backend over an Engine of its own, shut down with the backend: the one place where the language
+        reaches into the runtime (everything else goes through the backend interface)."""
+        from radixgen.runtime.engine import Engine
+
+        return cls(Engine(model_path, **config), owns_engine=True)
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -14,18 +14,18 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixgen.router.config import RouterConfig
-from radixgen.router.metrics import PROMETHEUS_CONTENT_TYPE, RouterMetrics
-from radixgen.router.policies import RoundRobin, make_policy
-from radixgen.router.proxy import Forwarder, Unserved, forward_headers, prompt_text, unserved_response, until_disconnect
-from radixgen.router.workers import WorkerPool
-from radixgen.runtime.server.errors import (
+from radixgen.common.http_errors import (
     APIError,
     JSONResponse,
     error_body,
     error_response,
     install_error_handlers,
 )
+from radixgen.router.config import RouterConfig
+from radixgen.router.metrics import PROMETHEUS_CONTENT_TYPE, RouterMetrics
+from radixgen.router.policies import RoundRobin, make_policy
+from radixgen.router.proxy import Forwarder, Unserved, forward_headers, prompt_text, unserved_response, until_disconnect
+from radixgen.router.workers import WorkerPool
 
 OPEN_PATHS = frozenset({"/health"})  # probes carry no key
 GENERATION_ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}

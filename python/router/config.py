@@ -1,4 +1,4 @@
-"""`radixgen router` options: one frozen dataclass whose fields are also the flags (radixgen.runtime.flags),
+"""`radixgen router` options: one frozen dataclass whose fields are also the flags (radixgen.common.flags),
 validated before anything starts. The worker list is the one flag outside it (`--worker-urls URL ...`)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, fields
 
+from radixgen.common.flags import add_dataclass_flags, values_of
+from radixgen.common.options import check_choice, option
 from radixgen.router.policies import POLICIES
 from radixgen.router.workers import normalize_url
-from radixgen.runtime.config import check_choice, option
-from radixgen.runtime.flags import add_dataclass_flags, values_of
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

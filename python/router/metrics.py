@@ -3,8 +3,8 @@ failed attempts; the health and in-flight count of every worker as gauges read a
 
 from __future__ import annotations
 
+from radixgen.common.prometheus import PROMETHEUS_CONTENT_TYPE, Counter
 from radixgen.router.workers import WorkerPool
-from radixgen.runtime.server.metrics import PROMETHEUS_CONTENT_TYPE, Counter
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "RouterMetrics"]
 

@@ -15,10 +15,10 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from radixgen.common.http_errors import error_body
 from radixgen.router.metrics import RouterMetrics
 from radixgen.router.policies import Policy
 from radixgen.router.workers import Worker, WorkerPool
-from radixgen.runtime.server.errors import error_body
 
 # request headers that describe the router's connection, not the request (httpx sets its own)
 _HOP_HEADERS = frozenset(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+from radixgen.common.options import check_choice, option, split_addr
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
@@ -98,18 +99,6 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None, flags: Sequence[str] = (),
-           any_case: bool = False, several: bool = False) -> Any:
-    """A config field and its command-line flag in one place: `radixgen serve` builds its flags from these
-    (radixgen.runtime.flags). `flags`: the flag names when not just `--name-with-dashes` (the first is the
-    main one; the others are aliases, e.g. SGLang's). `any_case`: the flag takes its (lowercase) choices in
-    any case (the field's check lowers the value too). `several` (tuple fields): one flag may take several
-    values (`--lora-paths a=x b=y`, SGLang's form), besides being repeated."""
-    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "flags": tuple(flags),
-            "any_case": any_case, "several": several}
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -309,19 +298,6 @@ class RuntimeConfig:
 
 
 ENGINE_ALIASES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size"}
-
-
-def split_addr(addr: str) -> tuple[str, int]:
-    """"host:port" -> (host, port); ValueError naming dist_init_addr otherwise."""
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"dist_init_addr must be host:port with a port in [1, 65535], got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
-def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -19,8 +19,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from radixgen.common.options import split_addr
 from radixgen.runtime import distributed
-from radixgen.runtime.config import RuntimeConfig, split_addr
+from radixgen.runtime.config import RuntimeConfig
 
 POLL_S = 0.5
 

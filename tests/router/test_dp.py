@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_proc import API_KEY, children, free_port
 
-from radixgen.router.launch_dp import flags_of, worker_commands, worker_threads
+from radixgen.launch.dp import flags_of, worker_commands, worker_threads
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.server.launch import ServerConfig, add_server_args, server_args_from
 

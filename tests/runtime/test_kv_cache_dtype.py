@@ -14,9 +14,9 @@ import torch
 from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
+from radixgen.common.flags import add_dataclass_flags
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.flags import add_dataclass_flags
 from radixgen.runtime.kv_pool import KVPool
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 

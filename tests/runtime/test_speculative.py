@@ -495,7 +495,7 @@ def test_fused_verification_is_its_decode_steps_bit_for_bit(model_dir):
 def test_options_take_sglang_and_vllm_spellings_and_refuse_the_rest():
     import argparse
 
-    from radixgen.runtime.flags import add_dataclass_flags, values_of
+    from radixgen.common.flags import add_dataclass_flags, values_of
 
     parser = argparse.ArgumentParser()
     add_dataclass_flags(parser, RuntimeConfig)

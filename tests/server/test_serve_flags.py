@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from radixgen.runtime.config import RuntimeConfig, option
-from radixgen.runtime.flags import add_dataclass_flags, values_of
+from radixgen.common.flags import add_dataclass_flags, values_of
+from radixgen.common.options import option
+from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.server.launch import (
     ServerArgs,
     ServerConfig,

@@ -11,8 +11,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from radixgen.runtime.server.errors import APIError, install_error_handlers, value_error_param
-from radixgen.runtime.server.metrics import Counter, Histogram, ServerMetrics
+from radixgen.common.http_errors import APIError, install_error_handlers, value_error_param
+from radixgen.common.prometheus import Counter, Histogram
+from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.native_protocol import GenerateRequest
 from radixgen.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -286,7 +287,7 @@ def test_lone_surrogate_escapes():
 
 
 def test_public_message_never_carries_a_traceback():
-    from radixgen.runtime.server.errors import error_body, public_message
+    from radixgen.common.http_errors import error_body, public_message
 
     trace = (
         "the scheduler process failed:\nTraceback (most recent call last):\n"

@@ -11,8 +11,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from radixgen.runtime.server.errors import APIError, JSONResponse, install_error_handlers
-from radixgen.runtime.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from radixgen.common.http_errors import APIError, JSONResponse, install_error_handlers
+from radixgen.common.prometheus import PROMETHEUS_CONTENT_TYPE
+from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.middleware import APIKeyMiddleware, RequestBodyMiddleware
 from radixgen.runtime.server.native_api import NativeServing, native_router
 from radixgen.runtime.server.native_protocol import AbortRequest

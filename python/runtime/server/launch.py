@@ -12,8 +12,9 @@ from typing import Any
 
 import uvicorn
 
-from radixgen.runtime.config import RuntimeConfig, check_choice, option
-from radixgen.runtime.flags import add_dataclass_flags, values_of
+from radixgen.common.flags import add_dataclass_flags, values_of
+from radixgen.common.options import check_choice, option
+from radixgen.runtime.config import RuntimeConfig
 
 SHUTDOWN_GRACE_S = 30.0  # in-flight requests may finish this long after SIGTERM; the rest are aborted
 STREAM_CUTOFF_MARGIN_S = 1.0  # what still runs this long before the grace ends gets a final error event
@@ -90,7 +91,7 @@ class ServerArgs:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Every ServerConfig and RuntimeConfig field as a flag (see radixgen.runtime.flags)."""
+    """Every ServerConfig and RuntimeConfig field as a flag (see radixgen.common.flags)."""
     add_dataclass_flags(parser.add_argument_group("server"), ServerConfig)
     add_dataclass_flags(parser.add_argument_group("engine"), RuntimeConfig)
 
@@ -129,10 +130,8 @@ def run_server(args: ServerArgs) -> int:
         from radixgen.runtime.ranks import run_node
 
         return run_node(RuntimeConfig(**args.engine))
-    if args.server.dp_size > 1:  # N workers and a router: radixgen.router.launch_dp
-        from radixgen.router.launch_dp import run_dp
-
-        return run_dp(args)
+    if args.server.dp_size > 1:  # N workers and a router in front: the command's launcher does that
+        raise ValueError("dp_size > 1 is started by radixgen.launch.run_server (`radixgen serve`), not by one server")
     # a SIGTERM while the model loads: unwind (the Engine stops its scheduler process) and exit 0
     signal.signal(signal.SIGTERM, _exit_now)
     from radixgen.runtime.engine import Engine
@@ -201,9 +200,3 @@ def parse_server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         return server_args_from(ns)
     except ValueError as e:
         parser.error(str(e))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixgen serve", description=SERVE_DESCRIPTION)
-    add_server_args(parser)
-    return run_server(parse_server_args(parser, parser.parse_args(argv)))

@@ -12,7 +12,7 @@ from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixgen.runtime.server.errors import error_response
+from radixgen.common.http_errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})  # answer without the API key: liveness probes carry no secrets
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})

@@ -18,8 +18,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixgen.common.http_errors import APIError, bad_request
 from radixgen.runtime.sampling_params import choice_seeds
-from radixgen.runtime.server.errors import APIError, bad_request
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, sse
 from radixgen.runtime.server.protocol import NO_EFFECT, ChatCompletionRequest, CompletionRequest, SamplingFields
 from radixgen.runtime.server.serving import Dispatcher, merge, new_rid, until_disconnect

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixgen.runtime.server.errors import JSONResponse, bad_request, error_of
+from radixgen.common.http_errors import JSONResponse, bad_request, error_of
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
 from radixgen.runtime.server.protocol import CompletionRequest
 from radixgen.runtime.server.serving import merge

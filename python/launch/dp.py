@@ -35,7 +35,7 @@ def worker_threads(engine: dict[str, Any], dp_size: int) -> int:
 
 def flags_of(cls: type, values: dict[str, Any]) -> list[str]:
     """The command-line flags that give these field values of the config dataclass `cls` (the inverse of
-    radixgen.runtime.flags): fields left at their default are left out."""
+    radixgen.common.flags): fields left at their default are left out."""
     argv: list[str] = []
     for f in dataclasses.fields(cls):
         if f.name not in values or values[f.name] == f.default:

@@ -1,5 +1,5 @@
 """Command-line flags generated from config dataclasses, so that a field's name, type, default, choices and
-help are written once (in the dataclass, with `config.option`) and the CLI cannot drift from them.
+help are written once (in the dataclass, with `radixgen.common.options.option`) and the CLI cannot drift from them.
 
     field `max_total_tokens: int = option(0, "KV cache slots")`   ->   `--max-total-tokens INT`
     field `disable_radix_cache: bool = option(False, ...)`         ->   `--disable-radix-cache`

@@ -15,9 +15,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.kv_pool import TableWrites
-from radixgen.runtime.sampling_params import SamplingParams
 
 FinishKind = Literal["stop", "length", "abort"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import uuid
 from typing import Any, NamedTuple
 
+from radixgen.common.sampling_params import SamplingParams, check_text, choice_seeds, is_int
 from radixgen.runtime.messages import GenerateRequest
 from radixgen.runtime.request_state import RequestError
-from radixgen.runtime.sampling_params import SamplingParams, check_text, choice_seeds, is_int
 
 MAX_TOP_LOGPROBS = 100
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from radixgen.common.sampling_params import MAX_SEED
 from radixgen.runtime.engine import Engine, RequestError, RequestFailed
-from radixgen.runtime.sampling_params import MAX_SEED
 
 KV_SLOTS = 600
 HANG_GUARD_S = 600

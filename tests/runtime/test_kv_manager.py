@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.kv_pool import new_req_to_slot_table
 from radixgen.runtime.request import GenerateRequest, Req
-from radixgen.runtime.sampling_params import SamplingParams
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 

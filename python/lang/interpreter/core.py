@@ -9,13 +9,13 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS
 from radixgen.lang.backend_base import BaseBackend
 from radixgen.lang.interpreter.drivers import run_item_sync, start_driver
 from radixgen.lang.interpreter.errors import Origin, ProgramError
 from radixgen.lang.interpreter.execute import OpenRole, run_traced
 from radixgen.lang.interpreter.notifier import Notifier
 from radixgen.lang.ir import Gen, Join, Node, Select, Seq, SetVar, VarScopeEnd
-from radixgen.runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 # thread: a worker thread runs the queue; inline: `s += x` runs x in the caller's thread (run(use_thread=False));
 # async: a task on the event loop runs the queue; trace: run without the model up to its first call.

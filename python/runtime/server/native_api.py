@@ -22,8 +22,8 @@ from fastapi import APIRouter, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixgen.common.sampling_params import choice_seeds
 from radixgen.runtime.request_state import RequestError
-from radixgen.runtime.sampling_params import choice_seeds
 from radixgen.runtime.server.errors import APIError, JSONResponse, bad_request, error_body, error_of
 from radixgen.runtime.server.native_protocol import (
     ConcateAndAppendRequest,

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from radixgen.runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
+from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 MAX_N = 128  # as the OpenAI API caps `n`
 

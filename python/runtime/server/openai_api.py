@@ -7,7 +7,6 @@ so streamed and non-streamed requests take the same path and give the same text.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +17,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixgen.runtime.sampling_params import choice_seeds
+from radixgen.common.constraint import TooManyConstraints, normalize_constraint
+from radixgen.common.sampling_params import choice_seeds
 from radixgen.runtime.server.errors import APIError, bad_request
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, sse
 from radixgen.runtime.server.protocol import NO_EFFECT, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -184,16 +184,12 @@ class OpenAIServing:
     def constraint(req: SamplingFields, **more: dict | str | None) -> dict[str, str]:
         """The one output constraint of a request; 400 when several are given."""
         given = {"regex": req.regex, "json_schema": req.json_schema, "ebnf": req.ebnf, **more}
-        given = {k: v for k, v in given.items() if v is not None}
-        if len(given) > 1:
-            raise bad_request(
-                f"at most one output constraint may be given; got {sorted(given)}", sorted(given)[1]
-            )
-        if not given:
-            return {}
-        name, value = next(iter(given.items()))
-        kind = name if name in ("regex", "ebnf") else "json_schema"  # response_format, tools: schemas
-        return {kind: json.dumps(value) if isinstance(value, dict) else value}
+        try:  # response_format, tools: schemas
+            constraint = normalize_constraint(given, kinds=dict.fromkeys(more, "json_schema"))
+        except TooManyConstraints as e:
+            names = sorted(e.given)
+            raise bad_request(f"at most one output constraint may be given; got {names}", names[1]) from None
+        return {} if constraint is None else {constraint.kind: constraint.text}
 
     def jobs(
         self, prompts: list[list[int]], req: SamplingFields, sp: list[dict], rid: str,

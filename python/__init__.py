@@ -63,7 +63,7 @@ __version__ = "0.1.0"
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "Engine": ("radixgen.runtime.engine", "Engine"),
-    "SamplingParams": ("radixgen.runtime.sampling_params", "SamplingParams"),
+    "SamplingParams": ("radixgen.common.sampling_params", "SamplingParams"),
     "EngineBackend": ("radixgen.lang.backend_engine", "EngineBackend"),
     "RuntimeEndpoint": ("radixgen.lang.backend_http", "RuntimeEndpoint"),
     "OpenAI": ("radixgen.lang.backend_openai", "OpenAI"),

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from radixgen.lang.choices import ChoicesSamplingMethod, resolve_method, token_length_normalized
-from radixgen.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Seq
+from radixgen.lang.ir import GEN_NAMES, Gen, Node, RoleBegin, RoleEnd, Select, Seq
 from radixgen.lang.program import Function, get_default_backend, resolve_backend, set_default_backend
 
 __all__ = [
@@ -74,6 +74,7 @@ def gen(
     the run's defaults (SGLang's names and order). `dtype` (int/float/str/bool: the output matches
     `ir.REGEX_INT`... and the variable holds that text), `regex` and `json_schema` constrain the
     output; with `choices` this is a `select` (scored from logprobs, never sampled)."""
+    given = dict(locals())  # every keyword, before anything below binds another name
     if choices is not None:
         return select(
             name,
@@ -92,29 +93,9 @@ def gen(
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"gen.dtype: must be int, float, str or bool (got {dtype!r})")
         dtype = _DTYPE_NAMES[dtype]
-    return Gen(
-        name=name,
-        max_new_tokens=max_tokens,
-        min_new_tokens=min_tokens,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        stop_regex=stop_regex,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        ignore_eos=ignore_eos,
-        n=n,
-        return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len,
-        top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs,
-        dtype=dtype,
-        regex=regex,
-        json_schema=json_schema,
-    )
+    given.update(dtype=dtype)
+    del given["choices"], given["choices_method"]
+    return Gen(**{GEN_NAMES.get(k, k): v for k, v in given.items()})
 
 
 def _typed_gen(dtype: type):

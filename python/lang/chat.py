@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from radixgen.common.chat_render import render_chat
+
 # Private-use code points: never in real text, survive every template we know of.
 MARK = "\ue000radixgen-content\ue001"
 
@@ -43,7 +45,7 @@ class ChatTemplate:
             return None
 
         def render(messages: list[dict[str, str]]) -> str:
-            return tokenizer.apply_chat_template(messages, tokenize=False)
+            return render_chat(tokenizer, messages, add_generation_prompt=False)
 
         return cls(render, name="tokenizer")
 

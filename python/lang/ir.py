@@ -13,6 +13,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from radixgen.common.constraint import TooManyConstraints, normalize_constraint
+
 # The texts a typed gen may write (SGLang's names; each allows the space a model usually writes first).
 # Digits are bounded so a model cannot run on to max_tokens inside a number.
 REGEX_INT = r" ?-?(0|[1-9][0-9]{0,17})"  # an optionally signed decimal integer
@@ -64,7 +66,9 @@ class Text(Node):
     value: str
 
 
-# The sampling fields a `gen` may set; None means "the run's default".
+# The sampling fields a `gen` may set (radixgen.common.sampling_params declares each; tests/common/
+# test_sampling_contract.py fails when a declared one is neither here nor listed as not exposed); None means
+# "the run's default". `n` and the constraints (regex, json_schema, dtype; choices via select) are Gen fields too.
 SAMPLING_FIELDS = (
     "max_new_tokens",
     "min_new_tokens",
@@ -79,6 +83,8 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "ignore_eos",
 )
+# gen()'s keyword -> the declared parameter, where SGLang spells it differently
+GEN_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # Logprob options: not sampling parameters, they shape what comes back.
 LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 DTYPE_REGEX = {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
@@ -129,11 +135,11 @@ class Gen(Node):
                 f"(dtype={self.dtype}, regex={self.regex!r})",
                 stacklevel=user_stacklevel(),
             )
-        constraints = [k for k in ("regex", "json_schema") if getattr(self, k) is not None]
-        if self.dtype is not None and self.json_schema is not None:
-            constraints = ["dtype", "json_schema"]
-        if len(constraints) > 1:
-            raise ValueError(f"gen: at most one of dtype/regex and json_schema may be set, got {constraints}")
+        pattern = ("dtype", self.dtype) if self.dtype is not None else ("regex", self.regex)  # a dtype is a regex
+        try:
+            normalize_constraint(dict([pattern, ("json_schema", self.json_schema)]), kinds={"dtype": "regex"})
+        except TooManyConstraints as e:
+            raise ValueError(f"gen: at most one of dtype/regex and json_schema may be set, got {e.given}") from None
         if self.n is not None and (not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1):
             raise ValueError(f"gen.n: must be a positive integer (got {self.n!r})")
 

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS
 from radixgen.lang.backend_base import PREFILL_ONLY, BaseBackend, GenRequest
 from radixgen.lang.global_config import global_config
 from radixgen.lang.interpreter import SamplingDefaults, StateCore, TraceStop, start_driver
 from radixgen.lang.ir import LOGPROB_FIELDS, SAMPLING_FIELDS
 from radixgen.lang.state import ProgramState
-from radixgen.runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 _engine_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Engine -> its backend
 

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from radixgen.common.chat_render import render_chat
 from radixgen.offline.lora import LoRARegistry
 from radixgen.offline.outputs import RequestOutput, request_output
 from radixgen.offline.params import SamplingParams
@@ -133,15 +134,9 @@ class LLM:
         for conv in conversations:
             if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
                 raise ValueError("LLM.chat: a conversation is a list of {'role': ..., 'content': ...} dicts")
-            text = tok.apply_chat_template(
-                list(conv),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                chat_template=chat_template,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
+            text = render_chat(tok, conv, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template=chat_template, **(chat_template_kwargs or {}))
             # the template already holds any special tokens the model wants
             items.append((text, tok(text, add_special_tokens=False).input_ids))
         loras = self._loras.names(lora_request, len(items))

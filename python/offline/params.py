@@ -12,6 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixgen.common.sampling_params import CONSTRAINT_FIELDS, sampling_fields
+
+# vLLM's name of a declared sampling parameter where it differs (radixgen.common.sampling_params)
+OFFLINE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                 "no_stop_trim": "include_stop_str_in_output"}
+# Declared parameters vLLM's SamplingParams has no field for (the native dict LLM.generate takes has them).
+# The constraints come from guided_decoding / structured_outputs.
+OFFLINE_NOT_EXPOSED = frozenset(("stop_regex",))
 
 @dataclass
 class GuidedDecodingParams:
@@ -131,26 +139,14 @@ class SamplingParams:
     def native(self, prompt_len: int, context_length: int) -> dict[str, Any]:
         """The runtime's sampling_params dict (its validation names any bad value)."""
         max_new = context_length - prompt_len if self.max_tokens is None else self.max_tokens
-        out: dict[str, Any] = {
-            "n": self.n,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": -1 if self.top_k == 0 else self.top_k,
-            "min_p": self.min_p,
-            "seed": self.seed,
-            "stop": self.stop or [],
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": self.ignore_eos,
-            "max_new_tokens": max_new,
-            "min_new_tokens": self.min_tokens,
-            "skip_special_tokens": self.skip_special_tokens,
-            "no_stop_trim": self.include_stop_str_in_output,
-        }
-        if self.logit_bias:
-            out["logit_bias"] = dict(self.logit_bias)
+        # vLLM's stop="" is none, its top_k=0 the whole vocabulary
+        out: dict[str, Any] = {"max_new_tokens": max_new, "stop": self.stop or [],
+                               "top_k": -1 if self.top_k == 0 else self.top_k}
+        for f in sampling_fields():  # every other declared parameter, under its vLLM name
+            if f.name not in out and f.name not in CONSTRAINT_FIELDS and f.name not in OFFLINE_NOT_EXPOSED:
+                value = getattr(self, OFFLINE_NAMES.get(f.name, f.name))
+                if value is not None:
+                    out[f.name] = value
         if not self.spaces_between_special_tokens:  # sent only when it differs from the runtime's default
             out["spaces_between_special_tokens"] = False
         if self.guided_decoding is not None:

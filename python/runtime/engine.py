@@ -28,10 +28,13 @@ from radixgen.runtime.request_state import RequestError, RequestFailed, RequestS
 from radixgen.runtime.request_validation import (
     ModelLimits,
     Prepared,
+    assemble_ids,
     build_requests,
     check_unicode,
     prompt_ids,
     prompt_texts,
+    segment_texts,
+    segmented_prompts,
 )
 
 __all__ = ["Engine", "RequestError", "RequestFailed"]
@@ -124,16 +127,30 @@ class Engine:
 
     def _prepare(self, prompt, input_ids, sampling_params, **kw) -> Prepared:
         """Tokenize (in the calling thread) and validate; nothing is sent."""
-        batched, ids, texts = self._ids(prompt, input_ids)
-        if texts is not None:
-            ids = self.tokenize(texts)
+        segmented = segmented_prompts(prompt) if input_ids is None else None
+        if segmented is not None:
+            batched, prompts = segmented
+            first, rest = segment_texts(prompts)
+            ids = assemble_ids(prompts, self.tokenize(first), self.tokenize(rest, add_special_tokens=False),
+                               self.limits.vocab_size)
+        else:
+            batched, ids, texts = self._ids(prompt, input_ids)
+            if texts is not None:
+                ids = self.tokenize(texts)
         return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
     async def _aprepare(self, prompt, input_ids, sampling_params, **kw) -> Prepared:
         """As `_prepare`, tokenizing off the event loop."""
-        batched, ids, texts = self._ids(prompt, input_ids)
-        if texts is not None:
-            ids = await self.async_tokenize(texts)
+        segmented = segmented_prompts(prompt) if input_ids is None else None
+        if segmented is not None:
+            batched, prompts = segmented
+            first, rest = segment_texts(prompts)
+            ids = assemble_ids(prompts, await self.async_tokenize(first),
+                               await self.async_tokenize(rest, add_special_tokens=False), self.limits.vocab_size)
+        else:
+            batched, ids, texts = self._ids(prompt, input_ids)
+            if texts is not None:
+                ids = await self.async_tokenize(texts)
         return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
     def _states(self, reqs: list[GenerateRequest], text_in_logprobs: bool) -> list[RequestState]:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from radixgen.runtime.sampling_params import SamplingParams
+from radixgen.common.sampling_params import SamplingParams
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
 LOGPROB_FLOOR = -_FLOAT_MAX  # the logprob of an impossible token (-inf), as a finite number

@@ -15,9 +15,10 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from radixgen.common.prompt import MediaItem
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.kv_pool import TableWrites
-from radixgen.runtime.sampling_params import SamplingParams
 
 FinishKind = Literal["stop", "length", "abort"]
 
@@ -86,6 +87,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     cache_salt: str | None = None
     lora_path: str | None = None  # a LoRA adapter's name (None: the base model)
+    media: tuple[MediaItem, ...] = ()  # the prompt's media items, each over its span of input_ids
 
 
 @dataclass

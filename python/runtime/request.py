@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from radixgen.common.prompt import radix_key
 from radixgen.runtime.messages import (  # noqa: F401 - re-exported
     AbortRequest,
     ControlKind,
@@ -29,6 +30,8 @@ class Req:
     def __init__(self, msg: GenerateRequest, arrival_step: int) -> None:
         self.rid = msg.rid
         self.input_ids = list(msg.input_ids)
+        self.media = msg.media
+        self.prompt_key = radix_key(self.input_ids, self.media)  # text only: input_ids itself
         self.params = msg.params
         self.return_logprob = msg.return_logprob
         self.logprob_start_len = msg.logprob_start_len
@@ -70,6 +73,11 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def radix_key(self) -> list[int]:
+        """The tree's key of fill_ids: each media span's ids replaced by its content hash's (common.prompt)."""
+        return self.prompt_key + self.output_ids
 
     @property
     def seq_len(self) -> int:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.detokenizer import IncrementalDetokenizer
 from radixgen.runtime.messages import FinishReason, ReqOutput, SpecCounts
-from radixgen.runtime.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):

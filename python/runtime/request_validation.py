@@ -6,9 +6,10 @@ from __future__ import annotations
 import uuid
 from typing import Any, NamedTuple
 
+from radixgen.common.prompt import MediaSegment, Prompt, TextSegment
+from radixgen.common.sampling_params import SamplingParams, check_text, choice_seeds, is_int
 from radixgen.runtime.messages import GenerateRequest
 from radixgen.runtime.request_state import RequestError
-from radixgen.runtime.sampling_params import SamplingParams, check_text, choice_seeds, is_int
 
 MAX_TOP_LOGPROBS = 100
 
@@ -52,6 +53,47 @@ def prompt_texts(prompt: Any) -> tuple[bool, list[str]]:
     for t in texts:
         check_unicode("prompt", t)
     return batched, texts
+
+
+def segmented_prompts(prompt: Any) -> tuple[bool, list[Prompt]] | None:
+    """(batched, prompts) when `prompt` is a `Prompt` or a non-empty list of them, else None (text prompts).
+    A media segment is refused here, naming it, until a served model takes media."""
+    batched = isinstance(prompt, (list, tuple))
+    prompts = list(prompt) if batched else [prompt]
+    if not prompts or not all(isinstance(p, Prompt) for p in prompts):
+        return None
+    for i, p in enumerate(prompts):
+        for seg in p.segments:
+            if isinstance(seg, MediaSegment):
+                where = f"prompt[{i}]" if batched else "prompt"
+                raise _reject(f"{where}: {seg.kind} input (a MediaSegment, content hash {seg.content_hash[:16]}) "
+                              f"is not supported: the served model takes text only")
+            if isinstance(seg, TextSegment):
+                check_unicode("prompt", seg.text)
+    return batched, prompts
+
+
+def segment_texts(prompts: list[Prompt]) -> tuple[list[str], list[str]]:
+    """The texts to tokenize: (first segments, with special tokens as a plain text prompt; later ones, without)."""
+    first = [p.segments[0].text for p in prompts if p.segments and isinstance(p.segments[0], TextSegment)]
+    rest = [s.text for p in prompts for s in p.segments[1:] if isinstance(s, TextSegment)]
+    return first, rest
+
+
+def assemble_ids(prompts: list[Prompt], first_ids: list[list[int]], rest_ids: list[list[int]],
+                 vocab_size: int) -> list[list[int]]:
+    """Each prompt's ids, its segments' in order (the tokenized texts as `segment_texts` listed them)."""
+    firsts, rests = iter(first_ids), iter(rest_ids)
+    out = []
+    for p in prompts:
+        ids: list[int] = []
+        for k, seg in enumerate(p.segments):
+            if isinstance(seg, TextSegment):
+                ids += next(firsts) if k == 0 else next(rests)
+            else:  # a TokenSegment (media segments were refused)
+                ids += prompt_ids(list(seg.ids), vocab_size)[1][0]
+        out.append(ids)
+    return out
 
 
 def prompt_ids(input_ids: Any, vocab_size: int) -> tuple[bool, list[list[int]]]:

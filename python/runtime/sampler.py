@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from radixgen.common.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from radixgen.runtime.logits_processors import (
     Penalties,
     apply_penalties,
@@ -35,7 +36,6 @@ from radixgen.runtime.logits_processors import (
     finite_logprobs,
     saturate,
 )
-from radixgen.runtime.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 # top-k / top-p / min-p cutoffs are first looked for among the heaviest tokens only: on one CPU core a full
 # sort of (64, 49152) costs ~220 ms, a top-512 ~17 ms; only rows whose cutoff lies deeper search further.

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from radixgen.common.sampling_params import SamplingParams as NativeParams
 from radixgen.offline import GuidedDecodingParams, SamplingParams
 from radixgen.offline.llm import engine_options
-from radixgen.runtime.sampling_params import SamplingParams as NativeParams
 
 
 def test_defaults_and_mapping_are_valid_native_params():

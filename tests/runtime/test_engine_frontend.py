@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from radixgen.common.sampling_params import MAX_SEED
 from radixgen.runtime.engine import Engine, RequestError, RequestFailed
-from radixgen.runtime.sampling_params import MAX_SEED
 
 KV_SLOTS = 600
 HANG_GUARD_S = 600
@@ -172,4 +172,21 @@ def test_a_detokenization_failure_fails_that_request_alone(engine, monkeypatch):
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
     monkeypatch.undo()
     assert engine.generate("Tell me a story.", LONG, rid="poison")["text"] == a["text"]
+    idle_and_consistent(engine)
+
+
+def test_a_segmented_prompt_is_its_segments_ids_and_media_is_refused_naming_it(engine):
+    from radixgen.common.prompt import MediaSegment, Prompt
+
+    greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    (head,), (tail,) = engine.tokenize(["The capital of France"]), engine.tokenize([" is"], add_special_tokens=False)
+    expected = engine.generate(input_ids=head + tail, sampling_params=greedy)
+    got = engine.generate(Prompt.of("The capital of France", tail), greedy)
+    assert got["output_ids"] == expected["output_ids"]
+    assert got["meta_info"]["prompt_tokens"] == len(head + tail)
+    image = MediaSegment.of_bytes("image", b"\x89PNG fake")
+    for call in (lambda p: engine.generate(p, greedy), lambda p: asyncio.run(engine.async_generate(p, greedy))):
+        with pytest.raises(RequestError, match=rf"prompt\[1\]: image input \(a MediaSegment, content hash "
+                                               rf"{image.content_hash[:16]}\) is not supported"):
+            call([Prompt.of("a"), Prompt.of("Describe", image)])
     idle_and_consistent(engine)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.kv_pool import new_req_to_slot_table
 from radixgen.runtime.request import GenerateRequest, Req
-from radixgen.runtime.sampling_params import SamplingParams
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 
@@ -107,3 +107,71 @@ def test_invariant_reports_a_leak():
     assert not kv.invariant_holds()  # a holds a row and 3 slots
     kv.release(a)
     assert kv.invariant_holds()
+
+
+# ---------------------------------------------------------------- media items: the radix key
+
+
+def media_req(rid: str, ids: list[int], *items) -> Req:
+    """A request whose ids[start:end] are the placeholder ids of a media item with the given content hash."""
+    from radixgen.common.prompt import MediaItem
+
+    media = tuple(MediaItem("image", h, start, end) for h, start, end in items)
+    return Req(GenerateRequest(rid, ids, SamplingParams(max_new_tokens=8), media=media), 0)
+
+
+PLACEHOLDER = 7  # the same placeholder id at every image position, as vision models tokenize an image
+
+
+def test_a_text_request_keys_the_tree_with_its_ids_at_no_cost():
+    r = req("a", list(range(10, 20)))
+    assert r.prompt_key is r.input_ids
+    r.output_ids += [3, 4]
+    assert r.radix_key == r.fill_ids
+
+
+def test_the_same_image_shares_kv_and_a_different_one_never_does():
+    kv = manager()
+    ids = [1, 2, 3] + [PLACEHOLDER] * 6 + [4, 5, 6]
+    a = media_req("a", ids, ("cat", 3, 9))
+    assert all(t < 0 for t in a.radix_key[3:9]) and a.radix_key[:3] == [1, 2, 3] and a.radix_key[9:] == [4, 5, 6]
+    kv.admit(a)
+    compute(kv, a)
+    kv.release(a)
+    same = media_req("same", ids + [8], ("cat", 3, 9))
+    assert same.radix_key[:12] == a.radix_key
+    kv.admit(same)
+    assert same.cached_len == len(ids)  # the whole prompt, image included, from the tree
+    kv.release(same)
+    other = media_req("other", ids + [8], ("dog", 3, 9))
+    kv.admit(other)
+    assert other.cached_len == 3  # the text before the image only: different images never share KV
+    kv.release(other)
+    text = req("text", ids + [8])  # the placeholder ids as plain text: no key id is a token id
+    kv.admit(text)
+    assert text.cached_len == 3
+    kv.release(text)
+    assert kv.invariant_holds()
+
+
+def test_media_key_ids_are_outside_any_vocabulary_and_depend_on_position_and_hash():
+    from radixgen.common.prompt import media_key_ids, radix_key
+
+    a, b = media_key_ids("cat", 64), media_key_ids("dog", 64)
+    assert all(t < 0 for t in a + b) and len(set(a)) == 64
+    assert a == media_key_ids("cat", 64) and a[0] != b[0]
+    r = media_req("two", [PLACEHOLDER] * 4 + [9] + [PLACEHOLDER] * 4, ("cat", 0, 4), ("cat", 5, 9))
+    assert r.radix_key[:4] == r.radix_key[5:] == a[:4]  # one image twice: the same key ids each time
+    with pytest.raises(ValueError, match="past the prompt"):
+        from radixgen.common.prompt import MediaItem
+
+        radix_key([1, 2], [MediaItem("image", "cat", 1, 3)])
+
+
+def test_drafts_from_the_tree_stop_before_a_media_span():
+    kv = manager()
+    a = media_req("a", [1, 2, 3] + [PLACEHOLDER] * 4 + [5], ("cat", 3, 7))
+    kv.admit(a)
+    compute(kv, a)
+    kv.release(a)
+    assert kv.continuation([1, 2], max_tokens=6) == [3]  # never a key id as a draft token

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from radixgen.common.sampling_params import SamplingParams as SP
 from radixgen.runtime import sampler as sampler_mod
 from radixgen.runtime.sampler import (
     Sampler,
@@ -15,7 +16,6 @@ from radixgen.runtime.sampler import (
     make_generator,
     prompt_logprobs,
 )
-from radixgen.runtime.sampling_params import SamplingParams as SP
 
 
 def build(params, vocab, outputs=None, prompts=None, generators=None):

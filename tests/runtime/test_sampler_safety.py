@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from radixgen.common.sampling_params import MAX_SEED, MIN_SEED
+from radixgen.common.sampling_params import SamplingParams as SP
 from radixgen.runtime.logits_processors import LOGPROB_FLOOR
 from radixgen.runtime.sampler import Sampler, SamplingBatch, make_generator, prompt_logprobs
-from radixgen.runtime.sampling_params import MAX_SEED, MIN_SEED
-from radixgen.runtime.sampling_params import SamplingParams as SP
 
 NAN, INF = math.nan, math.inf
 

@@ -15,13 +15,13 @@ from kv_helpers import kv_of
 from test_scheduler import make_scheduler, outputs, run, workload
 from tiny_models import perturbed_model_dir, tiny_model_dir
 
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.grammar import make_backend
 from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.radix_cache import RadixCache
 from radixgen.runtime.request import FinishReason, GenerateRequest
-from radixgen.runtime.sampling_params import SamplingParams
 from radixgen.runtime.scheduler import Scheduler
 from radixgen.runtime.speculative import adaptive
 from radixgen.runtime.speculative.adaptive import Acceptance, draft_lengths

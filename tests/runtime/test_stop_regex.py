@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from radixgen.runtime.stop_regex import StopRegexMatcher, stop_regex_patterns
+from radixgen.common.stop_regex import StopRegexMatcher, stop_regex_patterns
 
 PATTERNS = ["ab", "a+b", "(a|b)c", "[abc]{3}", "b.a", "a*b+c?", "(ab)+c", "c\\d", "(?i)AB", "x|ba"]
 

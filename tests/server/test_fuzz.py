@@ -16,7 +16,7 @@ from checks import assert_still_serves
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixgen.runtime.sampling_params import SamplingParams
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.server.native_protocol import GenerateRequest
 from radixgen.runtime.server.protocol import ChatCompletionRequest
 

@@ -9,13 +9,13 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from radixgen.common.sampling_params import default_of
 from radixgen.lang.backend_base import BaseBackend
 from radixgen.lang.interpreter.drivers import run_item_sync, start_driver
 from radixgen.lang.interpreter.errors import Origin, ProgramError
 from radixgen.lang.interpreter.execute import OpenRole, run_traced
 from radixgen.lang.interpreter.notifier import Notifier
 from radixgen.lang.ir import Gen, Join, Node, Select, Seq, SetVar, VarScopeEnd
-from radixgen.runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 # thread: a worker thread runs the queue; inline: `s += x` runs x in the caller's thread (run(use_thread=False));
 # async: a task on the event loop runs the queue; trace: run without the model up to its first call.
@@ -24,21 +24,22 @@ MODES = ("thread", "inline", "async", "trace")
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """The run's defaults; a gen's own arguments override them."""
+    """The run's defaults (the declared ones, radixgen.common.sampling_params); a gen's own arguments override
+    them."""
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    min_new_tokens: int = 0
-    n: int = 1
+    max_new_tokens: int = default_of("max_new_tokens")
+    min_new_tokens: int = default_of("min_new_tokens")
+    n: int = default_of("n")
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    stop_regex: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    ignore_eos: bool = False
+    stop_regex: str | None = default_of("stop_regex")
+    temperature: float = default_of("temperature")
+    top_p: float = default_of("top_p")
+    top_k: int = default_of("top_k")
+    min_p: float = default_of("min_p")
+    frequency_penalty: float = default_of("frequency_penalty")
+    presence_penalty: float = default_of("presence_penalty")
+    ignore_eos: bool = default_of("ignore_eos")
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None

@@ -18,6 +18,7 @@ from radixgen.lang.interpreter.errors import TraceStop
 from radixgen.lang.interpreter.notifier import Notifier
 from radixgen.lang.ir import (
     DTYPE_REGEX,
+    SAMPLING_FIELDS,
     Fork,
     Gen,
     Join,
@@ -122,21 +123,11 @@ def end_role(core: StateCore, role: str) -> None:
 
 def gen_request(core: StateCore, node: Gen) -> GenRequest:
     d = core.defaults
-    params: dict[str, Any] = {
-        "max_new_tokens": d.max_new_tokens,
-        "min_new_tokens": d.min_new_tokens,
-        "stop": list(d.stop),
-        "stop_token_ids": list(d.stop_token_ids),
-        "temperature": d.temperature,
-        "top_p": d.top_p,
-        "top_k": d.top_k,
-        "min_p": d.min_p,
-        "frequency_penalty": d.frequency_penalty,
-        "presence_penalty": d.presence_penalty,
-        "ignore_eos": d.ignore_eos,
-    }
-    if d.stop_regex is not None:
-        params["stop_regex"] = d.stop_regex
+    params: dict[str, Any] = {}  # the run's defaults (stop_regex only when it has one), then the gen's own
+    for key in SAMPLING_FIELDS:
+        value = getattr(d, key)
+        if value is not None:
+            params[key] = list(value) if isinstance(value, tuple) else value
     for key, value in node.sampling_overrides().items():
         params[key] = list(value) if isinstance(value, tuple) else value
     # global_config's output settings: sent only when they differ from the runtime's defaults

@@ -1,6 +1,7 @@
 """Constrained decoding over xgrammar: compile cache, per-request matchers, batch bitmasks, jump-forward.
 
-Constraint kinds (``SamplingParams.constraint`` gives ``(kind, text)``):
+Constraint kinds (``SamplingParams.constraint`` gives the request's ``Constraint(kind, text)`` record,
+radixgen.common.constraint: the front check's input and the compile cache's key):
   regex        a regular expression the whole output must match
   json_schema  a JSON schema (string); see "JSON schemas" below
   ebnf         an EBNF grammar with a ``root`` rule (xgrammar's dialect)

@@ -14,13 +14,13 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from typing import NamedTuple
 
 import xgrammar as xgr
 
+from radixgen.common.constraint import CONSTRAINT_KINDS, Constraint
 from radixgen.runtime.grammar.schema import ConstraintError, analyze_schema, parse_schema, report_unenforced
-
-CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "choices")
 
 
 class CompiledConstraint(NamedTuple):
@@ -66,20 +66,30 @@ def check_constraint(kind: str, text: str, *, strict_json: bool = False) -> None
     if kind not in CONSTRAINT_KINDS:
         raise ConstraintError(f"constraint kind must be one of {CONSTRAINT_KINDS}, got {kind!r}")
     try:
-        if kind == "regex":
-            xgr.Grammar.from_regex(text)
-        elif kind == "ebnf":
-            xgr.Grammar.from_ebnf(text)
-        elif kind == "choices":
-            xgr.Grammar.from_ebnf(choices_to_ebnf(text))
-        else:
+        if kind == "json_schema":
             analysis = analyze_schema(parse_schema(text))
-            report_unenforced(kind, analysis.unenforced, strict_json)
-            xgr.Grammar.from_json_schema(json.dumps(analysis.schema))
+            report_unenforced(kind, analysis.unenforced, strict_json)  # warns on every request, not once
+            _parse_once(kind, json.dumps(analysis.schema))
+        else:
+            _parse_once(kind, text)
     except ConstraintError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for every parse error
         raise ConstraintError(f"{kind}: {describe(kind)}: {clean_error(e)}") from e
+
+
+# Why a cache: the same constraint comes with every request of a batch and every turn of a program; xgrammar
+# parses each text once per process (a failed parse raises and is not cached).
+@lru_cache(maxsize=1024)
+def _parse_once(kind: str, text: str) -> None:
+    if kind == "regex":
+        xgr.Grammar.from_regex(text)
+    elif kind == "ebnf":
+        xgr.Grammar.from_ebnf(text)
+    elif kind == "choices":
+        xgr.Grammar.from_ebnf(choices_to_ebnf(text))
+    else:
+        xgr.Grammar.from_json_schema(text)
 
 
 def describe(kind: str) -> str:
@@ -108,7 +118,7 @@ class _Outcome(NamedTuple):
 class CompileHandle:
     """One request's view of a (possibly shared) compile. Poll `ready()`; then `result()`."""
 
-    def __init__(self, key: tuple[str, str], future: Future, timeout_s: float) -> None:
+    def __init__(self, key: Constraint, future: Future, timeout_s: float) -> None:
         self.key = key
         self._future = future
         self._deadline = time.monotonic() + timeout_s
@@ -156,14 +166,14 @@ class CompileCache:
         self.cache_limit_bytes = int(cache_limit_mb * 2**20)
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=num_threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[Constraint, Future] = OrderedDict()  # keyed by the request's own record
         self._lock = threading.Lock()
         self._hits = self._misses = 0
 
     def submit(self, kind: str, text: str) -> CompileHandle:
         """Start (or share) the compile of (kind, text); never raises for a bad constraint: the
         handle's result() does."""
-        key = (kind, text)
+        key = Constraint(kind, text)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:

@@ -69,7 +69,9 @@ class KVCacheManager:
 
     def continuation(self, tokens: Sequence[int], namespace: str | None = None, max_tokens: int = 8) -> list[int]:
         """What the tree holds right after all of `tokens` (RadixCache.continuation): read-only, for drafts."""
-        return self.tree.continuation(tokens, namespace, max_tokens)
+        out = self.tree.continuation(tokens, namespace, max_tokens)
+        cut = next((i for i, t in enumerate(out) if t < 0), len(out))  # a media span's key ids are no tokens
+        return out[:cut]
 
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
@@ -79,7 +81,7 @@ class KVCacheManager:
 
     def cached_prefix_len(self, req: Req) -> int:
         """How much of the request's prefix the tree holds now (for ordering; admission matches again)."""
-        return len(self.tree.match_prefix(req.fill_ids[:req.max_cacheable()], req.namespace).slots)
+        return len(self.tree.match_prefix(req.radix_key[:req.max_cacheable()], req.namespace).slots)
 
     # ------------------------------------------------------------------ slots: can_allocate / allocate, free
 
@@ -111,7 +113,7 @@ class KVCacheManager:
         """Match the longest cached prefix, lock it and give the request a table row; False when no row is free."""
         if self.table.available() == 0:
             return False
-        m = self.tree.match_prefix(req.fill_ids[:req.max_cacheable()], req.namespace)
+        m = self.tree.match_prefix(req.radix_key[:req.max_cacheable()], req.namespace)
         self.tree.lock(m.last_node)
         req.last_node = m.last_node
         req.cached_len = req.kv_len = len(m.slots)
@@ -155,7 +157,7 @@ class KVCacheManager:
         """Insert the computed part of a running request into the tree and move its lock there."""
         if self.tree.disable:
             return
-        tokens = req.fill_ids[:req.kv_len]
+        tokens = req.radix_key[:req.kv_len]
         slots = self.table.read(req.table_row, 0, req.kv_len)
         already = self.tree.insert(tokens, slots, req.namespace)
         if already > req.cached_len:  # another request inserted the same tokens meanwhile
@@ -171,7 +173,7 @@ class KVCacheManager:
         if req.table_row is None:
             return
         slots = self.table.read(req.table_row, 0, req.kv_len)
-        already = self.tree.insert(req.fill_ids[:req.kv_len], slots, req.namespace)
+        already = self.tree.insert(req.radix_key[:req.kv_len], slots, req.namespace)
         stored = 0 if self.tree.disable else req.kv_len // self.page_size * self.page_size
         if already > req.cached_len:
             self.allocator.free(slots[req.cached_len:already])  # duplicates of what the tree holds

@@ -47,7 +47,7 @@ class AdmissionPolicy:
         weight: dict[int, int] = {}
         children: dict[int, list] = {}
         for r in reqs:
-            node = self.kv.match(r.fill_ids[:r.max_cacheable()], r.namespace).last_node
+            node = self.kv.match(r.radix_key[:r.max_cacheable()], r.namespace).last_node
             at_node.setdefault(id(node), []).append(r)
             while node is not None:
                 weight[id(node)] = weight.get(id(node), 0) + 1

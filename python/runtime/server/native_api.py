@@ -22,9 +22,10 @@ from fastapi import APIRouter, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixgen.common.http_errors import APIError, JSONResponse, bad_request, error_body, error_of
+from radixgen.common.chat_render import render_chat
+from radixgen.common.sampling_params import choice_seeds
 from radixgen.runtime.request_state import RequestError
-from radixgen.runtime.sampling_params import choice_seeds
+from radixgen.common.http_errors import APIError, JSONResponse, bad_request, error_body, error_of
 from radixgen.runtime.server.native_protocol import (
     ConcateAndAppendRequest,
     DetokenizeRequest,
@@ -260,7 +261,7 @@ class NativeServing:
     def tokenize(self, req: TokenizeRequest) -> dict | list[dict]:
         if req.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                text = render_chat(self.tokenizer, req.messages)
             except Exception as e:  # noqa: BLE001 - jinja raises its own kinds
                 raise bad_request(f"messages: the chat template could not be applied: {e}", "messages") from e
             ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -15,9 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from radixgen.runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
-
-MAX_N = 128  # as the OpenAI API caps `n`
+from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS, MAX_N
 
 
 class _Strict(BaseModel):
@@ -50,7 +48,9 @@ _SAMPLING_FEATURES = {
 
 
 class NativeSamplingParams(_Strict):
-    """SGLang's `SamplingParams` fields plus radixgen's own (`seed`, `choices`). None means the default."""
+    """SGLang's `SamplingParams` fields plus radixgen's own (`seed`, `choices`). None means the default.
+    Every parameter radixgen.common.sampling_params declares is a field here, under its own name
+    (tests/common/test_sampling_contract.py); the values are checked there."""
 
     max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS  # None: up to the context length
     min_new_tokens: int | None = None

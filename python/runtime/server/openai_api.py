@@ -7,7 +7,6 @@ so streamed and non-streamed requests take the same path and give the same text.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,8 +17,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixgen.common.constraint import TooManyConstraints, normalize_constraint
+from radixgen.common.sampling_params import CONSTRAINT_FIELDS, choice_seeds, sampling_fields
 from radixgen.common.http_errors import APIError, bad_request
-from radixgen.runtime.sampling_params import choice_seeds
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, sse
 from radixgen.runtime.server.protocol import NO_EFFECT, ChatCompletionRequest, CompletionRequest, SamplingFields
 from radixgen.runtime.server.serving import Dispatcher, merge, new_rid, until_disconnect
@@ -27,6 +27,14 @@ from radixgen.runtime.server.serving import Dispatcher, merge, new_rid, until_di
 __all__ = ["SSE_DONE", "EventStream", "Job", "OpenAIServing", "sse"]
 
 logger = logging.getLogger("radixgen.server")
+
+# The OpenAI body's name of a declared sampling parameter where it differs (radixgen.common.sampling_params)
+OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
+# Declared parameters the mapping sets itself: the token budget (max_tokens / max_completion_tokens against the
+# context), n and seed (one job per choice, choice k seeded with seed + k), the constraint (constraint()).
+SET_ELSEWHERE = frozenset(("max_new_tokens", "n", "seed", *CONSTRAINT_FIELDS))
+# Declared parameters the OpenAI API does not take (the native /generate does).
+OPENAI_NOT_EXPOSED = frozenset(("stop_regex", "choices"))
 
 
 class OpenAIServing:
@@ -161,22 +169,14 @@ class OpenAIServing:
 
     @staticmethod
     def sampling(req: SamplingFields, max_new_tokens: int, constraint: dict[str, str]) -> dict[str, Any]:
-        sp: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "min_new_tokens": req.min_tokens,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "frequency_penalty": req.frequency_penalty,
-            "presence_penalty": req.presence_penalty,
-            "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            "ignore_eos": req.ignore_eos,
-            "skip_special_tokens": req.skip_special_tokens,
-            "no_stop_trim": req.no_stop_trim,
-        }
-        for name in ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "logit_bias"):
-            value = getattr(req, name)
-            if value is not None:
-                sp[name] = value
+        """The native sampling dict of a request: every declared parameter the OpenAI body exposes (under its
+        OPENAI_NAMES spelling), the token budget, and the request's one constraint."""
+        sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        for f in sampling_fields():
+            if f.name not in SET_ELSEWHERE and f.name not in OPENAI_NOT_EXPOSED:
+                value = getattr(req, OPENAI_NAMES.get(f.name, f.name))
+                if value is not None:
+                    sp[f.name] = value
         sp.update(constraint)
         return sp
 
@@ -184,16 +184,12 @@ class OpenAIServing:
     def constraint(req: SamplingFields, **more: dict | str | None) -> dict[str, str]:
         """The one output constraint of a request; 400 when several are given."""
         given = {"regex": req.regex, "json_schema": req.json_schema, "ebnf": req.ebnf, **more}
-        given = {k: v for k, v in given.items() if v is not None}
-        if len(given) > 1:
-            raise bad_request(
-                f"at most one output constraint may be given; got {sorted(given)}", sorted(given)[1]
-            )
-        if not given:
-            return {}
-        name, value = next(iter(given.items()))
-        kind = name if name in ("regex", "ebnf") else "json_schema"  # response_format, tools: schemas
-        return {kind: json.dumps(value) if isinstance(value, dict) else value}
+        try:  # response_format, tools: schemas
+            constraint = normalize_constraint(given, kinds=dict.fromkeys(more, "json_schema"))
+        except TooManyConstraints as e:
+            names = sorted(e.given)
+            raise bad_request(f"at most one output constraint may be given; got {names}", names[1]) from None
+        return {} if constraint is None else {constraint.kind: constraint.text}
 
     def jobs(
         self, prompts: list[list[int]], req: SamplingFields, sp: list[dict], rid: str,

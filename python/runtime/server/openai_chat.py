@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixgen.common.chat_render import render_chat
 from radixgen.common.http_errors import JSONResponse, bad_request, error_of
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
 from radixgen.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
@@ -139,9 +140,7 @@ class ChatServing:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools or []]
         cont = req.continue_final_message  # the last (assistant) message is continued, not closed
         try:
-            return self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=not cont, continue_final_message=cont, tokenize=False, **kwargs
-            )
+            return render_chat(self.tokenizer, msgs, continue_final_message=cont, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja raises its own kinds for bad message shapes
             raise bad_request(f"messages: the chat template could not be applied: {e}", "messages") from e
 

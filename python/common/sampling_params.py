@@ -1,4 +1,10 @@
-"""Per-request sampling parameters, validated before anything is queued.
+"""Per-request sampling parameters, declared once and validated before anything is queued.
+
+`SamplingParams` is the one declaration every front end derives from or is checked against (the language's
+`gen(...)`, the native and OpenAI protocols, the offline API): each field is a `param(default, help=...,
+lo=..., hi=...)` whose metadata carries its range and help text, and `validate()` checks the typed, ranged
+fields from that metadata. Adding a parameter is one `param(...)` here plus, where an API spells it
+differently, one entry in that API's name map (tests/runtime/test_sampling_contract.py fails otherwise).
 
 Types are strict: an int field takes an int (never a bool, a float or a numeric string), a float field an int
 or a float (never a bool), a flag a bool. A bad value is a ValueError that names the field
@@ -10,10 +16,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any
 
-from radixgen.runtime.stop_regex import stop_regex_patterns
+from radixgen.common.constraint import CONSTRAINT_KINDS, Constraint, TooManyConstraints, normalize_constraint
+from radixgen.common.stop_regex import stop_regex_patterns
 
 # The one default for every front end (Engine, server, language): how many tokens a request may generate.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -32,8 +39,19 @@ MAX_N = 128  # choices per request, as the OpenAI API caps it
 MAX_LOGIT_BIAS = 100.0  # as the OpenAI API bounds each logit_bias value
 
 # Constraint fields: a request carries at most one of them.
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+CONSTRAINT_FIELDS = CONSTRAINT_KINDS
+
+
+def param(default: Any = MISSING, *, help: str, kind: type | None = None, lo: float | None = None,  # noqa: A002
+          hi: float | None = None, lo_open: bool = False, optional: bool = False,
+          factory: Any = MISSING) -> Any:
+    """One declared sampling parameter: a dataclass field whose metadata holds its help text and, for a plain
+    int / float / bool (`kind`), the range `validate()` checks ([lo, hi], or (lo, hi] with lo_open; None:
+    unbounded). `optional`: None is accepted too. Fields without `kind` have their own check in validate()."""
+    meta = {"help": help, "kind": kind, "lo": lo, "hi": hi, "lo_open": lo_open, "optional": optional}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def is_int(x: Any) -> bool:
@@ -80,32 +98,56 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     return [seed + k for k in range(n)]
 
 
+def _range_error(f: Field, value: Any) -> str | None:
+    """Why `value` breaks the declared kind / range of field `f` (None: it does not)."""
+    m = f.metadata
+    kind, lo, hi = m["kind"], m["lo"], m["hi"]
+    if value is None and m["optional"]:
+        return None
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be a boolean"
+    if kind is int:
+        inside = is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi)
+        if inside:
+            return None
+        return f"must be an integer >= {lo}" if hi is None else f"must be an integer in [{lo}, {hi}]"
+    inside = (is_number(value) and math.isfinite(value) and (lo < value if m["lo_open"] else lo <= value)
+              and value <= hi)
+    return None if inside else f"must be a finite number in {'(' if m['lo_open'] else '['}{lo:g}, {hi:g}]"
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    min_new_tokens: int = 0
-    temperature: float = 1.0  # below MIN_SAMPLING_TEMPERATURE: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: the whole vocabulary
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop_regex: str | list[str] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    seed: int | None = None
-    n: int = 1
-    regex: str | None = None
-    json_schema: str | None = None  # a dict is serialized on construction
-    ebnf: str | None = None
-    choices: list[str] | None = None
-    # token id -> added to its logit before sampling (OpenAI's logit_bias; string keys as JSON sends them are
-    # converted); -100 bans a token, +100 all but forces it
-    logit_bias: dict[int, float] | None = None
+    max_new_tokens: int = param(DEFAULT_MAX_NEW_TOKENS, kind=int, lo=0, help="the most tokens to generate")
+    min_new_tokens: int = param(0, kind=int, lo=0,
+                                help="stop conditions (EOS, stop strings) apply only after this many")
+    temperature: float = param(1.0, kind=float, lo=0.0, hi=MAX_TEMPERATURE,
+                               help="softmax temperature; below MIN_SAMPLING_TEMPERATURE: greedy")
+    top_p: float = param(1.0, kind=float, lo=0.0, hi=1.0, lo_open=True, help="nucleus sampling mass")
+    top_k: int = param(-1, help="sample among the k likeliest tokens; -1 or 0: the whole vocabulary")
+    min_p: float = param(0.0, kind=float, lo=0.0, hi=1.0, help="drop tokens below min_p times the top probability")
+    frequency_penalty: float = param(0.0, kind=float, lo=-2.0, hi=2.0,
+                                     help="subtracted from a logit once per earlier occurrence in the output")
+    presence_penalty: float = param(0.0, kind=float, lo=-2.0, hi=2.0,
+                                    help="subtracted from the logit of every token already in the output")
+    repetition_penalty: float = param(1.0, kind=float, lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY,
+                                      help="divides positive (multiplies negative) logits of seen tokens")
+    stop: list[str] = param(factory=list, help="stop strings (not part of the output unless no_stop_trim)")
+    stop_token_ids: list[int] = param(factory=list, help="token ids that end the output")
+    stop_regex: str | list[str] | None = param(None, help="regexes that end the output where a match ends")
+    ignore_eos: bool = param(False, kind=bool, help="keep generating past the end-of-sequence token")
+    skip_special_tokens: bool = param(True, kind=bool, help="leave special tokens out of the output text")
+    no_stop_trim: bool = param(False, kind=bool, help="keep the matched stop string in the output")
+    seed: int | None = param(None, kind=int, lo=MIN_SEED, hi=MAX_SEED, optional=True,
+                             help="seed of this request's sampling (choice k of n uses seed + k)")
+    n: int = param(1, kind=int, lo=1, hi=MAX_N, help="independent choices for the same prompt")
+    regex: str | None = param(None, help="constraint: the output matches this regular expression")
+    json_schema: str | None = param(None, help="constraint: the output is JSON valid for this schema (a dict is "
+                                               "serialized on construction)")
+    ebnf: str | None = param(None, help="constraint: the output derives from this grammar's root rule")
+    choices: list[str] | None = param(None, help="constraint: the output is exactly one of these strings")
+    # OpenAI's logit_bias; string keys as JSON sends them are converted; -100 bans a token, +100 all but forces it
+    logit_bias: dict[int, float] | None = param(None, help="token id -> added to its logit before sampling")
 
     def __post_init__(self) -> None:
         # shapes first (a str stop is one stop string, a dict schema is serialized), then every value
@@ -154,41 +196,24 @@ class SamplingParams:
         return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     @property
-    def constraint(self) -> tuple[str, str] | None:
-        """(kind, text) of the grammar constraint, or None."""
-        for name in CONSTRAINT_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                if name == "choices":
-                    return ("choices", json.dumps(value))
-                return (name, value)
-        return None
+    def constraint(self) -> Constraint | None:
+        """The grammar constraint (kind, text), or None: the front check's input and the compile cache's key."""
+        return normalize_constraint({name: getattr(self, name) for name in CONSTRAINT_FIELDS})
 
     def _bad(self, name: str, why: str) -> None:
         raise ValueError(f"sampling_params.{name}: {why} (got {getattr(self, name)!r})")
 
-    def _check_range(self, name: str, low: float, high: float, low_open: bool = False) -> None:
-        v = getattr(self, name)
-        inside = is_number(v) and math.isfinite(v) and (low < v if low_open else low <= v) and v <= high
-        if not inside:
-            self._bad(name, f"must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}]")
-
     def validate(self) -> None:
         bad = self._bad
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be an integer >= 0")
-        if not is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            bad("min_new_tokens", "must be an integer >= 0")
+        for f in fields(self):  # the declared kinds and ranges
+            if f.metadata["kind"] is not None:
+                why = _range_error(f, getattr(self, f.name))
+                if why is not None:
+                    bad(f.name, why)
         if self.min_new_tokens > self.max_new_tokens:
             bad("min_new_tokens", f"must not exceed max_new_tokens={self.max_new_tokens}")
-        self._check_range("temperature", 0.0, MAX_TEMPERATURE)
-        self._check_range("top_p", 0.0, 1.0, low_open=True)
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
-        self._check_range("min_p", 0.0, 1.0)
-        self._check_range("frequency_penalty", -2.0, 2.0)
-        self._check_range("presence_penalty", -2.0, 2.0)
-        self._check_range("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         for tok, bias in (self.logit_bias or {}).items():
             if tok < 0:
                 bad("logit_bias", f"token ids must be >= 0, got {tok}")
@@ -200,13 +225,6 @@ class SamplingParams:
             check_text("sampling_params.stop", s)
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "must be a boolean")
-        if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
-            bad("seed", f"must be an integer in [{MIN_SEED}, {MAX_SEED}]")
-        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
-            bad("n", f"must be an integer in [1, {MAX_N}]")
         choice_seeds(self.seed, self.n)
         if self.stop_regex is not None:  # a string or a list of strings (any of them matching stops)
             regexes = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
@@ -222,11 +240,11 @@ class SamplingParams:
 
     def _validate_constraint(self) -> None:
         bad = self._bad
-        set_constraints = [n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None]
-        if len(set_constraints) > 1:
-            raise ValueError(
-                f"sampling_params: at most one of {list(CONSTRAINT_FIELDS)} may be set, got {set_constraints}"
-            )
+        try:
+            normalize_constraint({name: getattr(self, name) for name in CONSTRAINT_FIELDS})
+        except TooManyConstraints as e:
+            raise ValueError(f"sampling_params: at most one of {list(CONSTRAINT_FIELDS)} may be set, "
+                             f"got {e.given}") from None
         for name in ("regex", "ebnf", "json_schema"):
             v = getattr(self, name)
             if v is not None:
@@ -245,3 +263,14 @@ class SamplingParams:
                 bad("choices", "must be a non-empty list of non-empty strings")
             for c in self.choices:
                 check_text("sampling_params.choices", c)
+
+
+def sampling_fields() -> tuple[Field, ...]:
+    """The declared parameters, in order (name, default, metadata["help"], ...)."""
+    return fields(SamplingParams)
+
+
+def default_of(name: str) -> Any:
+    """The declared default of one parameter (a fresh list for list-valued ones)."""
+    f = SamplingParams.__dataclass_fields__[name]
+    return f.default_factory() if f.default is MISSING else f.default

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixgen.common.constraint import TooManyConstraints, normalize_constraint
-from radixgen.common.sampling_params import CONSTRAINT_FIELDS, choice_seeds, sampling_fields
 from radixgen.common.http_errors import APIError, bad_request
+from radixgen.common.sampling_params import CONSTRAINT_FIELDS, choice_seeds, sampling_fields
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, sse
 from radixgen.runtime.server.protocol import NO_EFFECT, ChatCompletionRequest, CompletionRequest, SamplingFields
 from radixgen.runtime.server.serving import Dispatcher, merge, new_rid, until_disconnect

@@ -30,16 +30,19 @@ import torch
 from radixgen.runtime.kv_pool import ReqToSlotTable, SlotAllocator, TableWriteLog
 from radixgen.runtime.radix_cache import KVLocation, MatchResult, RadixCache, TreeNode
 from radixgen.runtime.request import Req
+from radixgen.runtime.step_messages import KVCopyQueue
 
 logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
     def __init__(self, num_slots: int, table: torch.Tensor, page_size: int = 1, disable_cache: bool = False,
-                 table_log: TableWriteLog | None = None) -> None:
+                 table_log: TableWriteLog | None = None, copies: KVCopyQueue | None = None) -> None:
         """`num_slots`: the pool's slots including the padding slot 0; `table`: the request->slot table tensor
         (see kv_pool.new_req_to_slot_table), shared with the model runner, which may ask for its writes to be
-        logged in `table_log` (the other ranks of a parallel group keep a copy)."""
+        logged in `table_log` (the other ranks of a parallel group keep a copy); `copies`: the runner's queue of
+        KV copy orders (None: no runner, copy_slots is refused)."""
+        self.copies = copies
         self.allocator = SlotAllocator(num_slots, table.device)
         self.table = ReqToSlotTable(table, table_log)
         self.lower_tier = None  # what takes evicted nodes' KV (demote / discard); None: they are dropped
@@ -48,7 +51,8 @@ class KVCacheManager:
 
     @classmethod
     def for_runner(cls, runner, page_size: int = 1, disable_cache: bool = False) -> KVCacheManager:
-        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log)
+        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log,
+                   runner.kv_copies)
 
     @property
     def capacity(self) -> int:
@@ -124,6 +128,13 @@ class KVCacheManager:
 
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Order the KV of pool slots `src` copied into slots `dst` before the next step's forward, on every rank
+        of a parallel group (an order of the step: step_messages.KVCopies)."""
+        if self.copies is None:
+            raise RuntimeError("copy_slots: this KV cache manager has no model runner to copy KV in")
+        self.copies.copy_slots(src, dst)
 
     # ------------------------------------------------------------------ a request: admit / release
 

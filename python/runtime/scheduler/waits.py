@@ -116,9 +116,11 @@ class WaitList:
                     self.finish(req, FinishReason.abort(req.to_abort))
                     continue
                 failed = None
-                while req.waits and req.waits[0].done():  # in order: a later condition may need an earlier one
+                while req.waits:  # in order: a later condition may need an earlier one
                     cond = req.waits[0]
                     stage = cond.stage
+                    if not cond.done():
+                        break
                     failed = cond.error()
                     if failed is not None:
                         break
@@ -127,9 +129,8 @@ class WaitList:
                 if failed is not None:
                     self.finish(req, failed)
                 elif not req.waits:
-                    self.remove(req)
                     front = id(req) in self._front
-                    self._front.discard(id(req))
+                    self.remove(req)
                     self.queue.appendleft(req) if front else self.queue.append(req)
             except Exception as e:  # noqa: BLE001 - fails this request alone
                 self.fail(req, stage, e)

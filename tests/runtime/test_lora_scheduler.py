@@ -129,7 +129,7 @@ def test_a_request_waiting_for_its_adapter_does_not_hold_others(adapters, tokeni
     sched.handle_message(req("base0", 2, None, new=2))
     sched.step()  # c is read into a's slot (the least recently used): b0 and base0 run meanwhile
     assert {r.rid for r in sched.running} == {"b0", "base0"}
-    assert [r.rid for r in sched.waiting] == ["c0"]
+    assert [r.rid for r in sched.waits.reqs] == ["c0"] and not sched.waiting  # waits for its adapter's slot
     out = run(sched, [])
     assert out["c0"]["finish"].kind == "length"
     assert sorted(sched.lora.info()["resident"]) == ["b", "c"]

@@ -86,7 +86,8 @@ class TreeNode:
     last match/insert through it.
     """
 
-    __slots__ = ("children", "parent", "key", "loc", "lock_ref", "last_access", "id")
+    # the location as two fields (`loc` puts them together): the hot loops read them as plain attributes
+    __slots__ = ("children", "parent", "key", "tier", "handle", "lock_ref", "last_access", "id")
 
     def __init__(
         self, key: tuple[int, ...], loc: KVLocation, parent: TreeNode | None, last_access: int, id: int
@@ -94,21 +95,25 @@ class TreeNode:
         self.children: dict[object, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.loc = loc
+        self.tier, self.handle = loc  # tier 0: the device (slots)
         self.lock_ref = 0
         self.last_access = last_access
         self.id = id  # creation order; breaks LRU ties deterministically
 
     @property
-    def tier(self) -> int:
-        return self.loc.tier
+    def loc(self) -> KVLocation:
+        return KVLocation(self.tier, self.handle)
+
+    @loc.setter
+    def loc(self, loc: KVLocation) -> None:
+        self.tier, self.handle = loc
 
     @property
     def slots(self) -> torch.Tensor:
         """(len(key),) int64 slot indices of a device node."""
-        if self.loc.tier != Tier.DEVICE:
+        if self.tier != Tier.DEVICE:
             raise ValueError(f"{self!r} is not on the device")
-        return self.loc.handle
+        return self.handle
 
     def __len__(self) -> int:
         return len(self.key)
@@ -116,7 +121,7 @@ class TreeNode:
     def __repr__(self) -> str:
         head = list(self.key[:8])
         more = "..." if len(self.key) > 8 else ""
-        tier = f", tier={self.loc.tier}" if self.loc.tier else ""
+        tier = f", tier={self.tier}" if self.tier else ""
         return f"TreeNode(len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref}{tier})"
 
 
@@ -152,7 +157,7 @@ class RadixCache:
         for leaves in self._lower_leaves.values():
             for leaf in leaves:  # each lower-tier node is a leaf or above one of its tier
                 node = leaf
-                while node.loc.tier != Tier.DEVICE and node.parent is not None:
+                while node.tier != Tier.DEVICE and node.parent is not None:
                     self.tiers.discard(node.loc)
                     node.parent, node = None, node.parent
         self._clock = 0
@@ -163,6 +168,7 @@ class RadixCache:
         self._leaves: set[TreeNode] = set()  # device token nodes with no device children and lock_ref == 0
         self._lower_leaves = {}  # tier -> its nodes with no children of that tier
         self._lower_size: dict[int, int] = {}  # tier -> tokens
+        self._lower_total = 0  # tokens on every lower tier (0: the default path, no lower tier in use)
         self._namespace_keys: dict[TreeNode, NamespaceKey] = {}  # subtree root -> its key under the root
 
     # ---- queries -------------------------------------------------------------------------------
@@ -184,13 +190,13 @@ class RadixCache:
             child = node.children.get(self._child_key(key, i))
             if child is None:
                 break
-            if child.loc.tier != Tier.DEVICE:
+            if child.tier:  # not on the device (tier 0)
                 return self._result(values, node, self._lower_reach(child, key, i))
             n = self._common_len(child.key, key, i)
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = tick
-            values.append(child.loc.handle)
+            values.append(child.handle)
             node = child
             i += n  # after a split the next lookup misses: the next token (page) differs
         return self._result(values, node, 0)
@@ -284,7 +290,7 @@ class RadixCache:
                 self._add_leaf(node, child_key, key[i:], value, tick)
                 return i if taken is None else taken
             n = self._common_len(child.key, key, i)
-            if child.loc.tier != Tier.DEVICE:  # everything below is lower-tier too: the caller's slots replace it
+            if child.tier:  # not on the device: everything below is lower-tier too: the caller's slots replace it
                 if n < len(child):
                     child = self._split(child, n)
                 self._promote(child, slots[i : i + n].to(device=self.device, dtype=torch.int64, copy=True))
@@ -303,7 +309,7 @@ class RadixCache:
         """Protect `node` and its ancestors from eviction (a reference count; pair with `unlock`)."""
         if node.parent is None and node is not self.root:
             raise ValueError(f"lock of {node!r}, which is no longer in the tree (evicted or reset)")
-        if node.loc.tier != Tier.DEVICE:
+        if node.tier != Tier.DEVICE:
             raise ValueError(f"lock of {node!r}, which is not on the device")
         while node is not self.root:
             if node.lock_ref == 0:
@@ -321,7 +327,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node)
                 self._protected -= len(node)
-                if len(node) and self._is_leaf(node):
+                if self._is_leaf(node) and len(node):
                     self._leaves.add(node)
             node = node.parent
 
@@ -340,7 +346,7 @@ class RadixCache:
         heapq.heapify(heap)
         while count < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            freed.append(node.loc.handle)
+            freed.append(node.handle)
             count += len(node)
             parent = self._demote_or_drop(node)
             if parent in self._leaves:
@@ -382,8 +388,8 @@ class RadixCache:
         freed = []
         for node in reversed(order):
             if len(node) and not node.children and node.lock_ref == 0:
-                if node.loc.tier == Tier.DEVICE:
-                    freed.append(node.loc.handle)
+                if node.tier == Tier.DEVICE:
+                    freed.append(node.handle)
                 self._remove_leaf(node)
         return torch.cat(freed) if freed else self._empty()
 
@@ -484,7 +490,11 @@ class RadixCache:
 
     def _is_leaf(self, node: TreeNode) -> bool:
         """No child on the node's own tier (children are on the same tier or lower ones)."""
-        return not node.children or all(c.loc.tier != node.loc.tier for c in node.children.values())
+        if not node.children:
+            return True
+        if not self._lower_total:  # every node is on the device: any child is on the node's tier
+            return False
+        return all(c.tier != node.tier for c in node.children.values())
 
     def _demote_or_drop(self, node: TreeNode) -> TreeNode:
         """An unlocked leaf of its tier leaves that tier: `tiers.demote` moves it down, or it is dropped (with
@@ -492,8 +502,8 @@ class RadixCache:
         loc = self.tiers.demote(node) if self.tiers is not None else None
         if loc is None:
             return self._remove_leaf(node)
-        lowest = min((c.loc.tier for c in node.children.values()), default=max(Tier))
-        if not node.loc.tier < loc.tier <= lowest:
+        lowest = min((c.tier for c in node.children.values()), default=max(Tier))
+        if not node.tier < loc.tier <= lowest:
             raise ValueError(f"demote of {node!r} to tier {loc.tier}: it must go down, and not below its "
                              f"children's tier {lowest}")
         self._leave_tier(node)
@@ -501,7 +511,7 @@ class RadixCache:
         self._join_tier(node)
         parent = node.parent
         if parent is not self.root and len(parent) and parent.lock_ref == 0 and self._is_leaf(parent):
-            self._leaves_of(parent.loc.tier).add(parent)
+            self._leaves_of(parent.tier).add(parent)
         return parent
 
     def _promote(self, node: TreeNode, slots: torch.Tensor) -> None:
@@ -516,19 +526,21 @@ class RadixCache:
         return self._leaves if tier == Tier.DEVICE else self._lower_leaves.setdefault(tier, set())
 
     def _leave_tier(self, node: TreeNode) -> None:
-        tier = node.loc.tier
+        tier = node.tier
         self._leaves_of(tier).discard(node)
         if tier == Tier.DEVICE:
             self._evictable -= len(node)
         else:
             self._lower_size[tier] -= len(node)
+            self._lower_total -= len(node)
 
     def _join_tier(self, node: TreeNode) -> None:
-        tier = node.loc.tier
+        tier = node.tier
         if tier == Tier.DEVICE:
             self._evictable += len(node)
         else:
             self._lower_size[tier] = self._lower_size.get(tier, 0) + len(node)
+            self._lower_total += len(node)
         if self._is_leaf(node):
             self._leaves_of(tier).add(node)
 
@@ -542,14 +554,14 @@ class RadixCache:
             n = stack.pop()
             stack.extend(n.children.values())
             self._leave_tier(n)
-            if n.loc.tier != Tier.DEVICE:
+            if n.tier != Tier.DEVICE:
                 self.tiers.discard(n.loc)
             n.parent = None
         if not parent.children and parent is not self.root:
             if len(parent) == 0:  # an empty namespace subtree root: drop it, it holds no token
                 del self.root.children[self._namespace_keys.pop(parent)]
             elif parent.lock_ref == 0:
-                self._leaves_of(parent.loc.tier).add(parent)
+                self._leaves_of(parent.tier).add(parent)
         elif parent is not self.root and len(parent) and parent.lock_ref == 0 and self._is_leaf(parent):
-            self._leaves_of(parent.loc.tier).add(parent)
+            self._leaves_of(parent.tier).add(parent)
         return parent

@@ -126,3 +126,27 @@ def test_a_retracted_request_goes_to_the_front():
     cond.state = "ok"
     waits.poll()
     assert list(queue) == [b, c, a]
+
+
+def test_in_the_scheduler_an_abort_during_a_grammar_compile_leaks_nothing(model_dir, tokenizer):
+    """A real scheduler: a request aborted while its (heavy) grammar compiles ends at once with the abort, the other
+    request runs, and the scheduler goes idle with its invariant holding."""
+    import json
+
+    from test_scheduler import run
+    from test_scheduler_failures import greedy, make_scheduler
+
+    from radixgen.runtime.request import AbortRequest
+
+    heavy = json.dumps({"type": "object", "properties": {
+        f"field_{i}": {"type": "string", "pattern": "[a-z]{2,30}@[a-z]{1,20}\\.(com|org)"} for i in range(40)}})
+    sched = make_scheduler(model_dir, tokenizer, grammar=True)
+    sched.handle_message(GenerateRequest("json", [5, 6, 7], SamplingParams(max_new_tokens=8, json_schema=heavy)))
+    sched.handle_message(GenerateRequest("plain", [8, 9, 10], greedy(4)))
+    sched.step()
+    assert [r.rid for r in sched.waits.reqs] == ["json"]
+    sched.handle_message(AbortRequest("json"))
+    out = run(sched, [])
+    assert out["json"]["finish"] == FinishReason.abort("aborted by the client") and out["json"]["ids"] == []
+    assert out["plain"]["finish"] == FinishReason.length_limit(4)
+    assert not len(sched.waits) and not sched.rids

@@ -58,8 +58,34 @@ def drive(runner: ModelRunner, seed: int = 0, decode_steps: int = 4) -> torch.Te
     return torch.cat(out)
 
 
+def drive_copy(runner: ModelRunner, copy: bool = True) -> torch.Tensor:
+    """A prompt computed into slots S; its KV copied (a KV copy order of the next step) into fresh slots D; then one
+    step with the same next token for two rows, one reading the prompt from S, the other from D: float32 logits
+    (2, V), equal when every rank has applied the copy. With copy=False the order is left out (D holds zeros)."""
+    kv = KVCacheManager.for_runner(runner)
+    prompt = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    n = len(prompt)
+    a, b = kv.table.allocate(), kv.table.allocate()
+    src = kv.allocate(n)
+    kv.table.write(a, 0, src)
+    runner.forward(ForwardInput(torch.tensor(prompt), torch.arange(n), src, torch.tensor([a]), [0], [n],
+                                torch.tensor([n - 1])))
+    dst = kv.allocate(n)
+    kv.table.write(b, 0, dst)
+    if copy:
+        kv.copy_slots(src, dst)
+    new = kv.allocate(2)
+    kv.table.write(a, n, new[:1])
+    kv.table.write(b, n, new[1:])
+    return runner.forward(ForwardInput(torch.tensor([7, 7]), torch.tensor([n, n]), new, torch.tensor([a, b]), [n, n],
+                                       [1, 1], torch.arange(2)))
+
+
+WORKLOADS = {"drive": drive, "drive_copy": drive_copy}
+
+
 def _rank_main(cfg: RuntimeConfig, model_path: str, rank: int, addr: tuple[str, int], out: str,
-               fused: bool) -> None:
+               fused: bool, workload: str = "drive") -> None:
     try:
         torch.set_num_threads(1)
         distributed.init(cfg, ModelConfig.from_hf(read_hf_config(Path(model_path))), rank, *addr)
@@ -67,7 +93,7 @@ def _rank_main(cfg: RuntimeConfig, model_path: str, rank: int, addr: tuple[str, 
         if not fused:
             runner.fused_decode = None
         if rank == 0:
-            logits = drive(runner)
+            logits = WORKLOADS[workload](runner)
             runner.group.close()
             torch.save({"logits": logits, "fused": runner.fused_decode is not None}, out)
         else:
@@ -80,14 +106,15 @@ def _rank_main(cfg: RuntimeConfig, model_path: str, rank: int, addr: tuple[str, 
     os._exit(0)
 
 
-def run_group(model_path: str, fused: bool = True, **config) -> dict:
-    """`drive` on rank 0 of a group with `config` (tp_size, pp_size, ...): rank 0's result."""
+def run_group(model_path: str, fused: bool = True, workload: str = "drive", **config) -> dict:
+    """`drive` (or another of WORKLOADS) on rank 0 of a group with `config` (tp_size, pp_size, ...): rank 0's
+    result."""
     cfg = RuntimeConfig(model=model_path, max_total_tokens=2048, max_running_requests=8, dist_timeout=60.0,
                         **config)
     host = GroupHost(cfg, ModelConfig.from_hf(read_hf_config(Path(model_path))))
     out = os.path.join(tempfile.mkdtemp(prefix="radixgen-group-"), "result.pt")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(cfg, model_path, r, host.addr, out, fused))
+    procs = [ctx.Process(target=_rank_main, args=(cfg, model_path, r, host.addr, out, fused, workload))
              for r in range(cfg.world_size)]
     for p in procs:
         p.start()

@@ -4,21 +4,18 @@ Engine -> scheduler: `GenerateRequest`, `AbortRequest`, `ControlRequest`, `LoadL
 `UnloadLoRAAdapter`.
 Scheduler -> Engine: `ReadySignal` (once, at start), `ReqOutput` (per step and request), `ControlReply`
 (a `LoRAUpdate` for the LoRA messages), `FatalError` (the scheduler cannot go on).
-Rank 0 -> the other ranks of a tensor / pipeline parallel group: `StepDescription` (per step, as tensors).
+The messages between the ranks of a parallel group are in step_messages.py (they name scheduler records; this
+module imports none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
-from typing import Any, ClassVar, Literal
-
-import torch
+from enum import Enum
+from typing import Any, Literal
 
 from radixgen.common.prompt import MediaItem
 from radixgen.common.sampling_params import SamplingParams
-from radixgen.runtime.batch import ForwardInput
-from radixgen.runtime.kv_pool import TableWrites
 
 FinishKind = Literal["stop", "length", "abort"]
 
@@ -193,55 +190,3 @@ class ReqOutput:
 @dataclass
 class FatalError:
     message: str
-
-
-# ---------------------------------------------------------------- rank 0 -> the other ranks of a parallel group
-
-
-class StepKind(IntEnum):
-    FORWARD = 0  # run `forward_input`
-    HEARTBEAT = 1  # nothing to run: rank 0 is idle and alive (the others' waits stay within the group timeout)
-    SHUTDOWN = 2  # pass it on and exit
-
-
-@dataclass
-class StepDescription:
-    """One step of a tensor / pipeline parallel group, as rank 0 (the scheduler) sends it to the other ranks
-    (runtime/parallel_step.py): the step's ForwardInput and the request->slot table writes made since the previous
-    step, which the other ranks apply to their copy of the table. On the wire: a header of HEADER_LEN int64
-    (the kind and the lengths), then one int64 payload with every tensor and list concatenated."""
-
-    kind: StepKind
-    forward_input: ForwardInput | None = None
-    table_writes: TableWrites | None = None
-
-    HEADER_LEN: ClassVar[int] = 7  # kind, tokens T, requests B, logit rows N, table segments U, table slots S, verify
-
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kind != StepKind.FORWARD:
-            header = torch.zeros(self.HEADER_LEN, dtype=torch.int64)
-            header[0] = int(self.kind)
-            return header, torch.zeros(0, dtype=torch.int64)
-        fi, tw = self.forward_input, self.table_writes
-        lens = torch.tensor([*fi.prefix_lens, *fi.extend_lens], dtype=torch.int64)
-        parts = [fi.input_ids, fi.positions, fi.out_slots, fi.req_indices, lens, fi.logit_rows, *tw]
-        header = torch.tensor([int(self.kind), fi.input_ids.numel(), fi.req_indices.numel(), fi.logit_rows.numel(),
-                               tw.rows.numel(), tw.slots.numel(), int(fi.verify)], dtype=torch.int64)
-        return header, torch.cat([p.to("cpu", torch.int64).reshape(-1) for p in parts])
-
-    @staticmethod
-    def payload_len(header: torch.Tensor) -> int:
-        _, t, b, n, u, s, _ = header.tolist()
-        return 3 * t + 3 * b + n + 3 * u + s
-
-    @classmethod
-    def unpack(cls, header: torch.Tensor, payload: torch.Tensor) -> StepDescription:
-        kind, t, b, n, u, s, verify = header.tolist()
-        if kind != StepKind.FORWARD:
-            return cls(StepKind(kind))
-        # [ids T | positions T | out_slots T | req_indices B | prefix_lens B | extend_lens B | logit_rows N |
-        #  table rows U | starts U | lengths U | slots S]
-        ids, pos, slots, rows, prefix, extend, logit_rows, t_rows, t_starts, t_lens, t_slots = payload.split(
-            [t, t, t, b, b, b, n, u, u, u, s])
-        fi = ForwardInput(ids, pos, slots, rows, prefix.tolist(), extend.tolist(), logit_rows, verify=bool(verify))
-        return cls(StepKind.FORWARD, fi, TableWrites(t_rows, t_starts, t_lens, t_slots))

@@ -22,6 +22,7 @@ from radixgen.runtime.loader import is_gguf_native, load_weights, read_hf_config
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
+from radixgen.runtime.step_messages import KVCopyQueue
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class ModelRunner:
             new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
         self.table_log = TableWriteLog() if par.world_size > 1 else None
+        self.kv_copies = KVCopyQueue()  # KV copy orders, applied on every rank before the next step's forward
         # the resident LoRA adapters' weights (the scheduler's LoRA manager decides which sit where)
         self.lora_pool = LoRAPool.for_config(cfg, mc, self.dtype, self.device) if cfg.lora_enabled else None
         if self.lora_pool is not None:  # the LoRA layers wrap whatever linear methods the ops set installed
@@ -200,6 +202,8 @@ class ModelRunner:
         (scheduler/pipeline.py keeps several steps in flight)."""
         if self.group is not None:
             return self.group.launch(fi)
+        if len(self.kv_copies):
+            self.kv_copies.take().apply(self.kv_pool)
         return self.run_stage(fi)
 
     def collect(self, step) -> torch.Tensor:

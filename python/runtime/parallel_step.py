@@ -1,8 +1,9 @@
 """How one step travels through a tensor / pipeline parallel group (see docs/architecture.md, "Parallelism").
 
-Rank 0 holds the scheduler. For each step it packs a `StepDescription` (messages.py): the step's ForwardInput
-and the request->slot table writes since the previous step (the other ranks keep their own copy of the table:
-the KV cache manager on rank 0 stays the one owner of slots). Then:
+Rank 0 holds the scheduler. For each step it packs a `StepDescription` (step_messages.py): the step's ForwardInput,
+the request->slot table writes since the previous step (the other ranks keep their own copy of the table: the KV
+cache manager on rank 0 stays the one owner of slots) and the KV copy orders given since (the runner's
+`kv_copies`), which every rank applies to its part of the pool before its part of the forward. Then:
 
 - stage 0: rank 0 broadcasts the description over the stage's tensor-parallel group, and every rank of the stage
   runs its shard of the stage's layers (the all-reduces inside the layers keep them in step);
@@ -26,8 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from radixgen.runtime import distributed
-from radixgen.runtime.messages import StepDescription, StepKind
 from radixgen.runtime.models.llama import StageHidden
+from radixgen.runtime.step_messages import StepDescription, StepKind
 
 if TYPE_CHECKING:
     from radixgen.runtime.batch import ForwardInput
@@ -62,7 +63,7 @@ class StepGroup:
     def launch(self, fi: ForwardInput) -> InFlight:
         """Send step `fi` on its way and run stage 0's part of it. Any failure is the group's (GroupError): the
         other ranks are already in the step, which cannot be taken back."""
-        desc = StepDescription(StepKind.FORWARD, fi, self.runner.table_log.take())
+        desc = StepDescription(StepKind.FORWARD, fi, self.runner.table_log.take(), self.runner.kv_copies.take())
         try:
             out = self._run_stage0(desc)
         except distributed.GroupError:
@@ -138,6 +139,8 @@ class StepGroup:
         result: the logits on the last stage's first rank, None on its others, the StageHidden elsewhere."""
         out = None
         if desc.kind == StepKind.FORWARD:
+            if desc.kv_copies:
+                desc.kv_copies.apply(self.runner.kv_pool)  # before the forward, which may read the copies
             out = self.runner.run_stage(desc.forward_input, stage_input)
         if self.next_rank is not None:
             tensors = (header, payload)

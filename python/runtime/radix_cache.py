@@ -1,7 +1,9 @@
-"""The radix tree of the prefix cache: token-id sequences -> KV slot indices.
+"""The radix tree of the prefix cache: token-id sequences -> where their KV lives.
 
-The tree holds slot indices only (one int64 per token, a tensor per node), never KV data. The caller
-owns the allocator: slots enter the tree through `insert` and leave it through `evict`.
+Each node holds a KV location (`KVLocation`: its tier and its handle), never KV data: on tier 0 (the device
+pool) the handle is the slot indices (one int64 per token, a tensor per node); a lower tier (1 host memory,
+2 disk) names its own storage. The caller owns the allocator: slots enter the tree through `insert` and leave
+it through `evict`. Along every path from the root tiers never go up (a device prefix, then lower tiers).
 
 Contract, in the order a request uses it:
   1. `m = match_prefix(tokens, namespace)`, then `lock(m.last_node)` before using `m.slots`: an
@@ -11,6 +13,13 @@ Contract, in the order a request uses it:
   3. `evict(n)` frees least-recently-used unlocked leaves first; it may free more than asked (whole
      nodes) and less when not enough is evictable.
 
+Tiers (the `tiers` hook, the KV cache manager's): for each node `evict` takes off the device, `tiers.demote(node)`
+says None (drop it: the node and anything below it leave the tree) or gives its new lower-tier location (the node
+keeps its place and key, its slots are freed). Without the hook every node is dropped. `match_prefix` returns the
+device-resident prefix only, and `MatchResult.lower_len` says how much further lower tiers hold; `insert` over a
+lower-tier node moves it back to the device with the caller's slots (`tiers.discard` frees the lower copy).
+`evict_lower(tier, n)` is the same LRU within one lower tier.
+
 Namespaces ("cache salt"; with a LoRA adapter, the tuple (salt, adapter load id)): `None` is the default
 namespace, stored directly under the root; every other namespace is a subtree under a child of the root
 keyed by `NamespaceKey(name)`. That subtree root has an empty key (it holds no token) and is removed as
@@ -19,6 +28,9 @@ drops one namespace's unlocked entries (an adapter's unload).
 
 With page_size > 1 keys are compared in whole pages: a child is looked up by the token tuple of its
 first page, and matches and inserts are rounded down to whole pages.
+
+About 550 lines: every operation keeps the same bookkeeping (the leaf sets and token counts of each tier, the
+lock counts) consistent, and keeping it in one module keeps that invariant readable in one place.
 """
 
 from __future__ import annotations
@@ -26,9 +38,37 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from enum import IntEnum
+from typing import NamedTuple, Protocol
 
 import torch
+
+
+class Tier(IntEnum):
+    DEVICE = 0  # the KV pool: a handle is a (n,) int64 tensor of slot indices
+    HOST = 1  # host memory (a lower tier's handle: a buffer range)
+    DISK = 2  # disk files (a lower tier's handle: page names)
+
+
+class KVLocation(NamedTuple):
+    """Where a node's KV lives: its tier and a handle with one entry per token that slices like a sequence
+    (`handle[a:b]` is the location of tokens [a, b): a node is split by slicing its handle)."""
+
+    tier: int
+    handle: object
+
+    def split(self, n: int) -> tuple[KVLocation, KVLocation]:
+        return KVLocation(self.tier, self.handle[:n]), KVLocation(self.tier, self.handle[n:])
+
+
+class TierHook(Protocol):
+    """The owner of the tiers below the device (the KV cache manager)."""
+
+    def demote(self, node: TreeNode) -> KVLocation | None:
+        """`node` leaves its tier: None drops it, else its new location on a lower tier (it has copied the KV)."""
+
+    def discard(self, loc: KVLocation) -> None:
+        """A lower-tier location the tree no longer holds (its node dropped, or moved back to the device)."""
 
 
 @dataclass(frozen=True)
@@ -39,24 +79,41 @@ class NamespaceKey:
 
 
 class TreeNode:
-    """One edge of the tree: `key` tokens whose KV lives in `value` slots (same length).
+    """One edge of the tree: `key` tokens whose KV lives at `loc` (a handle of the same length).
 
     `lock_ref` counts the locks held on this node or any node below it; a node with lock_ref > 0
-    is never evicted. `last_access` is the tree's logical clock at the last match/insert through it.
+    is never evicted (only device nodes are locked). `last_access` is the tree's logical clock at the
+    last match/insert through it.
     """
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    # the location as two fields (`loc` puts them together): the hot loops read them as plain attributes
+    __slots__ = ("children", "parent", "key", "tier", "handle", "lock_ref", "last_access", "id")
 
     def __init__(
-        self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None, last_access: int, id: int
+        self, key: tuple[int, ...], loc: KVLocation, parent: TreeNode | None, last_access: int, id: int
     ):
         self.children: dict[object, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.value = value  # (len(key),) int64 slot indices
+        self.tier, self.handle = loc  # tier 0: the device (slots)
         self.lock_ref = 0
         self.last_access = last_access
         self.id = id  # creation order; breaks LRU ties deterministically
+
+    @property
+    def loc(self) -> KVLocation:
+        return KVLocation(self.tier, self.handle)
+
+    @loc.setter
+    def loc(self, loc: KVLocation) -> None:
+        self.tier, self.handle = loc
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """(len(key),) int64 slot indices of a device node."""
+        if self.tier != Tier.DEVICE:
+            raise ValueError(f"{self!r} is not on the device")
+        return self.handle
 
     def __len__(self) -> int:
         return len(self.key)
@@ -64,22 +121,27 @@ class TreeNode:
     def __repr__(self) -> str:
         head = list(self.key[:8])
         more = "..." if len(self.key) > 8 else ""
-        return f"TreeNode(len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref})"
+        tier = f", tier={self.tier}" if self.tier else ""
+        return f"TreeNode(len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref}{tier})"
 
 
 class MatchResult(NamedTuple):
     slots: torch.Tensor  # (n,) int64: the cached prefix's slot indices
     last_node: TreeNode  # covers exactly the matched prefix; the root when n == 0
+    lower_len: int = 0  # tokens after it that lower tiers hold (a load-back would bring them to the device)
 
 
 class RadixCache:
-    def __init__(self, page_size: int = 1, disable: bool = False, device: str | torch.device = "cpu"):
+    def __init__(self, page_size: int = 1, disable: bool = False, device: str | torch.device = "cpu",
+                 tiers: TierHook | None = None):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self.disable = disable
         self.device = torch.device(device)
+        self.tiers = tiers
         self._protected = 0
+        self._lower_leaves: dict[int, set[TreeNode]] = {}
         # Page size 1 looks children up by a bare int: cheaper to hash than a 1-tuple.
         if page_size == 1:
             self._child_key = lambda key, i: key[i]
@@ -88,22 +150,33 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        """Drop every node. The caller frees (or resets) the slots the tree held; nothing may be locked."""
+        """Drop every node. The caller frees (or resets) the slots the tree held; nothing may be locked. Lower-tier
+        locations go to `tiers.discard`."""
         if self._protected:
             raise RuntimeError(f"reset with {self._protected} locked tokens in the radix cache")
+        for leaves in self._lower_leaves.values():
+            for leaf in leaves:  # each lower-tier node is a leaf or above one of its tier
+                node = leaf
+                while node.tier != Tier.DEVICE and node.parent is not None:
+                    self.tiers.discard(node.loc)
+                    node.parent, node = None, node.parent
         self._clock = 0
         self._next_id = 0
-        self.root = self._new_node((), self._empty(), None)
+        self.root = self._new_node((), self._device_loc(self._empty()), None)
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._protected = 0  # tokens in nodes with lock_ref > 0
-        self._leaves: set[TreeNode] = set()  # token nodes with no children and lock_ref == 0
+        self._leaves: set[TreeNode] = set()  # device token nodes with no device children and lock_ref == 0
+        self._lower_leaves = {}  # tier -> its nodes with no children of that tier
+        self._lower_size: dict[int, int] = {}  # tier -> tokens
+        self._lower_total = 0  # tokens on every lower tier (0: the default path, no lower tier in use)
         self._namespace_keys: dict[TreeNode, NamespaceKey] = {}  # subtree root -> its key under the root
 
     # ---- queries -------------------------------------------------------------------------------
 
     def match_prefix(self, tokens: Sequence[int] | torch.Tensor, namespace: str | tuple | None = None) -> MatchResult:
-        """Longest cached prefix of `tokens` (whole pages). Splits the last node when the match ends
-        inside it, and refreshes last-access times along the path. Lock `last_node` before use."""
+        """Longest device-resident prefix of `tokens` (whole pages), and how far lower tiers go on
+        (`lower_len`). Splits the last device node when the match ends inside it, and refreshes last-access
+        times along the device path. Lock `last_node` before use."""
         key = self._as_key(tokens)
         if self.disable or not key:
             return MatchResult(self._empty(), self.root)
@@ -117,16 +190,32 @@ class RadixCache:
             child = node.children.get(self._child_key(key, i))
             if child is None:
                 break
+            if child.tier:  # not on the device (tier 0)
+                return self._result(values, node, self._lower_reach(child, key, i))
             n = self._common_len(child.key, key, i)
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = tick
-            values.append(child.value)
+            values.append(child.handle)
             node = child
             i += n  # after a split the next lookup misses: the next token (page) differs
-        if i == 0:
-            return MatchResult(self._empty(), self.root)
-        return MatchResult(torch.cat(values), node)
+        return self._result(values, node, 0)
+
+    def _result(self, values: list[torch.Tensor], node: TreeNode, lower_len: int) -> MatchResult:
+        if not values:
+            return MatchResult(self._empty(), self.root, lower_len)
+        return MatchResult(torch.cat(values), node, lower_len)
+
+    def _lower_reach(self, node: TreeNode, key: tuple[int, ...], i: int) -> int:
+        """How many tokens of key[i:] the lower-tier path from `node` holds (read-only: no split, no refresh)."""
+        start = i
+        while node is not None:
+            n = self._common_len(node.key, key, i)
+            i += n
+            if n < len(node) or i == len(key):
+                break
+            node = node.children.get(self._child_key(key, i))
+        return i - start
 
     def continuation(self, tokens: Sequence[int], namespace: str | None = None, max_tokens: int = 8) -> list[int]:
         """Up to `max_tokens` tokens the tree holds right after the whole of `tokens` (what an earlier request
@@ -156,6 +245,10 @@ class RadixCache:
 
     def evictable_size(self) -> int:
         return self._evictable
+
+    def lower_size(self, tier: int) -> int:
+        """Tokens held on a lower tier."""
+        return self._lower_size.get(tier, 0)
 
     def protected_size(self) -> int:
         return self._protected
@@ -188,28 +281,36 @@ class RadixCache:
         node = self._namespace_root(namespace, create=True)
         tick = self._tick()
         i = 0
+        taken = None  # where the tree started taking slots for lower-tier nodes (moved back to the device)
         while i < len(key):
             child_key = self._child_key(key, i)
             child = node.children.get(child_key)
             if child is None:
                 value = slots[i : len(key)].to(device=self.device, dtype=torch.int64, copy=True)
                 self._add_leaf(node, child_key, key[i:], value, tick)
-                return i
+                return i if taken is None else taken
             n = self._common_len(child.key, key, i)
-            if i + n == len(key):  # the key ends inside (or at the end of) this node
+            if child.tier:  # not on the device: everything below is lower-tier too: the caller's slots replace it
+                if n < len(child):
+                    child = self._split(child, n)
+                self._promote(child, slots[i : i + n].to(device=self.device, dtype=torch.int64, copy=True))
+                taken = i if taken is None else taken
+            elif i + n == len(key):  # the key ends inside (or at the end of) this node
                 child.last_access = tick
                 return len(key)
-            if n < len(child):
+            elif n < len(child):
                 child = self._split(child, n)
             child.last_access = tick
             node = child
             i += n
-        return len(key)
+        return len(key) if taken is None else taken
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (a reference count; pair with `unlock`)."""
         if node.parent is None and node is not self.root:
             raise ValueError(f"lock of {node!r}, which is no longer in the tree (evicted or reset)")
+        if node.tier != Tier.DEVICE:
+            raise ValueError(f"lock of {node!r}, which is not on the device")
         while node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node)
@@ -226,16 +327,16 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node)
                 self._protected -= len(node)
-                if not node.children and len(node):
+                if self._is_leaf(node) and len(node):
                     self._leaves.add(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> torch.Tensor:
-        """Free at least `num_tokens` slots, least-recently-used unlocked leaves first.
+        """Free at least `num_tokens` slots, least-recently-used unlocked leaves first (a leaf: no device child).
 
         Returns the freed slot indices (int64) for the caller's allocator. Whole nodes go, so it may
         free more than asked; it frees less when fewer tokens are evictable. A parent whose last child
-        goes becomes a leaf and a candidate in the same call.
+        goes becomes a leaf and a candidate in the same call. Each node goes through `tiers.demote`.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -245,12 +346,29 @@ class RadixCache:
         heapq.heapify(heap)
         while count < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            freed.append(node.value)
+            freed.append(node.handle)
             count += len(node)
-            parent = self._remove_leaf(node)
+            parent = self._demote_or_drop(node)
             if parent in self._leaves:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return torch.cat(freed) if freed else self._empty()
+
+    def evict_lower(self, tier: int, num_tokens: int) -> int:
+        """`evict` within a lower tier: its least-recently-used leaves go (through `tiers.demote`: further down,
+        or dropped) until at least `num_tokens` have left it; returns how many did."""
+        if tier == Tier.DEVICE or num_tokens < 0:
+            raise ValueError(f"evict_lower(tier={tier}, num_tokens={num_tokens}): a lower tier and a count >= 0")
+        leaves = self._lower_leaves.get(tier, set())
+        heap = [(n.last_access, n.id, n) for n in leaves]
+        heapq.heapify(heap)
+        count = 0
+        while count < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            count += len(node)
+            parent = self._demote_or_drop(node)
+            if parent in leaves:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return count
 
     def namespaces(self) -> list[str | tuple]:
         """The names of the non-default namespaces that hold entries."""
@@ -270,7 +388,8 @@ class RadixCache:
         freed = []
         for node in reversed(order):
             if len(node) and not node.children and node.lock_ref == 0:
-                freed.append(node.value)
+                if node.tier == Tier.DEVICE:
+                    freed.append(node.handle)
                 self._remove_leaf(node)
         return torch.cat(freed) if freed else self._empty()
 
@@ -305,9 +424,12 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
-    def _new_node(self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None) -> TreeNode:
+    def _device_loc(self, slots: torch.Tensor) -> KVLocation:
+        return KVLocation(Tier.DEVICE, slots)
+
+    def _new_node(self, key: tuple[int, ...], loc: KVLocation, parent: TreeNode | None) -> TreeNode:
         self._next_id += 1
-        return TreeNode(key, value, parent, self._clock, self._next_id)
+        return TreeNode(key, loc, parent, self._clock, self._next_id)
 
     def _namespace_root(self, namespace: str | tuple | None, create: bool) -> TreeNode | None:
         if namespace is None:
@@ -317,7 +439,7 @@ class RadixCache:
         ns_key = NamespaceKey(namespace)
         node = self.root.children.get(ns_key)
         if node is None and create:
-            node = self._new_node((), self._empty(), self.root)
+            node = self._new_node((), self._device_loc(self._empty()), self.root)
             self.root.children[ns_key] = node
             self._namespace_keys[node] = ns_key
         return node
@@ -347,35 +469,99 @@ class RadixCache:
 
         The lower part keeps its identity so a caller holding it (locked) still covers its whole prefix.
         """
-        upper = self._new_node(node.key[:n], node.value[:n], node.parent)
+        upper_loc, node.loc = node.loc.split(n)
+        upper = self._new_node(node.key[:n], upper_loc, node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
-        node.value = node.value[n:]
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         return upper
 
     def _add_leaf(self, parent: TreeNode, child_key: object, key: tuple[int, ...], value: torch.Tensor,
                   tick: int) -> None:
-        leaf = self._new_node(key, value, parent)
+        leaf = self._new_node(key, self._device_loc(value), parent)
         leaf.last_access = tick
         parent.children[child_key] = leaf
         self._evictable += len(leaf)
         self._leaves.discard(parent)
         self._leaves.add(leaf)
 
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """No child on the node's own tier (children are on the same tier or lower ones)."""
+        if not node.children:
+            return True
+        if not self._lower_total:  # every node is on the device: any child is on the node's tier
+            return False
+        return all(c.tier != node.tier for c in node.children.values())
+
+    def _demote_or_drop(self, node: TreeNode) -> TreeNode:
+        """An unlocked leaf of its tier leaves that tier: `tiers.demote` moves it down, or it is dropped (with
+        anything below it). Returns its parent, which may have become a leaf of its own tier."""
+        loc = self.tiers.demote(node) if self.tiers is not None else None
+        if loc is None:
+            return self._remove_leaf(node)
+        lowest = min((c.tier for c in node.children.values()), default=max(Tier))
+        if not node.tier < loc.tier <= lowest:
+            raise ValueError(f"demote of {node!r} to tier {loc.tier}: it must go down, and not below its "
+                             f"children's tier {lowest}")
+        self._leave_tier(node)
+        node.loc = loc
+        self._join_tier(node)
+        parent = node.parent
+        if parent is not self.root and len(parent) and parent.lock_ref == 0 and self._is_leaf(parent):
+            self._leaves_of(parent.tier).add(parent)
+        return parent
+
+    def _promote(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """A lower-tier node (unlocked, below a device node) gets device `slots`; its lower copy is discarded."""
+        self.tiers.discard(node.loc)
+        self._leave_tier(node)
+        node.loc = self._device_loc(slots)
+        self._join_tier(node)
+        self._leaves.discard(node.parent)  # it has a device child now
+
+    def _leaves_of(self, tier: int) -> set[TreeNode]:
+        return self._leaves if tier == Tier.DEVICE else self._lower_leaves.setdefault(tier, set())
+
+    def _leave_tier(self, node: TreeNode) -> None:
+        tier = node.tier
+        self._leaves_of(tier).discard(node)
+        if tier == Tier.DEVICE:
+            self._evictable -= len(node)
+        else:
+            self._lower_size[tier] -= len(node)
+            self._lower_total -= len(node)
+
+    def _join_tier(self, node: TreeNode) -> None:
+        tier = node.tier
+        if tier == Tier.DEVICE:
+            self._evictable += len(node)
+        else:
+            self._lower_size[tier] = self._lower_size.get(tier, 0) + len(node)
+            self._lower_total += len(node)
+        if self._is_leaf(node):
+            self._leaves_of(tier).add(node)
+
     def _remove_leaf(self, node: TreeNode) -> TreeNode:
-        """Detach an unlocked leaf; returns its parent, which may have become a leaf itself."""
+        """Detach an unlocked leaf of its tier, and the lower-tier nodes below it; returns its parent, which may
+        have become a leaf itself."""
         parent = node.parent
         del parent.children[self._child_key(node.key, 0)]
-        self._leaves.discard(node)
-        self._evictable -= len(node)
-        node.parent = None
+        stack = [node]
+        while stack:  # with no lower tier, just `node`
+            n = stack.pop()
+            stack.extend(n.children.values())
+            self._leave_tier(n)
+            if n.tier != Tier.DEVICE:
+                self.tiers.discard(n.loc)
+            n.parent = None
         if not parent.children and parent is not self.root:
             if len(parent) == 0:  # an empty namespace subtree root: drop it, it holds no token
                 del self.root.children[self._namespace_keys.pop(parent)]
             elif parent.lock_ref == 0:
-                self._leaves.add(parent)
+                self._leaves_of(parent.tier).add(parent)
+        elif parent is not self.root and len(parent) and parent.lock_ref == 0 and self._is_leaf(parent):
+            self._leaves_of(parent.tier).add(parent)
         return parent

@@ -46,7 +46,7 @@ class Req:
             make_generator(msg.params.seed) if msg.params.seed is not None else None
         )
         self.grammar = None  # a matcher when the request is constrained
-        self.grammar_future = None
+        self.waits: list = []  # conditions pending before admission (scheduler/waits.py)
         self.regex_stop = None  # scheduler.output.RegexStop when params.stop_regex is set
         self.spec = None  # speculative.RequestSpec with speculative decoding on (its drafting state and counts)
 

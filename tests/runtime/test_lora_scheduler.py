@@ -18,7 +18,15 @@ from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import GenerateRequest, LoadLoRAAdapter, LoRAUpdate, ReqOutput, UnloadLoRAAdapter
+from radixgen.runtime.request import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    LoadLoRAAdapter,
+    LoRAUpdate,
+    ReqOutput,
+    UnloadLoRAAdapter,
+)
 from radixgen.runtime.scheduler import Scheduler
 
 PROMPTS = [[5, 9, 13, 17, 21, 400, 7, 8], [11, 12, 13, 14, 15], [31, 32, 33, 34, 35, 36, 37]]
@@ -129,7 +137,7 @@ def test_a_request_waiting_for_its_adapter_does_not_hold_others(adapters, tokeni
     sched.handle_message(req("base0", 2, None, new=2))
     sched.step()  # c is read into a's slot (the least recently used): b0 and base0 run meanwhile
     assert {r.rid for r in sched.running} == {"b0", "base0"}
-    assert [r.rid for r in sched.waiting] == ["c0"]
+    assert [r.rid for r in sched.waits.reqs] == ["c0"] and not sched.waiting  # waits for its adapter's slot
     out = run(sched, [])
     assert out["c0"]["finish"].kind == "length"
     assert sorted(sched.lora.info()["resident"]) == ["b", "c"]
@@ -263,3 +271,32 @@ def test_speculation_keeps_each_adapters_greedy_output(adapters, tokenizer, dtyp
     drafted, counters = outputs(**spec)
     assert counters["spec_draft_tokens"] > 0
     assert {rid: o["ids"] for rid, o in drafted.items()} == {rid: o["ids"] for rid, o in plain.items()}
+
+
+def test_an_abort_while_waiting_for_an_adapter_leaks_no_slot(adapters, tokenizer):
+    """Aborted while its adapter is read from disk, and aborted while holding its slot in the queue: nothing stays
+    held (slot references, adapter users) and the read still ends up in its slot."""
+    root, _ = adapters
+    sched = scheduler(tokenizer, root, max_loras=2)  # a and b resident, c not
+    sched.handle_message(req("c0", 0, "c"))
+    sched.step()  # c's read starts: c0 waits for its slot
+    assert [r.rid for r in sched.waits.reqs] == ["c0"]
+    sched.handle_message(AbortRequest("c0"))
+    out = run(sched, [])
+    assert out["c0"]["finish"] == FinishReason.abort("aborted by the client")
+    deadline = time.monotonic() + 60
+    while sched.lora.busy and time.monotonic() < deadline:
+        sched.step()
+        time.sleep(0.01)
+    assert sorted(sched.lora.info()["resident"]) == ["b", "c"]
+    # max_running_requests=1: b1 holds its adapter's slot in the queue behind b0, then is aborted there
+    sched = scheduler(tokenizer, root, max_loras=2, max_running_requests=1)
+    sched.handle_message(req("b0", 1, "b", new=4))
+    sched.handle_message(req("b1", 2, "b"))
+    sched.step()
+    assert [r.rid for r in sched.running] == ["b0"] and [r.rid for r in sched.waiting] == ["b1"]
+    assert sched.waiting[0].lora_slot >= 0
+    sched.handle_message(AbortRequest("b1"))
+    out = run(sched, [])
+    assert out["b1"]["finish"] == FinishReason.abort("aborted by the client") and out["b0"]["finish"].kind == "length"
+    assert all(s.refs == 0 for s in sched.lora.slots) and all(e.users == 0 for e in sched.lora.adapters.values())

@@ -11,8 +11,8 @@ from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.distributed import HeadShard, head_shard, layer_range, split_range, vocab_shard
 from radixgen.runtime.kv_pool import ReqToSlotTable, TableWriteLog, new_req_to_slot_table
-from radixgen.runtime.messages import StepDescription, StepKind
 from radixgen.runtime.ranks import node_ranks, rank_threads
+from radixgen.runtime.step_messages import StepDescription, StepKind
 
 
 def test_split_range_covers_everything_once_in_order():

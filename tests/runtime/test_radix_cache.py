@@ -38,8 +38,8 @@ def check_structure(cache: RadixCache) -> None:
     evictable = protected = 0
     for node in nodes(cache):
         assert node.parent is not None and node in node.parent.children.values()
-        assert len(node.value) == len(node.key)
-        assert node.value.dtype == torch.int64
+        assert len(node.slots) == len(node.key)
+        assert node.slots.dtype == torch.int64
         for k, child in node.children.items():
             assert child.parent is node
             assert k == cache._child_key(child.key, 0)
@@ -75,9 +75,9 @@ def test_partial_match_splits_node():
     assert cache.insert([1, 2, 3, 4], slots(10, 11, 12, 13)) == 0
     m = cache.match_prefix([1, 2, 9])
     assert ids(m.slots) == [10, 11]
-    assert m.last_node.key == (1, 2) and ids(m.last_node.value) == [10, 11]
+    assert m.last_node.key == (1, 2) and ids(m.last_node.slots) == [10, 11]
     (lower,) = m.last_node.children.values()
-    assert lower.key == (3, 4) and ids(lower.value) == [12, 13]
+    assert lower.key == (3, 4) and ids(lower.slots) == [12, 13]
     assert m.last_node.parent is cache.root
     # the whole sequence still matches, through both halves
     full = cache.match_prefix([1, 2, 3, 4, 5])
@@ -552,7 +552,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 6))
     def evict(self, n):
         evictable = self.cache.evictable_size()
-        node_of = {s: node for node in nodes(self.cache) for s in ids(node.value)}
+        node_of = {s: node for node in nodes(self.cache) for s in ids(node.slots)}
         leaves = [x for x in nodes(self.cache) if len(x) and not x.children and not x.lock_ref]
         freed = ids(self.cache.evict(n))
         assert len(freed) >= min(n, evictable)
@@ -579,7 +579,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def sizes_and_slots_agree(self):
         check_structure(self.cache)
-        held = [s for node in nodes(self.cache) for s in ids(node.value)]
+        held = [s for node in nodes(self.cache) for s in ids(node.slots)]
         assert len(held) == len(set(held)), "a slot is in the tree twice"
         assert set(held) == self.in_tree
         assert self.cache.total_size() == len(held)

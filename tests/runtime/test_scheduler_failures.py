@@ -96,7 +96,7 @@ def inject(stage: str, sched: Scheduler, monkeypatch) -> SamplingParams:
     elif stage == "taking-in":  # the stop-regex setup of the bad request (the only one with a stop regex)
         def fail_regex(*a, **k):
             raise RuntimeError("injected failure")
-        monkeypatch.setattr("radixgen.runtime.scheduler.core.RegexStop", fail_regex)
+        monkeypatch.setattr("radixgen.runtime.scheduler.intake.RegexStop", fail_regex)
         return greedy(8, stop_regex="zzzz")
     elif stage == "grammar-accept":
         real_new = sched.grammar.new_matcher

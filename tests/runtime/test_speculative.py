@@ -331,7 +331,7 @@ def test_proposals_stop_at_a_stop_token_and_at_what_the_grammar_refuses(model_di
     sched.handle_message(GenerateRequest("g", [5, 6, 7], SamplingParams(max_new_tokens=8, regex=r"(ab)+-")))
     req = sched.rids["g"]
     while req.grammar is None:
-        sched.poll_grammars()
+        sched.poll_waits()
     assert sched.spec.allowed(req, a + a + b + a) == a + a  # "abab" then "b" breaks the pattern
     assert req.grammar.num_accepted == 0  # checking drafts leaves the matcher as it was
     assert sched.spec.allowed(req, a + dash + a) == a + dash  # "-" ends the match: nothing follows

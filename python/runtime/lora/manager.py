@@ -3,10 +3,12 @@
 It knows the adapters by name (registered at start from --lora-paths, or at run time by `load`; `unload` takes
 one away), which adapter sits in which slot of the pool (runner.lora_pool), and which requests use them:
     start / end        a request naming an adapter, from take-in to its end (the adapter's `users`)
-    acquire / release  an admitted request holds its adapter's slot (the slot's `refs`) while it has KV
-A request whose adapter is not resident waits (acquire says False) while the adapter is read from disk on the
-manager's thread, then copied into a slot between steps (`poll`); it never fails for that reason, and other
-requests keep running. Slots are replaced least recently used first among those no admitted request holds
+    acquire / release  a request holds its adapter's slot (the slot's `refs`) from the end of its wait for it
+                       until it ends or is retracted (then it waits again)
+A request whose adapter is not resident waits (acquire says False: the scheduler's AdapterSlot condition polls
+it, scheduler/waits.py) while the adapter is read from disk on the manager's thread, then copied into a slot
+between steps (`poll`); it never fails for that reason, and other requests keep running; it fails when the read
+does (`read_failures`). Slots are replaced least recently used first among those no request holds
 (pinned adapters stay); when every slot is held, the least recently used unpinned one is drained: it takes no
 new request until its running ones end, then it is replaced.
 
@@ -47,6 +49,8 @@ class AdapterEntry:
     users: int = 0  # requests in the scheduler that name it
     slot: int = -1  # its pool slot while resident or loading into one
     unloaded: bool = False
+    read_failures: int = 0  # reads for a request that failed (a request waiting for its slot watches this)
+    read_error: BaseException | None = None  # the last one's
 
 
 @dataclass(eq=False)
@@ -230,6 +234,8 @@ class LoRAManager:
             except Exception as e:  # noqa: BLE001 - the adapter's file went bad since it was registered
                 logger.error("reading LoRA adapter %r failed: %s", s.entry.name, e)
                 failed.append((s.entry, e))
+                s.entry.read_failures += 1
+                s.entry.read_error = e
                 s.entry.slot, s.entry = -1, None
                 continue
             self._install(s.entry, i, staged)

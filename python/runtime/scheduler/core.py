@@ -10,10 +10,8 @@ requests. KV slots belong to the KV cache manager (kv_manager.py); the order of 
 One request never takes the scheduler down: an exception while taking in, admitting or processing one request
 fails that request alone (an abort with a message and status code 400 for a ValueError, else 500); a failed
 forward fails the requests of its batch. `finish` is the one way a request ends, and it always reports.
-
-About 470 lines: admission, decode and retraction hold their LoRA slot calls beside their KV ones, which
-keeps each request's two resources paired in one place, and the step has its speculative stage (draft, then
-verify) beside the forward it wraps.
+New requests come in through intake.py and wait for their conditions (a grammar compiling, a LoRA adapter's
+slot: waits.py) before admission; the step polls them and queues a request once they are all done.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import torch
 from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.distributed import GroupError
-from radixgen.runtime.lora.adapter import LoRAAdapterError
 from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
@@ -41,9 +38,12 @@ from radixgen.runtime.request import (
     ReqOutput,
     UnloadLoRAAdapter,
 )
+from radixgen.runtime.scheduler import intake
+from radixgen.runtime.scheduler.intake import failure  # the abort reason of a request that failed
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
-from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
+from radixgen.runtime.scheduler.output import OutputProcessor
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
+from radixgen.runtime.scheduler.waits import WaitList
 from radixgen.runtime.special_tokens import eos_token_ids
 from radixgen.runtime.speculative import Speculator
 
@@ -68,8 +68,8 @@ class Scheduler:
         self.spec: Speculator | None = None  # speculative decoding, a stage of each decode step
         if cfg.speculative_algorithm != "none":
             self.spec = Speculator(cfg, runner, self.kv, self.output, grammar_backend, self.counters)
-        self.waiting: deque[Req] = deque()
-        self.grammar_wait: list[Req] = []
+        self.waiting: deque[Req] = deque()  # ready for admission
+        self.waits = WaitList(self.waiting, self.finish, self.fail)  # not yet: their conditions are pending
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
         self.running: list[Req] = []  # decoding, in admission order (the newest is retracted first)
         self.busy: set[int] = set()  # id() of the requests of steps in flight (pipeline stages: pipeline.py)
@@ -99,8 +99,7 @@ class Scheduler:
         return True
 
     def schedule(self) -> Batch | None:
-        self.poll_grammars()
-        self.poll_lora()
+        self.poll_waits()
         if self.last_was_extend and self.decode_candidates():
             self.last_was_extend = False
             return self.schedule_decode()
@@ -143,7 +142,7 @@ class Scheduler:
     def handle_message(self, msg) -> None:
         match msg:
             case GenerateRequest():
-                self.add_request(msg)
+                intake.add_request(self, msg)
             case AbortRequest(rid=rid):
                 req = self.rids.get(rid)
                 if req is not None:
@@ -155,79 +154,15 @@ class Scheduler:
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 
-    def add_request(self, msg: GenerateRequest) -> None:
-        if msg.rid in self.rids:  # refused without touching the request in flight under that id
-            reason = FinishReason.abort(f"request id {msg.rid!r} is already in use by a request in flight", 400)
-            self.outbox.append(ReqOutput(msg.rid, [], reason, len(msg.input_ids), 0, duplicate=True))
-            return
-        try:
-            req = Req(msg, self.step_no)
-        except Exception as e:  # noqa: BLE001 - a request that cannot even be recorded
-            self.counters["failed_requests"] += 1
-            reason = _failure("taking in", e)
-            self.outbox.append(ReqOutput(msg.rid, [], reason, len(msg.input_ids), 0))
-            return
-        self.rids[req.rid] = req
-        self.counters["num_requests"] += 1
-        try:
-            self.take_in(req)
-        except Exception as e:  # noqa: BLE001
-            self.fail(req, "taking in", e)
-
-    def take_in(self, req: Req) -> None:
-        if req.lora_name is not None:
-            try:
-                self.lora.start(req)
-            except LoRAAdapterError as e:
-                self.finish(req, FinishReason.abort(str(e), 400))
-                return
-        p = req.params
-        need = len(req.input_ids) + max(p.max_new_tokens - 1, 0)  # the last token's K/V is never computed
-        if need > self.kv.capacity:
-            self.finish(req, FinishReason.abort(
-                f"the prompt ({len(req.input_ids)} tokens) plus max_new_tokens ({p.max_new_tokens}) needs {need} "
-                f"KV cache slots, more than the KV cache holds ({self.kv.capacity} tokens)", 400))
-            return
-        if p.stop_regex is not None:
-            req.regex_stop = RegexStop(p.stop_regex, self.tokenizer, p.skip_special_tokens)
-        if p.constraint is None:
-            self.waiting.append(req)
-            return
-        if self.grammar is None:
-            self.finish(req, FinishReason.abort("constrained decoding is not available in this runtime", 400))
-            return
-        req.grammar_future = self.grammar.submit(*p.constraint)
-        self.grammar_wait.append(req)
-
-    def poll_grammars(self) -> None:
-        """Requests whose grammar finished compiling join the queue; a failed compile fails only them."""
-        for req in list(self.grammar_wait):
-            try:
-                if req.to_abort:
-                    self.finish(req, FinishReason.abort(req.to_abort))
-                    continue
-                state = self.grammar.poll(req.grammar_future)
-                if state is None:
-                    continue
-                if isinstance(state, Exception):
-                    self.finish(req, FinishReason.abort(str(state), 400))
-                    continue
-                req.grammar = self.grammar.new_matcher(state)
-                self.grammar_wait.remove(req)
-                self.waiting.append(req)
-            except Exception as e:  # noqa: BLE001
-                self.fail(req, "compiling the grammar of", e)
-
-    def poll_lora(self) -> None:
-        """Adapters read from disk go into their slots; a request whose adapter could not be read fails."""
-        for entry, exc in self.lora.poll():
-            for req in [r for r in self.waiting if r.lora is entry]:
-                self.finish(req, FinishReason.abort(f"LoRA adapter {entry.name!r} could not be read: {exc}", 500))
+    def poll_waits(self) -> None:
+        """Adapters read from disk go into their slots, then every waiting request's conditions are polled."""
+        self.lora.poll()
+        self.waits.poll()
 
     @property
     def waits_in_background(self) -> bool:
-        """Grammars compiling or LoRA adapters being read: the step loop has something to poll for."""
-        return bool(self.grammar_wait) or self.lora.busy
+        """Requests waiting for conditions, or LoRA adapters being read: the step loop has something to poll."""
+        return bool(len(self.waits)) or self.lora.busy
 
     def control(self, kind: ControlKind):
         if kind == ControlKind.SERVER_INFO:
@@ -244,7 +179,7 @@ class Scheduler:
         return {
             "cache": self.kv.usage(),
             "num_running": len(self.running) + len(self.prefilling),
-            "num_waiting": len(self.waiting) + len(self.grammar_wait),
+            "num_waiting": len(self.waiting) + len(self.waits),
             "stats": stats,
             "cache_hit_rate": stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
             "invariant_ok": self.invariant_holds() if self.is_idle() else None,
@@ -282,11 +217,8 @@ class Scheduler:
             if self.policy.shares_uncached_prefix(req, [*reqs, *self.extending_in_flight()],
                                                   cached_lens.get(id(req))):
                 continue
-            if req.lora is not None and not self.lora.acquire(req):
-                continue  # its adapter is being read into a slot (or waits for one): the others go on
             try:
-                if not self.admit(req):
-                    self.lora.release(req)
+                if not self.admit(req):  # its adapter's slot (held since its wait) stays with it in the queue
                     break
             except Exception as e:  # noqa: BLE001
                 self.fail(req, "admitting", e)
@@ -320,7 +252,6 @@ class Scheduler:
 
     def unadmit(self, req: Req) -> None:
         self.kv.unadmit(req)
-        self.lora.release(req)
 
     # ------------------------------------------------------------------ decode and retraction
 
@@ -360,8 +291,8 @@ class Scheduler:
         self.counters["retractions"] += 1
         (self.running if req in self.running else self.prefilling).remove(req)
         self.kv.release(req)
-        self.lora.release(req)
-        self.waiting.appendleft(req)
+        self.lora.release(req)  # its adapter's slot may be replaced meanwhile: it waits for it again, first in line
+        self.waits.add(req, intake.resource_waits(self, req), front=True)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
 
     @property
@@ -422,9 +353,10 @@ class Scheduler:
 
     def _end(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
-        for queue in (self.running, self.prefilling, self.grammar_wait, self.waiting):
+        for queue in (self.running, self.prefilling, self.waiting):
             if req in queue:
                 queue.remove(req)
+        self.waits.remove(req)
         try:
             self.kv.release(req)
             self.lora.end(req)
@@ -438,7 +370,7 @@ class Scheduler:
         self.counters["failed_requests"] += 1
         if log:
             logger.error("request %s failed while %s it", req.rid, stage, exc_info=exc)
-        self.finish(req, _failure(stage, exc))
+        self.finish(req, failure(stage, exc))
 
     def handle_aborts(self) -> None:
         for queue in (self.waiting, self.running, self.prefilling):
@@ -451,7 +383,7 @@ class Scheduler:
                 out = self.output.output_of(req)
             except Exception as e:  # noqa: BLE001 - the request still gets a final record
                 logger.exception("building the output of %s failed", req.rid)
-                out = ReqOutput(req.rid, [], _failure("reporting", e), len(req.input_ids), 0)
+                out = ReqOutput(req.rid, [], failure("reporting", e), len(req.input_ids), 0)
                 if not req.finished:
                     self.counters["failed_requests"] += 1
                     self._end(req, out.finish_reason)
@@ -462,14 +394,7 @@ class Scheduler:
     # ------------------------------------------------------------------ idle checks
 
     def is_idle(self) -> bool:
-        return not (self.running or self.prefilling or self.waiting or self.grammar_wait)
+        return not (self.running or self.prefilling or self.waiting or len(self.waits))
 
     def invariant_holds(self) -> bool:
         return self.kv.invariant_holds()
-
-
-def _failure(stage: str, exc: BaseException) -> FinishReason:
-    """The abort reason of a request that failed: a ValueError is the request's fault (400), else 500."""
-    status = 400 if isinstance(exc, ValueError) else 500
-    what = "invalid request" if status == 400 else "internal error"
-    return FinishReason.abort(f"{what} while {stage} this request: {type(exc).__name__}: {exc}", status)

@@ -12,6 +12,10 @@ All of [0, kv_len) are listed in its table row. `cache_computed` moves the compu
 `release` gives everything back, `free_tail` drops owned positions from the end (rejected speculative tokens,
 or a step that failed before computing them).
 
+Eviction goes through the demote hook (`demote` / `discard`, the tree's TierHook): with no lower tier attached
+every evicted node is dropped and its slots return to the allocator; with one (`attach_lower_tier`: host memory
+or disk, later) it may take the node's KV instead, and the node stays in the tree on that tier.
+
 Namespaces: a request's `namespace` (its cache salt, with its LoRA adapter's load id when it has one) keys
 its own subtree: requests in different namespaces never share slots.
 """
@@ -24,26 +28,31 @@ from collections.abc import Sequence
 import torch
 
 from radixgen.runtime.kv_pool import ReqToSlotTable, SlotAllocator, TableWriteLog
-from radixgen.runtime.radix_cache import MatchResult, RadixCache, TreeNode
+from radixgen.runtime.radix_cache import KVLocation, MatchResult, RadixCache, TreeNode
 from radixgen.runtime.request import Req
+from radixgen.runtime.step_messages import KVCopyQueue
 
 logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
     def __init__(self, num_slots: int, table: torch.Tensor, page_size: int = 1, disable_cache: bool = False,
-                 table_log: TableWriteLog | None = None) -> None:
+                 table_log: TableWriteLog | None = None, copies: KVCopyQueue | None = None) -> None:
         """`num_slots`: the pool's slots including the padding slot 0; `table`: the request->slot table tensor
         (see kv_pool.new_req_to_slot_table), shared with the model runner, which may ask for its writes to be
-        logged in `table_log` (the other ranks of a parallel group keep a copy)."""
+        logged in `table_log` (the other ranks of a parallel group keep a copy); `copies`: the runner's queue of
+        KV copy orders (None: no runner, copy_slots is refused)."""
+        self.copies = copies
         self.allocator = SlotAllocator(num_slots, table.device)
         self.table = ReqToSlotTable(table, table_log)
-        self.tree = RadixCache(page_size=page_size, disable=disable_cache)
+        self.lower_tier = None  # what takes evicted nodes' KV (demote / discard); None: they are dropped
+        self.tree = RadixCache(page_size=page_size, disable=disable_cache, tiers=self)
         self.evicted_tokens = 0
 
     @classmethod
     def for_runner(cls, runner, page_size: int = 1, disable_cache: bool = False) -> KVCacheManager:
-        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log)
+        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log,
+                   runner.kv_copies)
 
     @property
     def capacity(self) -> int:
@@ -83,6 +92,21 @@ class KVCacheManager:
         """How much of the request's prefix the tree holds now (for ordering; admission matches again)."""
         return len(self.tree.match_prefix(req.radix_key[:req.max_cacheable()], req.namespace).slots)
 
+    # ------------------------------------------------------------------ eviction: the demote hook
+
+    def attach_lower_tier(self, tier) -> None:
+        """A store below the device pool (an object with the hook's `demote(node)` and `discard(loc)`)."""
+        self.lower_tier = tier
+
+    def demote(self, node: TreeNode) -> KVLocation | None:
+        """Where an evicted node's KV goes: None drops the node (the only answer without a lower tier), else its
+        location on a lower tier, which has copied the KV; either way its device slots go back to the allocator."""
+        return None if self.lower_tier is None else self.lower_tier.demote(node)
+
+    def discard(self, loc: KVLocation) -> None:
+        """The tree no longer holds a lower-tier location."""
+        self.lower_tier.discard(loc)
+
     # ------------------------------------------------------------------ slots: can_allocate / allocate, free
 
     def available(self) -> int:
@@ -106,6 +130,13 @@ class KVCacheManager:
 
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Order the KV of pool slots `src` copied into slots `dst` before the next step's forward, on every rank
+        of a parallel group (an order of the step: step_messages.KVCopies)."""
+        if self.copies is None:
+            raise RuntimeError("copy_slots: this KV cache manager has no model runner to copy KV in")
+        self.copies.copy_slots(src, dst)
 
     # ------------------------------------------------------------------ a request: admit / release
 

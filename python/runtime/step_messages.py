@@ -1,0 +1,137 @@
+"""Rank 0 -> the other ranks of a tensor / pipeline parallel group: one `StepDescription` per step, as tensors.
+
+A step carries the ForwardInput, the request->slot table writes since the previous step (the other ranks keep a
+copy of the table) and the KV copy orders every rank applies to its own part of the pool before the step's
+forward (`KVCopies`). Only a device-to-device order (pool slots -> pool slots) exists today; an order between
+the pool and a lower tier (a host buffer, disk pages: a load-back of an evicted prefix) is the same record with
+another direction, its tier side named by int64 handles.
+
+This module is the scheduler side's (it names batch and kv_pool records); messages.py keeps the Engine <->
+scheduler records, which import nothing of the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from radixgen.runtime.batch import ForwardInput
+from radixgen.runtime.kv_pool import KVPool, TableWrites
+
+
+class StepKind(IntEnum):
+    FORWARD = 0  # apply the copy orders, then run `forward_input`
+    HEARTBEAT = 1  # nothing to run: rank 0 is idle and alive (the others' waits stay within the group timeout)
+    SHUTDOWN = 2  # pass it on and exit
+
+
+class CopyDirection(IntEnum):
+    DEVICE_TO_DEVICE = 0  # pool slots `src` -> pool slots `dst`, every layer's K and V (and 8-bit scales)
+
+
+class KVCopies(NamedTuple):
+    """KV copy orders as segments: order i copies src[offset_i : offset_i + lengths[i]] to the same range of `dst`
+    (the offsets being the running sum of lengths) in direction directions[i]. All int64."""
+
+    directions: torch.Tensor  # (C,)
+    lengths: torch.Tensor  # (C,)
+    src: torch.Tensor  # (sum of lengths,)
+    dst: torch.Tensor  # (sum of lengths,)
+
+    @classmethod
+    def empty(cls) -> KVCopies:
+        none = torch.zeros(0, dtype=torch.int64)
+        return cls(none, none, none, none)
+
+    def __bool__(self) -> bool:
+        return bool(self.directions.numel())
+
+    def apply(self, pool: KVPool) -> None:
+        """Run the orders on this rank's pool, in order (a later order may read what an earlier one wrote)."""
+        starts = (torch.cumsum(self.lengths, 0) - self.lengths).tolist()
+        for direction, start, n in zip(self.directions.tolist(), starts, self.lengths.tolist(), strict=True):
+            if direction != CopyDirection.DEVICE_TO_DEVICE:
+                raise ValueError(f"KV copy direction {direction} is not implemented (only DEVICE_TO_DEVICE)")
+            src, dst = self.src[start:start + n], self.dst[start:start + n]
+            buffers = pool.k_buffers + pool.v_buffers + (pool.k_scales or []) + (pool.v_scales or [])
+            for buf in buffers:
+                s, d = src.to(buf.device), dst.to(buf.device)
+                buf[d] = buf[s]  # index_select then index_put: overlapping src and dst read the old rows
+
+
+class KVCopyQueue:
+    """The copy orders given since the last `take` (rank 0: the KV cache manager gives them, the step takes them)."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Order pool slots `src` copied to slots `dst` (same length) before the next step's forward."""
+        if src.dim() != 1 or src.shape != dst.shape:
+            raise ValueError(f"copy_slots: src and dst must be 1-D of the same length, got {tuple(src.shape)} and "
+                             f"{tuple(dst.shape)}")
+        if src.numel():
+            self._parts.append((int(CopyDirection.DEVICE_TO_DEVICE), src.to("cpu", torch.int64),
+                                dst.to("cpu", torch.int64)))
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def take(self) -> KVCopies:
+        parts, self._parts = self._parts, []
+        if not parts:
+            return KVCopies.empty()
+        return KVCopies(torch.tensor([d for d, _, _ in parts], dtype=torch.int64),
+                        torch.tensor([s.numel() for _, s, _ in parts], dtype=torch.int64),
+                        torch.cat([s for _, s, _ in parts]), torch.cat([d for _, _, d in parts]))
+
+
+@dataclass
+class StepDescription:
+    """One step of a tensor / pipeline parallel group, as rank 0 (the scheduler) sends it to the other ranks
+    (runtime/parallel_step.py): the step's ForwardInput, the request->slot table writes made since the previous
+    step, which the other ranks apply to their copy of the table, and the KV copy orders. On the wire: a header of
+    HEADER_LEN int64 (the kind and the lengths), then one int64 payload with every tensor and list concatenated."""
+
+    kind: StepKind
+    forward_input: ForwardInput | None = None
+    table_writes: TableWrites | None = None
+    kv_copies: KVCopies | None = None
+
+    # kind, tokens T, requests B, logit rows N, table segments U, table slots S, verify, copy orders C, copied K
+    HEADER_LEN: ClassVar[int] = 9
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind != StepKind.FORWARD:
+            header = torch.zeros(self.HEADER_LEN, dtype=torch.int64)
+            header[0] = int(self.kind)
+            return header, torch.zeros(0, dtype=torch.int64)
+        fi, tw = self.forward_input, self.table_writes
+        kc = self.kv_copies if self.kv_copies is not None else KVCopies.empty()
+        lens = torch.tensor([*fi.prefix_lens, *fi.extend_lens], dtype=torch.int64)
+        parts = [fi.input_ids, fi.positions, fi.out_slots, fi.req_indices, lens, fi.logit_rows, *tw, *kc]
+        header = torch.tensor([int(self.kind), fi.input_ids.numel(), fi.req_indices.numel(), fi.logit_rows.numel(),
+                               tw.rows.numel(), tw.slots.numel(), int(fi.verify), kc.directions.numel(),
+                               kc.src.numel()], dtype=torch.int64)
+        return header, torch.cat([p.to("cpu", torch.int64).reshape(-1) for p in parts])
+
+    @staticmethod
+    def payload_len(header: torch.Tensor) -> int:
+        _, t, b, n, u, s, _, c, k = header.tolist()
+        return 3 * t + 3 * b + n + 3 * u + s + 2 * c + 2 * k
+
+    @classmethod
+    def unpack(cls, header: torch.Tensor, payload: torch.Tensor) -> StepDescription:
+        kind, t, b, n, u, s, verify, c, k = header.tolist()
+        if kind != StepKind.FORWARD:
+            return cls(StepKind(kind))
+        # [ids T | positions T | out_slots T | req_indices B | prefix_lens B | extend_lens B | logit_rows N |
+        #  table rows U | starts U | lengths U | slots S | copy directions C | copy lengths C | src K | dst K]
+        ids, pos, slots, rows, prefix, extend, logit_rows, t_rows, t_starts, t_lens, t_slots, c_dir, c_len, c_src, \
+            c_dst = payload.split([t, t, t, b, b, b, n, u, u, u, s, c, c, k, k])
+        fi = ForwardInput(ids, pos, slots, rows, prefix.tolist(), extend.tolist(), logit_rows, verify=bool(verify))
+        return cls(StepKind.FORWARD, fi, TableWrites(t_rows, t_starts, t_lens, t_slots),
+                   KVCopies(c_dir, c_len, c_src, c_dst))

@@ -48,9 +48,10 @@ def check_config(cfg) -> None:
             raise ValueError("deterministic mode does not run with " + why.format(**vars(cfg)))
 
 
-def check_deterministic(quant_spec, dtype: torch.dtype, ops) -> None:
+def check_deterministic(quant_spec, dtype: torch.dtype, ops, head_dim: int) -> None:
     """The runner's check, once the weight format (`quant_spec`, resolved from the checkpoint), the activations'
-    dtype and the ops set are known: bf16 dense weights on the C kernels of an AVX512-BF16 CPU."""
+    dtype, the ops set and the head size are known: bf16 dense weights on the C kernels of an AVX512-BF16 CPU,
+    heads the C attention takes (else the torch attention would run, whose sums follow the batch)."""
     from radixgen.runtime.layers.ops import CpuOps
 
     if quant_spec.method != "none":
@@ -63,3 +64,6 @@ def check_deterministic(quant_spec, dtype: torch.dtype, ops) -> None:
     if kl is None or not kl.has_decode_step or not ops.attention_piece:
         raise ValueError("deterministic mode needs radixgen's C kernels built for AVX512-BF16 (this CPU or build "
                          "lacks them: the kernels did not build, or the CPU has no AVX512-BF16)")
+    if head_dim > kl.d_max:
+        raise ValueError(f"deterministic mode does not run with head_dim={head_dim}: the C attention kernels take "
+                         f"heads of up to {kl.d_max}")

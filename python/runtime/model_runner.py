@@ -103,7 +103,7 @@ class ModelRunner:
                 # the device's ops, chosen once
                 self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels, cfg.deterministic)
                 if cfg.deterministic:
-                    check_deterministic(self.quantization, self.dtype, self.ops)
+                    check_deterministic(self.quantization, self.dtype, self.ops, mc.head_dim)
                 self.ops.prepare(model, self.quantization)  # linear methods: the parameters the checkpoint fills
         finally:
             torch.set_default_dtype(default_dtype)

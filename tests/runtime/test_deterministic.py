@@ -8,11 +8,15 @@ an error at start naming the combination."""
 from __future__ import annotations
 
 import pytest
+import torch
 from determinism_helpers import mismatches, others, prefix_holders, probe_results, probes, run, scheduler
 from tiny_models import perturbed_model_dir, tiny_model_dir
 
 from radixgen.kernels import cpu
+from radixgen.runtime import deterministic
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.layers import ops as ops_mod
+from radixgen.runtime.layers.quantization import QuantSpec
 from radixgen.runtime.loader import load_tokenizer
 
 KL = cpu.lib() if cpu.available() else None
@@ -110,18 +114,16 @@ def test_what_the_mode_cannot_keep_is_refused_by_name(kw, named):
         RuntimeConfig(deterministic=True, **kw)
 
 
-def test_the_runner_refuses_a_quantized_checkpoint_or_missing_kernels(model, monkeypatch):
-    import torch
-
-    from radixgen.runtime import deterministic
-    from radixgen.runtime.layers import ops as ops_mod
-    from radixgen.runtime.layers.quantization import QuantSpec
-
+def test_the_runner_refuses_a_quantized_checkpoint_or_missing_kernels():
     ops = ops_mod.CpuOps(KL, deterministic=True)
-    deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops)  # what the tests above run
+    deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops, 64)  # what the tests above run
     with pytest.raises(ValueError, match="quantized weights .* awq"):
-        deterministic.check_deterministic(QuantSpec(method="awq", group_size=128), torch.bfloat16, ops)
+        deterministic.check_deterministic(QuantSpec(method="awq", group_size=128), torch.bfloat16, ops, 64)
     with pytest.raises(ValueError, match="AVX512-BF16"):
-        deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops_mod.CpuOps(None, deterministic=True))
+        deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops_mod.CpuOps(None, deterministic=True), 64)
+    with pytest.raises(ValueError, match="bfloat16 weights"):
+        deterministic.check_deterministic(QuantSpec(), torch.float32, ops, 64)
+    with pytest.raises(ValueError, match=f"head_dim={KL.d_max + 8}"):
+        deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops, KL.d_max + 8)
     with pytest.raises(ValueError, match="must be a bool"):
         RuntimeConfig(deterministic="yes")

@@ -45,7 +45,7 @@ def _quantized_pool_kernels(code: str, c_type: str):
         ("q", "const T *"), ("q_stride", "int64_t"), *pool, ("table", "const int64_t *"), ("table_stride", "int64_t"),
         ("rows", "const int64_t *"), ("seq_lens", "const int64_t *"), ("out", "T *"), ("B", "int64_t"),
         ("H", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("splits", "int64_t"),
-        ("part", "float *")])
+        ("piece", "int64_t"), ("part", "float *")])
     yield f"rg_extend_attention_{code}_bf16", ("rg_status", [  # AVX512-BF16 (a stub elsewhere)
         ("q", "const uint16_t *"), ("q_stride", "int64_t"), *pool, ("table", "const int64_t *"),
         ("table_stride", "int64_t"), ("rows", "const int64_t *"), ("prefix_lens", "const int64_t *"),
@@ -64,7 +64,8 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("q", "const T *"), ("q_stride", "int64_t"), ("k_buf", "const T *"), ("v_buf", "const T *"),
         ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
         ("seq_lens", "const int64_t *"), ("out", "T *"), ("B", "int64_t"), ("H", "int64_t"), ("Hkv", "int64_t"),
-        ("D", "int64_t"), ("scale", "float"), ("splits", "int64_t"), ("part", "float *")]),
+        ("D", "int64_t"), ("scale", "float"), ("splits", "int64_t"), ("piece", "int64_t"),
+        ("part", "float *")]),
     "rg_add_rmsnorm_{T}": ("void", [
         ("x", "const T *"), ("x_stride", "int64_t"), ("residual", "T *"), ("weight", "const T *"), ("out", "T *"),
         ("n_rows", "int64_t"), ("N", "int64_t"), ("eps", "float")]),
@@ -92,10 +93,10 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("D", "int64_t"), ("inter", "int64_t"), ("eps", "float"), ("scale", "float"),
         ("positions", "const int64_t *"), ("cos_sin", "const float *"), ("out_slots", "const int64_t *"),
         ("table", "const int64_t *"), ("table_stride", "int64_t"), ("rows", "const int64_t *"),
-        ("splits", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"), ("res_a", "uint16_t *"),
-        ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"), ("gu", "uint16_t *"),
-        ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"), ("threads", "int64_t"),
-        ("par", "const rg_parallel *")]),
+        ("splits", "int64_t"), ("piece", "int64_t"), ("x", "uint16_t *"), ("out", "uint16_t *"),
+        ("res_a", "uint16_t *"), ("res_b", "uint16_t *"), ("qkv", "uint16_t *"), ("attn", "uint16_t *"),
+        ("gu", "uint16_t *"), ("part", "float *"), ("scratch", "void *"), ("scratch_bytes", "int64_t"),
+        ("threads", "int64_t"), ("par", "const rg_parallel *")]),
     "rg_lora_delta_bf16": ("rg_status", [
         ("x", "const uint16_t *"), ("K", "int64_t"), ("y", "uint16_t *"), ("N", "int64_t"), ("a", "const uint16_t *"),
         ("b", "const uint16_t *"), ("scales", "const float *"), ("ranks", "const int32_t *"),

@@ -157,6 +157,12 @@ def _check_attention_pool(q, k_buffer, v_buffer, k_scales, v_scales, q_dtypes) -
 # ------------------------------------------------------------------------------------- decode attention
 
 
+# The deterministic mode's pieces of decode attention: every context is cut at multiples of this many positions
+# whatever the batch, so a query's sums run in one order (a multiple of the 16-key blocks the kernel scores).
+# 128: few enough pieces to merge at batch 64, two per thread at batch 1 from 256 positions on.
+FIXED_PIECE = 128
+
+
 def num_splits(batch: int, max_len: int, threads: int) -> int:
     """Pieces per request along the context: at least 4 work items per thread when the contexts allow it,
     no piece shorter than 64 positions."""
@@ -165,13 +171,22 @@ def num_splits(batch: int, max_len: int, threads: int) -> int:
     return max(1, min(-(-4 * threads // batch), max_len // 64))
 
 
+def context_split(batch: int, max_len: int, threads: int, piece: int = 0) -> tuple[int, int]:
+    """(splits, piece) of decode attention: piece 0 picks `num_splits` equal pieces per context (they follow the
+    batch); a piece > 0 is kept, with as many pieces as the longest context needs (fixed cuts)."""
+    if piece > 0:
+        return max(1, -(-max_len // piece)), piece
+    return num_splits(batch, max_len, threads), 0
+
+
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_slot: torch.Tensor,
                      req_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *,
                      k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-                     kl: CKernels | None = None) -> torch.Tensor:
+                     kl: CKernels | None = None, piece: int = 0) -> torch.Tensor:
     """q (B, Hq, D) (rows may be strided) -> o (B, Hq, D): request b attends to the first seq_lens[b] slots
     of row req_indices[b] of req_to_slot (R, C), int64 everywhere. The pool is in q's dtype, or 8-bit codes
-    with k_scales / v_scales (radixgen.kernels.kv_quant)."""
+    with k_scales / v_scales (radixgen.kernels.kv_quant). piece > 0: each context summed in fixed pieces of that
+    many positions (a multiple of 16), so a row's result does not depend on the other rows (FIXED_PIECE)."""
     _check_attention_pool(q, k_buffer, v_buffer, k_scales, v_scales, DTYPES)
     check_tensor("req_to_slot", req_to_slot, 2, (torch.int64,))
     expect(req_to_slot.stride(1) == 1, "req_to_slot rows must be contiguous")
@@ -180,6 +195,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     check_dim("req_indices", req_indices, 0, q.shape[0], "batch")
     check_dim("seq_lens", seq_lens, 0, q.shape[0], "batch")
     expect(isinstance(sm_scale, (int, float)) and sm_scale > 0, f"sm_scale must be positive, got {sm_scale!r}")
+    expect(isinstance(piece, int) and piece >= 0 and piece % 16 == 0,
+           f"piece must be 0 or a positive multiple of 16, got {piece!r}")
     _check_cpu(q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_slot=req_to_slot, req_indices=req_indices,
                seq_lens=seq_lens)
     kl = _require(kl)
@@ -191,25 +208,26 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                f"req_indices must lie in [0, {req_to_slot.shape[0]})")
     return _decode_attention(kl, q, k_buffer, v_buffer, req_to_slot, req_indices.contiguous(),
                              seq_lens.contiguous(), float(sm_scale), int(seq_lens.max()) if q.shape[0] else 0,
-                             k_scales, v_scales)
+                             k_scales, v_scales, piece=piece)
 
 
 def _decode_attention(kl: CKernels, q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale: float,
-                      max_len: int, k_scales=None, v_scales=None, requests: int | None = None) -> torch.Tensor:
+                      max_len: int, k_scales=None, v_scales=None, requests: int | None = None,
+                      piece: int = 0) -> torch.Tensor:
     """requests: the batch size to split the contexts for, where it is not q's rows (a verification's requests,
-    several rows each)."""
+    several rows each); piece > 0: fixed pieces instead (context_split)."""
     b, h, d = q.shape
     hkv = k_buffer.shape[1]
     out = torch.empty((b, h, d), dtype=q.dtype)
     if b == 0:
         return out
-    splits = num_splits(b if requests is None else requests, max_len, torch.get_num_threads())
+    splits, piece = context_split(b if requests is None else requests, max_len, torch.get_num_threads(), piece)
     part = torch.empty(b * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32)
     kl.fn(_pool_kernel("decode_attention", k_buffer, SUFFIX[q.dtype]))(
         q=q.data_ptr(), q_stride=q.stride(0), **_pool_kwargs(k_buffer, v_buffer, k_scales, v_scales),
         table=req_to_slot.data_ptr(), table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(),
         seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, H=h, Hkv=hkv, D=d, scale=sm_scale, splits=splits,
-        part=part.data_ptr())
+        piece=piece, part=part.data_ptr())
     return out
 
 

@@ -24,7 +24,7 @@ from ._cpu_bindings import (
     LoRAStepBF16,
     ParallelBF16,
 )
-from .cpu import _ptr, num_splits
+from .cpu import _ptr, context_split
 from .cpu_linear import KIND_ROWS, PackedWeight
 from .kv_quant import SCALE_DTYPE
 
@@ -234,7 +234,8 @@ class LoRAStepWeights:
 def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, out_slots: torch.Tensor, req_to_slot: torch.Tensor,
                 req_indices: torch.Tensor, max_len: int, scale: float,
-                io: StageIO = StageIO(), requests: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                io: StageIO = StageIO(), requests: int | None = None,
+                piece: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer and the final norm for a decode batch of M tokens `ids` at `positions` (each request's
     context being its position + 1, this token included), from their rows of `w.embed` (as bf16) ->
     ((M, hidden) final hidden states, (M, vocab) float32 logits, rounded to bf16, or None where `w` has no LM
@@ -242,7 +243,8 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions
     context. Index tensors int64 and contiguous, no checks: the runtime builds them. Writes this step's K/V
     into the pool at out_slots. Rows of one request (consecutive positions, the same entry in req_indices, which
     has one entry per row) see each other's K/V: all rows' K/V are stored before any row attends. `requests`
-    (default M): how many requests the rows belong to, which sets how each context is split for attention.
+    (default M): how many requests the rows belong to, which sets how each context is split for attention;
+    piece > 0: fixed pieces of that many positions instead (cpu.context_split, the deterministic mode).
     With `io`, one rank's part of a parallel group (StageIO): w.embed may then be None, and a stage that is not
     final returns ((M, hidden) output, (M, hidden) residual stream) instead, also in `w`'s buffers."""
     expect(w.embed is not None or io.embedded is not None or io.hidden is not None,
@@ -250,11 +252,11 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions
     m = ids.shape[0]
     h, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     threads = torch.get_num_threads()
-    splits = num_splits(m if requests is None else requests, max_len, threads)
+    splits, piece = context_split(m if requests is None else requests, max_len, threads, piece)
     x, out, res_a, res_b, qkv, attn, gu, part, logits = w.scratch(m, splits)
     # the kernel checks the scratch against the contexts it reads (RG_ERR_SCRATCH if max_len was too small)
     nbytes = kl.fn("rg_decode_step_scratch_bytes_bf16")(M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d, inter=w.intermediate,
-                                                        max_piece=-(-max_len // splits), threads=threads)
+                                                        max_piece=piece or -(-max_len // splits), threads=threads)
     scratch = w.thread_scratch(nbytes)
     par = None if io.plain else _parallel(io, x, res_a)
     kl.fn("rg_decode_step_bf16")(
@@ -263,10 +265,10 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions
         embed=None if w.embed is None else w.embed.ref, ids=ids.data_ptr(), M=m, hidden=w.hidden, H=h, Hkv=hkv, D=d,
         inter=w.intermediate, eps=w.eps, scale=scale, positions=positions.data_ptr(),
         cos_sin=cos_sin_cache.data_ptr(), out_slots=out_slots.data_ptr(), table=req_to_slot.data_ptr(),
-        table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(), splits=splits, x=x.data_ptr(),
-        out=out.data_ptr(), res_a=res_a.data_ptr(), res_b=res_b.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
-        gu=gu.data_ptr(), part=part.data_ptr(), scratch=scratch.data_ptr(), scratch_bytes=scratch.numel(),
-        threads=threads, par=None if par is None else ctypes.addressof(par))
+        table_stride=req_to_slot.stride(0), rows=req_indices.data_ptr(), splits=splits, piece=piece,
+        x=x.data_ptr(), out=out.data_ptr(), res_a=res_a.data_ptr(), res_b=res_b.data_ptr(), qkv=qkv.data_ptr(),
+        attn=attn.data_ptr(), gu=gu.data_ptr(), part=part.data_ptr(), scratch=scratch.data_ptr(),
+        scratch_bytes=scratch.numel(), threads=threads, par=None if par is None else ctypes.addressof(par))
     error = io.hook.take_error() if io.hook is not None else None
     if error is not None:
         raise error

@@ -17,6 +17,12 @@ enum { RG_OK = 0, RG_ERR_ALLOC = 1, RG_ERR_UNSUPPORTED = 2, RG_ERR_SCRATCH = 3 }
 
 /* Bytes of scratch sized for n elements of `size` bytes, rounded up to a cache line. */
 static inline size_t rg_span(int64_t n, size_t size) { return ((size_t)n * size + 63) & ~(size_t)63; }
+/* Whether `splits` fixed pieces of `piece` positions cover every context lens[i] + add (i < n). */
+static inline int pieces_cover(const int64_t *lens, int64_t n, int64_t add, int64_t splits, int64_t piece) {
+    for (int64_t i = 0; i < n; ++i)
+        if (lens[i] + add > splits * piece) return 0;
+    return 1;
+}
 
 static inline float bf16_to_f32(uint16_t x) {
     const uint32_t u = (uint32_t)x << 16;
@@ -162,8 +168,8 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                               int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
-                              const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
-                              uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
+                              const int64_t *rows, int64_t splits, int64_t piece, uint16_t *x, uint16_t *out,
+                              uint16_t *res_a, uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
                               void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par);
 rg_status rg_extend_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_buf,
                                    const uint16_t *v_buf, const int64_t *table, int64_t table_stride,
@@ -238,10 +244,11 @@ static void layer_store_kv_bf16(const rg_layer_bf16 *ly, const uint16_t *k, cons
 static void layer_decode_attention_team_bf16(const rg_layer_bf16 *ly, const uint16_t *q, int64_t q_stride,
                                              const int64_t *table, int64_t table_stride, const int64_t *rows,
                                              const int64_t *seq_lens, uint16_t *out, int64_t M, int64_t H,
-                                             int64_t Hkv, int64_t D, float scale, int64_t splits, float *part,
+                                             int64_t Hkv, int64_t D, float scale, int64_t splits, int64_t piece,
+                                             float *part,
                                              float *qf, float *sc) {
 #define TEAM(fn) fn(q, q_stride, ly->k_buf, ly->v_buf, ly->k_scale, ly->v_scale, table, table_stride, rows, \
-                    seq_lens, out, M, H, Hkv, D, scale, splits, part, qf, sc)
+                    seq_lens, out, M, H, Hkv, D, scale, splits, piece, part, qf, sc)
     if (ly->kv_format == KV_INT8)
         TEAM(rg_decode_attention_team_i8_bf16);
     else if (ly->kv_format == KV_FP8)
@@ -271,23 +278,24 @@ int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, 
  * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. The matmul
  * weights are descriptors (cpu_linear.h) of any layout. With an LM head (vocab rows), logits (M, vocab) float32
  * = out @ lm_head^T rounded to bf16, by the same team. par (NULL at tp 1, pp 1): the step on one rank of a
- * parallel group (cpu_parallel.h); embed is then read only for RG_STAGE_IDS. */
+ * parallel group (cpu_parallel.h); embed is then read only for RG_STAGE_IDS. splits and piece cut the contexts
+ * for attention as decode_attention's do (piece > 0: fixed pieces, the deterministic mode). */
 rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, const uint16_t *final_norm,
                               const rg_weight *lm_head, float *logits, const rg_weight *embed,
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                               int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
-                              const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
-                              uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
+                              const int64_t *rows, int64_t splits, int64_t piece, uint16_t *x, uint16_t *out,
+                              uint16_t *res_a, uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
                               void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
     const int64_t qsz = H * D, kvsz = Hkv * D, qkv_n = qsz + 2 * kvsz, G = H / Hkv;
     const size_t row_bytes = sizeof(uint16_t) * (size_t)(M * hidden);
     int64_t max_piece = 0;
     for (int64_t m = 0; m < M; ++m) {
-        const int64_t piece = (positions[m] + 1 + splits - 1) / splits;
-        max_piece = piece > max_piece ? piece : max_piece;
+        const int64_t len = piece > 0 ? piece : (positions[m] + 1 + splits - 1) / splits;
+        max_piece = len > max_piece ? len : max_piece;
     }
-    if (threads < 1 ||
+    if (threads < 1 || (piece > 0 && !pieces_cover(positions, M, 1, splits, piece)) ||
         rg_decode_step_scratch_bytes_bf16(M, hidden, H, Hkv, D, inter, max_piece, threads) > scratch_bytes)
         return RG_ERR_SCRATCH;
     int64_t *seq_lens = (int64_t *)scratch;
@@ -337,7 +345,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                 layer_store_kv_bf16(ly, qkv + qsz, qkv + qsz + kvsz, qkv_n, out_slots, M, Hkv, D);
             }
             layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
-                                             scale, splits, part, qf, sc);
+                                             scale, splits, piece, part, qf, sc);
             linear_team_bf16(&ly->o, attn, M, NULL, x, NULL, sx);
             lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
@@ -593,12 +601,13 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                               const int64_t *ids, int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
                               int64_t inter, float eps, float scale, const int64_t *positions, const float *cos_sin,
                               const int64_t *out_slots, const int64_t *table, int64_t table_stride,
-                              const int64_t *rows, int64_t splits, uint16_t *x, uint16_t *out, uint16_t *res_a,
-                              uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
+                              const int64_t *rows, int64_t splits, int64_t piece, uint16_t *x, uint16_t *out,
+                              uint16_t *res_a, uint16_t *res_b, uint16_t *qkv, uint16_t *attn, uint16_t *gu, float *part,
                               void *scratch, int64_t scratch_bytes, int64_t threads, const rg_parallel *par) {
     (void)layers, (void)n_layers, (void)final_norm, (void)lm_head, (void)logits, (void)embed;
     (void)ids, (void)M, (void)hidden, (void)H, (void)Hkv, (void)D, (void)inter, (void)eps, (void)scale;
-    (void)positions, (void)cos_sin, (void)out_slots, (void)table, (void)table_stride, (void)rows, (void)splits;
+    (void)positions, (void)cos_sin, (void)out_slots, (void)table, (void)table_stride, (void)rows, (void)splits,
+        (void)piece;
     (void)x, (void)out, (void)res_a, (void)res_b, (void)qkv, (void)attn, (void)gu, (void)part, (void)scratch;
     (void)scratch_bytes, (void)threads, (void)par;
     return RG_ERR_UNSUPPORTED;

@@ -249,7 +249,7 @@ static void PFN(decode_attention_team)(const T *q, int64_t q_stride, const KT *k
                                        const uint16_t *k_scale, const uint16_t *v_scale, const int64_t *table,
                                        int64_t table_stride, const int64_t *rows, const int64_t *seq_lens, T *out,
                                        int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t splits,
-                                       float *part, float *qf, float *sc) {
+                                       int64_t piece, float *part, float *qf, float *sc) {
     const int64_t G = H / Hkv;
     const int64_t part_len = G * (D + 2); /* per (b, h, split): G x [max, sum, D outputs] */
     const int64_t n_items = B * splits;
@@ -259,7 +259,7 @@ static void PFN(decode_attention_team)(const T *q, int64_t q_stride, const KT *k
     for (int64_t item = 0; item < n_items; ++item) {
         const int64_t b = item / splits, s = item % splits;
         const int64_t L = seq_lens[b];
-        const int64_t chunk = (L + splits - 1) / splits;
+        const int64_t chunk = piece > 0 ? piece : (L + splits - 1) / splits;
         const int64_t j0 = s * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
         const int64_t n = j1 > j0 ? j1 - j0 : 0;
         const int64_t *slots = table + rows[b] * table_stride + j0;
@@ -316,7 +316,10 @@ static void PFN(decode_attention_team)(const T *q, int64_t q_stride, const KT *k
  * h*G .. h*G+G-1 share KV head h.
  * Each request is cut into `splits` pieces along the context so that a few long requests still use every
  * thread; a piece leaves its running max, its sum of exponentials and its unnormalised output in `part`,
- * and the pieces are merged at the end. The work is in decode_attention_team, whose worksharing loops bind
+ * and the pieces are merged at the end, in the order of their positions. piece > 0 fixes the pieces instead:
+ * positions [s piece, (s + 1) piece) of every request (splits >= ceil(longest / piece) of them, those past a
+ * request's context empty), so that a query's sums run in an order set by its own context length alone, not by
+ * the batch it is in (the deterministic mode); piece == 0: `splits` equal pieces of each context. The work is in decode_attention_team, whose worksharing loops bind
  * to whatever team calls it (here a new one; the fused decode step calls it from inside its own). Each thread
  * allocates its scratch; if any allocation fails, no thread works and the call returns RG_ERR_ALLOC. */
 #if KV_SCALED
@@ -324,15 +327,16 @@ rg_status PFN(decode_attention)(const T *q, int64_t q_stride, const KT *k_buf, c
                                 const uint16_t *k_scale, const uint16_t *v_scale, const int64_t *table,
                                 int64_t table_stride, const int64_t *rows, const int64_t *seq_lens, T *out,
                                 int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t splits,
-                                float *part) {
+                                int64_t piece, float *part) {
 #else
 rg_status FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, const T *v_buf,
                                const int64_t *table, int64_t table_stride, const int64_t *rows,
                                const int64_t *seq_lens, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                               float scale, int64_t splits, float *part) {
+                               float scale, int64_t splits, int64_t piece, float *part) {
     const uint16_t *k_scale = NULL, *v_scale = NULL;
 #endif
-    const int64_t sc_len = FN(max_piece)(seq_lens, B, splits) * (H / Hkv);
+    if (piece > 0 && !pieces_cover(seq_lens, B, 0, splits, piece)) return RG_ERR_UNSUPPORTED;
+    const int64_t sc_len = (piece > 0 ? piece : FN(max_piece)(seq_lens, B, splits)) * (H / Hkv);
     int failed = 0;
 #pragma omp parallel
     {
@@ -348,7 +352,7 @@ rg_status FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, con
         stop = failed;
         if (!stop) /* the same answer in every thread: all of them meet the worksharing loops, or none */
             PFN(decode_attention_team)(q, q_stride, k_buf, v_buf, k_scale, v_scale, table, table_stride, rows,
-                                       seq_lens, out, B, H, Hkv, D, scale, splits, part, qf, sc);
+                                       seq_lens, out, B, H, Hkv, D, scale, splits, piece, part, qf, sc);
         free(sc);
         free(qf);
     }

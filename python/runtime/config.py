@@ -137,6 +137,9 @@ class RuntimeConfig:
                               "tensor / pipeline parallelism); 0: torch's default (with several ranks on a node, "
                               "its CPUs split between them)")
     disable_cpu_kernels: bool = option(False, "CPU: plain torch ops instead of the C kernels and oneDNN-packed weights")
+    deterministic: bool = option(False, "batch-invariant kernels: a request's output ids and logprobs are the same "
+                                 "bits whatever else is batched with it, its prefill chunking, its cache hits or "
+                                 "speculation (CPU, bf16 weights, AVX512-BF16; other combinations are refused)")
     disable_cuda_graph: bool = option(False, "CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = option(160, "CUDA: largest decode batch captured in a graph (also capped by "
                                     "--max-running-requests)")
@@ -210,6 +213,12 @@ class RuntimeConfig:
         self._check_parallel()
         self._check_speculative()
         self._check_lora()
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic:
+            from radixgen.runtime.deterministic import check_config
+
+            check_config(self)
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "pp_size", "nnodes"):

@@ -33,15 +33,17 @@ class FusedDecode:
     and LM head around it)."""
 
     def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, model, cos_sin_cache: torch.Tensor,
-                 scale: float, lora: cpu_fused.LoRAStepWeights | None = None) -> None:
+                 scale: float, lora: cpu_fused.LoRAStepWeights | None = None, piece: int = 0) -> None:
         self.kl, self.weights, self.model, self.cos_sin_cache, self.scale = kl, weights, model, cos_sin_cache, scale
         self.lora = lora
+        self.piece = piece  # > 0: attention over fixed pieces of the contexts (the deterministic mode)
         self.hook = cpu_fused.TensorParallelHook(distributed.all_reduce) if distributed.tp_size() > 1 else None
 
     @classmethod
-    def build(cls, model, kv_pool, kl: CKernels, lora_pool=None) -> FusedDecode | None:
+    def build(cls, model, kv_pool, kl: CKernels, lora_pool=None, piece: int = 0) -> FusedDecode | None:
         """The fused step for `model` over `kv_pool` on the kernels `kl` (with the LoRA deltas of `lora_pool`, a
-        lora.pool.LoRAPool, added after each matmul), or None where it does not apply."""
+        lora.pool.LoRAPool, added after each matmul; attention over fixed pieces of `piece` positions when > 0),
+        or None where it does not apply."""
         from radixgen.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
         if not kl.has_decode_step or not isinstance(model, LlamaForCausalLM):
@@ -86,7 +88,7 @@ class FusedDecode:
             kl, layers, model.norm.weight if last else None, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
             eps=model.config.rms_norm_eps, embed=embed, lm_head=lm_head)
-        return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale, lora)
+        return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale, lora, piece)
 
     def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
         """Whether a step with these per-request new-token counts is one the fused path takes: a decode step, or
@@ -124,7 +126,7 @@ class FusedDecode:
             io = io._replace(embedded=model.embed_tokens(ids))
         # the context split as in a decode step of the same requests, so that a row's attention rounds as there
         out, logits = cpu_fused.decode_step(self.kl, self.weights, ids, pos, self.cos_sin_cache, slots, req_to_slot,
-                                            rows, max_len, self.scale, io, requests=n)
+                                            rows, max_len, self.scale, io, requests=n, piece=self.piece)
         if not model.is_last_stage:
             return StageHidden(out.clone(), logits.clone())
         return model.lm_head.gather(logits.index_select(0, fi.logit_rows))

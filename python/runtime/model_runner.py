@@ -14,6 +14,7 @@ from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.cpu_decode import FusedDecode
 from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
+from radixgen.runtime.deterministic import check_deterministic
 from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
 from radixgen.runtime.layers import quantization
@@ -100,7 +101,10 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = model_class(mc.architecture)(mc)
-                self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels)  # the device's ops, chosen once
+                # the device's ops, chosen once
+                self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels, cfg.deterministic)
+                if cfg.deterministic:
+                    check_deterministic(self.quantization, self.dtype, self.ops, mc.head_dim)
                 self.ops.prepare(model, self.quantization)  # linear methods: the parameters the checkpoint fills
         finally:
             torch.set_default_dtype(default_dtype)
@@ -133,7 +137,8 @@ class ModelRunner:
         # bf16 decode batches of up to cpu_decode.MAX_BATCH on the C kernels: every layer in one C call (None where
         # that does not apply)
         kl = self.ops.kl if isinstance(self.ops, CpuOps) else None
-        self.fused_decode = FusedDecode.build(self.model, self.kv_pool, kl, self.lora_pool) if kl is not None else None
+        self.fused_decode = None if kl is None else FusedDecode.build(self.model, self.kv_pool, kl, self.lora_pool,
+                                                                      piece=self.ops.attention_piece)
         logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots (KV cache %s)", self.model_path,
                     self.dtype, self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots,
                     cfg.kv_cache_dtype)

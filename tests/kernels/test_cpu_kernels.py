@@ -62,7 +62,7 @@ def test_decode_attention_splits_agree(batch, gen):
             q=q.data_ptr(), q_stride=q.stride(0), k_buf=pool.k_buffer.data_ptr(), v_buf=pool.v_buffer.data_ptr(),
             table=pool.req_to_slot.data_ptr(), table_stride=pool.req_to_slot.stride(0),
             rows=pool.req_indices.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=batch, H=6, Hkv=2,
-            D=64, scale=0.125, splits=splits, part=part.data_ptr())
+            D=64, scale=0.125, splits=splits, piece=0, part=part.data_ptr())
         one = out if one is None else one
         assert rel_err(out, one) < 1e-6
     ref = decode_attention_ref(q, pool.k_buffer, pool.v_buffer, pool.req_to_slot, pool.req_indices, seq_lens, 0.125)

@@ -142,9 +142,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
     AVX512-BF16 (a flash-style kernel, about 2x scaled_dot_product_attention's speed); other extends, and pools
     the kernels do not take (dtype, head_dim), use the torch backend's code."""
 
-    def __init__(self, kl: cpu_kernels.CKernels) -> None:
+    def __init__(self, kl: cpu_kernels.CKernels, piece: int = 0) -> None:
         self.kl = kl
         self.pool_ok: bool | None = None  # whether the kernels take the pool, decided at the first step
+        # > 0 (the deterministic mode): every query, prefill rows too, is a decode query over fixed pieces of its
+        # context (cpu_kernels.FIXED_PIECE), so its sums run in one order whatever the batch, the chunk or the
+        # cached prefix; 0: the decode split follows the batch and extends run the extend kernel
+        self.piece = piece
 
     def prepare(self, ctx: ForwardContext) -> None:
         k0, dtype = ctx.kv_pool.k_buffers[0], ctx.kv_pool.dtype
@@ -159,10 +163,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ctx.attn_meta = DecodeMeta(None, max(lens), None, torch.tensor(lens, dtype=torch.int64),
                                        ctx.req_indices.to(torch.int64).contiguous())
             return
-        if ctx.verify:
+        if ctx.verify or self.piece:
             # every row of a verification is a decode query at its own position, its context split as in a decode
             # step of the same requests (as the fused step does it): a row's attention then rounds as it would in
-            # the decode step that would otherwise have computed it, and speculation leaves outputs bit for bit
+            # the decode step that would otherwise have computed it, and speculation leaves outputs bit for bit.
+            # With fixed pieces every extend goes this way too, and its rows round as decode steps would.
             ctx.keep_rows = None
             lens = [p + i + 1 for p, e in zip(ctx.prefix_lens, ctx.extend_lens, strict=True) for i in range(e)]
             rows = ctx.req_indices.to(torch.int64).repeat_interleave(torch.tensor(ctx.extend_lens),
@@ -213,7 +218,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if isinstance(meta, DecodeMeta):  # a decode step, or a verification's rows as decode queries
             return cpu_kernels._decode_attention(self.kl, q, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
                                                  meta.seq_lens, scale, meta.lmax, kv.k_scales, kv.v_scales,
-                                                 requests=meta.split_batch)
+                                                 requests=meta.split_batch, piece=self.piece)
         return cpu_kernels._extend_attention(self.kl, q, kv.k, kv.v, ctx.req_to_slot, meta.req_indices,
                                              meta.prefix_lens, meta.extend_lens, scale, kv.k_scales, kv.v_scales)
 

@@ -26,6 +26,7 @@ from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
 class TorchOps:
     name = "torch"
     kernels: cpu_kernels.CKernels | None = None  # the C kernels the linear methods use (CpuOps)
+    attention_piece = 0  # > 0: the deterministic mode's fixed pieces of decode attention (CpuOps)
 
     def __init__(self) -> None:
         self.attention = TorchAttentionBackend()
@@ -114,10 +115,13 @@ class CpuOps(TorchOps):
 
     name = "cpu"
 
-    def __init__(self, kl: cpu_kernels.CKernels | None) -> None:
+    def __init__(self, kl: cpu_kernels.CKernels | None, deterministic: bool = False) -> None:
+        """deterministic: every attention query over fixed pieces of its context (runtime/deterministic.py says
+        what else the mode needs, and refuses it where the kernels cannot keep it)."""
         super().__init__()
         self.kl = self.kernels = kl
-        self.attention = CpuAttentionBackend(kl) if kl is not None else TorchAttentionBackend()
+        self.attention_piece = cpu_kernels.FIXED_PIECE if deterministic else 0
+        self.attention = CpuAttentionBackend(kl, self.attention_piece) if kl is not None else TorchAttentionBackend()
 
     def install(self, model: nn.Module) -> None:
         """As TorchOps.install; then the C matmuls' packed weights move into one arena in the order a decode step
@@ -213,15 +217,15 @@ class TritonOps(TorchOps):
             kernels.lora_expand_(y, h, b, scales, *seg, c0, c1, g * r)
 
 
-def ops_for(device: torch.device | str, disable_cpu_kernels: bool = False) -> TorchOps:
+def ops_for(device: torch.device | str, disable_cpu_kernels: bool = False, deterministic: bool = False) -> TorchOps:
     """The ops set of a device, chosen once: Triton on CUDA; on the CPU the C kernels (when they build) unless
-    disable_cpu_kernels asks for plain torch."""
+    disable_cpu_kernels asks for plain torch; deterministic: the C kernels' batch-invariant choices."""
     device = torch.device(device)
     if device.type == "cuda":
         return TritonOps()
     if device.type != "cpu" or disable_cpu_kernels:
         return TorchOps()
-    return CpuOps(cpu_kernels.lib())
+    return CpuOps(cpu_kernels.lib(), deterministic)
 
 
 class OpsLayer(nn.Module):

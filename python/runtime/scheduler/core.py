@@ -189,6 +189,7 @@ class Scheduler:
             "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
             "speculative": self.spec.info() if self.spec is not None else None,
             "lora": self.lora.info(),
+            "deterministic": self.cfg.deterministic,  # batch-invariant kernels (runtime/deterministic.py)
         }
 
     # ------------------------------------------------------------------ admission (extend)

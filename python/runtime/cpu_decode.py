@@ -1,4 +1,5 @@
-"""The fused CPU decode step: all decoder layers of a bf16 Llama-family model (Llama, Mistral, Qwen2, Qwen3) for a
+"""The fused CPU decode step: all decoder layers of a bf16 decoder model (Llama, Mistral, Qwen2, Qwen3: any whose
+layers describe themselves, models.parts.LayerStructure, as the dense gated MLP and rotate-half rotary) for a
 decode batch of up to `MAX_BATCH` requests in one C call (radixgen.kernels.cpu_fused.decode_step).
 
 Small decode batches on a CPU are bound by streaming the weights through the matmuls; what the unfused path
@@ -7,7 +8,8 @@ is most of the rest of the step. The fused step runs the same math with the same
 OpenMP team, LM head and embedding gather included, reading the linear layers' own packed weights
 (radixgen.kernels.cpu_linear: bf16 K pairs, which its kernel streams at 45-55 GB/s here where oneDNN reaches
 about 20-30 on the same matrices at batch 1, or int8 / int4 dequantized in registers). Larger batches, prefill,
-float32 and layers in another layout (fp8, GPTQ's activation order) keep the unfused path.
+float32, layers in another layout (fp8, GPTQ's activation order) and models with a part the step does not run
+(an expert block, another rotary: `supports`) keep the unfused path.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 
 from radixgen.kernels import cpu_fused, cpu_linear
 from radixgen.kernels.cpu import CKernels
-from radixgen.runtime import distributed
+from radixgen.runtime.models.decoder import StageHidden
+from radixgen.runtime.models.parts import DENSE_GATED_SILU, ROPE, LayerStructure
 
 MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even at 96, slower at 128
 # rows of one request in a verification step (its last token and its draft tokens): the step stores every row's
@@ -37,25 +40,36 @@ class FusedDecode:
         self.kl, self.weights, self.model, self.cos_sin_cache, self.scale = kl, weights, model, cos_sin_cache, scale
         self.lora = lora
         self.piece = piece  # > 0: attention over fixed pieces of the contexts (the deterministic mode)
-        self.hook = cpu_fused.TensorParallelHook(distributed.all_reduce) if distributed.tp_size() > 1 else None
+        tp = model.parallel.tp
+        self.hook = cpu_fused.TensorParallelHook(tp.all_reduce) if tp.size > 1 else None
+
+    @staticmethod
+    def supports(layers: list[LayerStructure], d_max: int) -> str | None:
+        """Why the fused step cannot run decoder layers `layers` (the model's decoder_structure()), or None where
+        it can: every layer the dense gated MLP, rotate-half rotary, bf16 CPU norms, heads of at most d_max."""
+        for i, layer in enumerate(layers):
+            a = layer.attention
+            if layer.mlp.kind != DENSE_GATED_SILU:
+                return f"layer {i}'s MLP part is {layer.mlp.kind!r} (the fused step runs {DENSE_GATED_SILU!r})"
+            if a.rotary.kind != ROPE:
+                return f"layer {i}'s rotary is {a.rotary.kind!r} (the fused step runs {ROPE!r})"
+            if layer.input_norm.dtype != torch.bfloat16 or not layer.input_norm.is_cpu:
+                return "the fused step runs bf16 activations on the CPU"
+            if a.head_dim > d_max:
+                return f"head_dim {a.head_dim} exceeds the kernels' {d_max}"
+        return None if layers else "no decoder layer"
 
     @classmethod
     def build(cls, model, kv_pool, kl: CKernels, lora_pool=None, piece: int = 0) -> FusedDecode | None:
-        """The fused step for `model` over `kv_pool` on the kernels `kl` (with the LoRA deltas of `lora_pool`, a
-        lora.pool.LoRAPool, added after each matmul; attention over fixed pieces of `piece` positions when > 0),
-        or None where it does not apply."""
-        from radixgen.runtime.models.llama import LlamaAttention, LlamaForCausalLM
-
-        if not kl.has_decode_step or not isinstance(model, LlamaForCausalLM):
+        """The fused step for `model` (a models.decoder.CausalLM: its decoder_structure(), embedding, final norm and
+        LM head) over `kv_pool` on the kernels `kl` (with the LoRA deltas of `lora_pool`, a lora.pool.LoRAPool,
+        added after each matmul; attention over fixed pieces of `piece` positions when > 0), or None where it
+        does not apply (`supports`, or a layer whose weight layout is
+        not one the C matmuls read)."""
+        if not kl.has_decode_step:
             return None
-        mine = list(model.layers[model.start_layer:model.end_layer])  # this pipeline stage's
-        attn = mine[0].self_attn
-        # per-head q/k norms are supported in Qwen3's form (q_norm / k_norm RMSNorms), no other override
-        qk_norms = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
-        norm = mine[0].input_layernorm.weight  # the activations' dtype and device (the linear weights are packed)
-        inter = mine[0].mlp.down_proj.in_features  # this rank's share
-        if ((type(attn).qk_norm is not LlamaAttention.qk_norm and not qk_norms)
-                or norm.dtype != torch.bfloat16 or not norm.is_cpu or attn.head_dim > kl.d_max):
+        mine = model.decoder_structure()  # this pipeline stage's
+        if cls.supports(mine, kl.d_max) is not None:
             return None
 
         def packed(layer):  # the layer's own weight as the C matmuls read it, or None
@@ -64,19 +78,18 @@ class FusedDecode:
         lora = lora_pool.fused_weights() if lora_pool is not None else None
         layers = []
         for i, layer in enumerate(mine):
-            a, mlp = layer.self_attn, layer.mlp
-            matmuls = {"qkv": packed(a.qkv_proj), "o": packed(a.o_proj), "gate_up": packed(mlp.gate_up_proj),
-                       "down": packed(mlp.down_proj)}
+            a, mlp = layer.attention, layer.mlp.linears
+            matmuls = {"qkv": packed(a.qkv), "o": packed(a.o), "gate_up": packed(mlp["gate_up"]),
+                       "down": packed(mlp["down"])}
             if any(w is None for w in matmuls.values()):
                 return None
-            layers.append({"input_norm": layer.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias, **matmuls,
-                           "post_norm": layer.post_attention_layernorm.weight,
-                           "q_norm": a.q_norm.weight if qk_norms else None,
-                           "k_norm": a.k_norm.weight if qk_norms else None, **_pool_of(kv_pool, i),
+            layers.append({"input_norm": layer.input_norm, "qkv_bias": a.qkv_bias, **matmuls,
+                           "post_norm": layer.post_norm, "q_norm": a.q_norm, "k_norm": a.k_norm,
+                           **_pool_of(kv_pool, i),
                            "lora": lora.address(model.start_layer + i) if lora is not None else None})
         last = model.is_last_stage
         embed = None  # a rank whose step starts from embedded rows or a previous stage's output reads no table
-        if model.is_first_stage and distributed.tp_size() == 1:
+        if model.is_first_stage and model.parallel.tp.size == 1:
             table = model.embed_tokens.table
             embed = packed(table) if table is model.lm_head else cpu_linear.pack_rows(table.weight)
             if embed is None:
@@ -84,11 +97,12 @@ class FusedDecode:
         lm_head = packed(model.lm_head) if last else None
         if last and lm_head is None:
             return None
+        first = mine[0].attention
         weights = cpu_fused.DecodeStepWeights(
-            kl, layers, model.norm.weight if last else None, num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
-            eps=model.config.rms_norm_eps, embed=embed, lm_head=lm_head)
-        return cls(kl, weights, model, attn.rotary.cos_sin_cache, attn.attn.scale, lora, piece)
+            kl, layers, model.norm.weight if last else None, num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=mine[0].mlp.intermediate,
+            eps=mine[0].eps, embed=embed, lm_head=lm_head)
+        return cls(kl, weights, model, first.rotary.cos_sin_cache, first.scale, lora, piece)
 
     def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
         """Whether a step with these per-request new-token counts is one the fused path takes: a decode step, or
@@ -105,8 +119,6 @@ class FusedDecode:
         On a rank of a parallel group: a stage after the first starts from `stage_input` (a StageHidden), a stage
         before the last returns its StageHidden (copies: the step's buffers are reused), and the logits are on
         the last stage's first tensor-parallel rank only (None on the others)."""
-        from radixgen.runtime.models.llama import StageHidden
-
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
         n = len(fi.extend_lens)

@@ -59,11 +59,25 @@ def batch_size_buckets(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+def graph_unsafe(model) -> str | None:
+    """Why a decode step of `model` (a models.decoder.CausalLM) cannot be captured, by what its decoder layers say
+    of themselves (models.parts.MLPStructure.graph_safe: an expert block routes with data-dependent shapes), or
+    None where it can."""
+    for i, layer in enumerate(model.decoder_structure()):
+        if not layer.mlp.graph_safe:
+            return f"layer {model.start_layer + i}'s MLP part {layer.mlp.kind!r} is not graph-safe"
+    return None
+
+
 class CudaGraphRunner:
     """Decode steps of up to `max_bs` requests, replayed from per-bucket CUDA graphs (see the module doc)."""
 
     def __init__(self, runner: ModelRunner, max_bs: int | None = None, capture: bool = True) -> None:
         cfg = runner.runtime_config
+        reason = graph_unsafe(runner.model)
+        if reason is not None:
+            raise ValueError(f"CUDA graphs cannot capture this model's decode step: {reason}; run it with "
+                             f"disable_cuda_graph")
         self.runner = runner
         self.capture_graphs = capture
         if max_bs is None:

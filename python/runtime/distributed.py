@@ -1,8 +1,10 @@
-"""Tensor and pipeline parallelism: this process's ranks, the process groups and the collectives, set up once.
+"""Tensor and pipeline parallelism: joining the group, its process groups, set up once per process.
 
 A group of `tp_size * pp_size` processes (ranks) runs one model. World rank r is pipeline stage r // tp_size and
-tensor-parallel rank r % tp_size within that stage; the ranks of a stage form its tensor-parallel group. With
-one rank (the default) nothing is set up and every collective is a no-op, so layers call them unconditionally.
+tensor-parallel rank r % tp_size within that stage; the ranks of a stage form its tensor-parallel group, the ranks
+of one tensor-parallel index across the stages its pipeline group. `init` returns the rank's ParallelContext
+(parallel_context.py: the axes and their collectives), which the model runner hands to the model it builds; with
+one rank (the default) nothing is set up and the context is SINGLE, whose collectives are no-ops.
 
 Everything goes through torch.distributed: gloo on the CPU; on CUDA, NCCL for device tensors and gloo for the
 host-side step descriptions (one process group with both backends). Setup (`init`) first meets the other ranks
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import datetime
 import json
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from radixgen.runtime.parallel_context import SINGLE, GroupError, ParallelContext, guard  # noqa: F401 (GroupError)
 
 STORE_PREFIX = "radixgen/"
 EXPECT_KEY = STORE_PREFIX + "expect"  # the layout the group expects (the Engine writes it)
@@ -37,10 +40,6 @@ def joined_key(rank: int) -> str:
 
 def ready_key(rank: int) -> str:
     return f"{STORE_PREFIX}ready/{rank}"
-
-
-class GroupError(RuntimeError):
-    """The parallel group cannot go on (a rank died, hung past the timeout, or disagrees on the layout)."""
 
 
 # ---------------------------------------------------------------- sharding arithmetic (pure)
@@ -100,69 +99,26 @@ def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
     return start, start + n
 
 
-# ---------------------------------------------------------------- the parallel state
+# ---------------------------------------------------------------- this process's context
 
-
-@dataclass(frozen=True)
-class ParallelState:
-    world_rank: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
-    nnodes: int = 1
-    tp_group: object | None = None  # torch ProcessGroup of this rank's stage; None with one rank
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.world_rank % self.tp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.world_rank // self.tp_size
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
-
-    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.tp_size + tp_rank
-
-
-_state = ParallelState()
+_context = SINGLE  # what init made (SINGLE until then); the runner takes it once and hands it to the model
 _store = None  # this rank's client of the group's TCPStore, once joined
 _parent = None  # the pid of the process that started this rank (the Engine's, or a node's launcher)
 
 
-def state() -> ParallelState:
-    return _state
+def context() -> ParallelContext:
+    """The parallel context `init` made for this process (SINGLE without a group): read once, by the model runner,
+    which passes it to the model it builds."""
+    return _context
 
 
-def tp_size() -> int:
-    return _state.tp_size
-
-
-def tp_rank() -> int:
-    return _state.tp_rank
-
-
-def rank_device(device: str) -> torch.device:
-    """This rank's device: with several ranks on a node, "cuda" (or cuda:N) is the node's GPU of the rank's local
-    index (counted from N); the CPU is shared."""
+def rank_device(device: str, par: ParallelContext) -> torch.device:
+    """The device of rank `par`: with several ranks on a node, "cuda" (or cuda:N) is the node's GPU of the rank's
+    local index (counted from N); the CPU is shared."""
     dev = torch.device(device)
-    if dev.type != "cuda" or _state.world_size == 1:
+    if dev.type != "cuda" or par.world_size == 1:
         return dev
-    return torch.device("cuda", (dev.index or 0) + _state.world_rank % _state.ranks_per_node)
+    return torch.device("cuda", (dev.index or 0) + par.world_rank % par.ranks_per_node)
 
 
 def fingerprint(cfg, model_config) -> str:
@@ -192,10 +148,10 @@ def connect_store(host: str, port: int, timeout_s: float, is_master: bool = Fals
                          f"is node 0 started?") from e
 
 
-def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelState:
+def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelContext:
     """Join the group as `world_rank`: meet the others through the store, check the layout, set up the process
-    groups. Once per process, before the model is built."""
-    global _state, _store, _parent
+    groups; returns this rank's ParallelContext (also `context()`). Once per process, before the model is built."""
+    global _context, _store, _parent
     import os
 
     import torch.distributed as dist
@@ -218,8 +174,7 @@ def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelSt
     backend = "gloo"
     if cfg.device.startswith("cuda"):  # NCCL for device tensors, gloo for the host-side step descriptions
         backend = "cpu:gloo,cuda:nccl"
-        _state = ParallelState(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes)
-        device = rank_device(cfg.device)
+        device = rank_device(cfg.device, ParallelContext.layout(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes))
         if device.index >= torch.cuda.device_count():
             message = (f"rank {world_rank} needs {device} but node {cfg.node_rank} has "
                        f"{torch.cuda.device_count()} GPU(s): one GPU per rank of a node")
@@ -228,14 +183,19 @@ def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelSt
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX + "pg/", store), rank=world_rank,
                             world_size=cfg.tp_size * cfg.pp_size, timeout=timeout)
-    tp_group = None
+    tp_group = pp_group = None
     for stage in range(cfg.pp_size):  # every rank creates every group, in the same order
         ranks = list(range(stage * cfg.tp_size, (stage + 1) * cfg.tp_size))
         group = dist.new_group(ranks, timeout=timeout) if cfg.tp_size > 1 else None
         if world_rank in ranks:
             tp_group = group
-    _state = ParallelState(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, tp_group)
-    return _state
+    for tp_rank in range(cfg.tp_size):  # the stages' ranks of one tensor-parallel index (the pp axis)
+        ranks = list(range(tp_rank, cfg.tp_size * cfg.pp_size, cfg.tp_size))
+        group = dist.new_group(ranks, timeout=timeout) if cfg.pp_size > 1 else None
+        if world_rank in ranks:
+            pp_group = group
+    _context = ParallelContext.layout(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, tp_group, pp_group)
+    return _context
 
 
 def report_failure(message: str) -> None:
@@ -251,7 +211,7 @@ def report_failure(message: str) -> None:
 def mark_ready() -> None:
     """This rank has built its model."""
     if _store is not None:
-        _store.set(ready_key(_state.world_rank), "1")
+        _store.set(ready_key(_context.world_rank), "1")
 
 
 def _wait_for(keys: list[str], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
@@ -275,7 +235,7 @@ def _wait_for(keys: list[str], timeout_s: float, what: str, poll_s: float = 0.2)
 def wait_until_ready(timeout_s: float) -> None:
     """Rank 0: until every rank has built its model."""
     mark_ready()
-    keys = [ready_key(r) for r in range(_state.world_size)]
+    keys = [ready_key(r) for r in range(_context.world_size)]
     _wait_for(keys, timeout_s, "not every rank finished loading the model")
 
 
@@ -303,78 +263,39 @@ def _differences(expected: dict, mine: dict, prefix: str = "") -> str:
 
 
 def destroy() -> None:
-    global _state
+    global _context
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state = ParallelState()
+    _context = SINGLE
 
 
-def _guard(fn, what: str):
-    try:
-        return fn()
-    except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistBackendError) for a lost or hung peer
-        raise GroupError(f"{what} failed: {e}") from e
-
-
-# ---------------------------------------------------------------- collectives (no-ops with one rank)
-
-
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` over this stage's tensor-parallel ranks, in place; returns it."""
-    if _state.tp_size > 1:
-        import torch.distributed as dist
-
-        _guard(lambda: dist.all_reduce(t, group=_state.tp_group), "all_reduce")
-    return t
-
-
-def gather_last_dim(t: torch.Tensor, length: int) -> torch.Tensor | None:
-    """The stage's equal pieces (.., n) concatenated along the last dim and cut to `length`, on the stage's
-    first tensor-parallel rank; None on the others. `t` itself with one rank."""
-    if _state.tp_size == 1:
-        return t
-    import torch.distributed as dist
-
-    first = _state.rank_of(_state.pp_rank, 0)
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(_state.tp_size)] if _state.tp_rank == 0 else None
-    _guard(lambda: dist.gather(t, parts, dst=first, group=_state.tp_group), "gather")
-    return torch.cat(parts, dim=-1)[..., :length] if parts is not None else None
-
-
-def broadcast_from_first(t: torch.Tensor) -> torch.Tensor:
-    """`t` of the stage's first tensor-parallel rank, into `t` on the others (in place)."""
-    if _state.tp_size > 1:
-        import torch.distributed as dist
-
-        src = _state.rank_of(_state.pp_rank, 0)
-        _guard(lambda: dist.broadcast(t, src=src, group=_state.tp_group), "broadcast")
-    return t
+# ---------------------------------------------------------------- point-to-point (world ranks; the axes' collectives
+# are ParallelAxis methods)
 
 
 def isend(t: torch.Tensor, dst: int):
     """Start sending `t` to world rank `dst`; the returned work's wait() ends it (keep `t` alive until then)."""
     import torch.distributed as dist
 
-    return _guard(lambda: dist.isend(t, dst), f"send to rank {dst}")
+    return guard(lambda: dist.isend(t, dst), f"send to rank {dst}")
 
 
 def recv(t: torch.Tensor, src: int) -> torch.Tensor:
     """Receive into `t` from world rank `src` (blocking)."""
     import torch.distributed as dist
 
-    _guard(lambda: dist.recv(t, src), f"receive from rank {src}")
+    guard(lambda: dist.recv(t, src), f"receive from rank {src}")
     return t
 
 
 def irecv(t: torch.Tensor, src: int):
     import torch.distributed as dist
 
-    return _guard(lambda: dist.irecv(t, src), f"receive from rank {src}")
+    return guard(lambda: dist.irecv(t, src), f"receive from rank {src}")
 
 
 def wait(work) -> None:
-    _guard(work.wait, "a point-to-point transfer")
+    guard(work.wait, "a point-to-point transfer")
 

@@ -169,28 +169,8 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
 
 # ---------------------------------------------------------------- GGUF conversion
 
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# the names of a GGUF file's tensors are its architecture's: declared with the model (models/weights.py), found by
+# the file's general.architecture (models.for_gguf)
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -259,9 +239,12 @@ def _open_gguf(path: Path):
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct.error/...
         raise ModelLoadError(f"corrupt GGUF file {path}: {e}") from e
+    from radixgen.runtime.models import for_gguf, gguf_architectures
+
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}")
+    if for_gguf(arch) is None:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} (supported: "
+                             f"{', '.join(gguf_architectures())})")
 
     def meta(key: str, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
@@ -269,24 +252,22 @@ def _open_gguf(path: Path):
     return reader, arch, meta
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """Our checkpoint name of a GGUF tensor, or None for tensors recomputed from the config (rope_freqs)."""
-    if gguf_name in _GGUF_NAMES:
-        return _GGUF_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
-        return None
-    return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
+def _mapping(arch: str):
+    """The declared weight mapping (models.weights.WeightMapping) of GGUF architecture `arch`."""
+    from radixgen.runtime.models import for_gguf
+
+    return for_gguf(arch)[1].weights
 
 
-def _rope_heads(arch: str, gguf_name: str, meta) -> int | None:
-    """The head count whose llama.cpp row order (interleaved rotary pairs) a llama Q / K tensor has, else None."""
-    if arch != "llama":
+def _rope_heads(mapping, gguf_name: str, meta) -> int | None:
+    """The head count whose llama.cpp row order (interleaved rotary pairs) a Q / K tensor has, else None (a
+    mapping without gguf_rope_permuted: rows in HF order)."""
+    if not mapping.gguf_rope_permuted:
         return None
     n_heads = int(meta("attention.head_count"))
-    if parts_is(gguf_name, "attn_q.weight"):
+    if mapping.is_gguf_block(gguf_name, "attn_q.weight"):
         return n_heads
-    if parts_is(gguf_name, "attn_k.weight"):
+    if mapping.is_gguf_block(gguf_name, "attn_k.weight"):
         return int(meta("attention.head_count_kv", n_heads))
     return None
 
@@ -296,9 +277,10 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     reader, arch, meta = _open_gguf(path)
+    mapping = _mapping(arch)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = mapping.hf_name(t.name)
         if hf_name is None:
             continue
         try:
@@ -307,7 +289,7 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
                                  f"dequantized ({e})") from e
         w = torch.from_numpy(data.copy()).to(torch.float32)
-        heads = _rope_heads(arch, t.name, meta)
+        heads = _rope_heads(mapping, t.name, meta)
         if heads is not None:
             w = _unpermute_rope(w, heads)
         tensors[hf_name] = w.contiguous()
@@ -331,8 +313,11 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
     tok.save_pretrained(str(out))
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    from radixgen.runtime.models import for_gguf
+
+    hf_arch, declared = for_gguf(arch)
     config = {
-        "architectures": [_GGUF_ARCHS[arch]],
+        "architectures": [hf_arch],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -349,18 +334,9 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
         "eos_token_id": None if eos is None else int(eos),
         "torch_dtype": "float32",
         "hidden_act": "silu",
-        "attention_bias": arch == "qwen2",
+        "attention_bias": declared.attention.qkv_bias,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
-
-
-def parts_is(gguf_name: str, suffix: str) -> bool:
-    return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[2] == suffix
-
-
-# tensors a native GGUF load hands over as stored: the matmul weights (and the embedding when it is the LM head's)
-_GGUF_MATMULS = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-                 "ffn_up.weight", "ffn_down.weight"}
 
 
 def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -372,21 +348,22 @@ def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not path.is_file():
         raise ModelLoadError(f"the GGUF file of {folder} is gone: {path}")
     reader, arch, meta = _open_gguf(path)
+    mapping = _mapping(arch)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = mapping.hf_name(t.name)
         if hf_name is None:
             continue
         raw = torch.from_numpy(t.data.copy())
         if raw.dim() == 1:  # a vector (norm, bias): float in every GGUF we read
             yield hf_name, raw.float()
             continue
-        heads = _rope_heads(arch, t.name, meta)
+        heads = _rope_heads(mapping, t.name, meta)
         if heads is not None:  # the permutation moves whole rows: it applies to the blocks as they are
             raw = _unpermute_rope(raw, heads)
         g = GGUFTensor(t.name, t.tensor_type.name, raw, int(t.shape[0]))
-        matmul = t.name.startswith("blk.") and t.name.split(".", 2)[2] in _GGUF_MATMULS
-        if matmul or t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+        # handed over as stored: the matmul weights (and the embedding when it is the LM head's)
+        if mapping.is_gguf_matmul(t.name) or t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
             yield hf_name, g
         else:
             yield hf_name, g.dense()

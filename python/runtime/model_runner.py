@@ -13,7 +13,7 @@ from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.cpu_decode import FusedDecode
-from radixgen.runtime.cuda_graph_runner import CudaGraphRunner
+from radixgen.runtime.cuda_graph_runner import CudaGraphRunner, graph_unsafe
 from radixgen.runtime.deterministic import check_deterministic
 from radixgen.runtime.forward_context import ForwardContext, forward_context
 from radixgen.runtime.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
@@ -23,6 +23,7 @@ from radixgen.runtime.loader import is_gguf_native, load_weights, read_hf_config
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
+from radixgen.runtime.parallel_context import ParallelContext
 from radixgen.runtime.step_messages import KVCopyQueue
 
 logger = logging.getLogger(__name__)
@@ -70,18 +71,20 @@ def keep_freed_host_memory() -> bool:
 
 
 class ModelRunner:
-    """This process's model (its shard and pipeline stage on a rank of a parallel group: distributed.state()),
+    """This process's model (its shard and pipeline stage on a rank of a parallel group: `parallel`),
     the KV pool of its layers and KV heads, the request->slot table tensor, the ops set; `forward` runs a step."""
 
     def __init__(self, cfg: RuntimeConfig, model_path=None, req_to_slot: torch.Tensor | None = None,
-                 ops: TorchOps | None = None) -> None:
+                 ops: TorchOps | None = None, parallel: ParallelContext | None = None) -> None:
         """`req_to_slot`: another runner's request->slot table to read instead of a new one (a draft model's
         runner reads the target's: its pool has the same slots, and a position's slot is the same in both).
         ops: the ops set (default: the device's, `ops_for`); tests pass TritonOps to run a CPU model on the
-        Triton kernels under TRITON_INTERPRET=1, how the CUDA path's wiring is checked without a GPU."""
+        Triton kernels under TRITON_INTERPRET=1, how the CUDA path's wiring is checked without a GPU.
+        parallel: this rank's ParallelContext, handed to the model it builds (default: the one
+        distributed.init made for this process, SINGLE without a group)."""
         self.runtime_config = cfg
-        self.parallel = par = distributed.state()
-        self.device = distributed.rank_device(cfg.device)
+        self.parallel = par = parallel if parallel is not None else distributed.context()
+        self.device = distributed.rank_device(cfg.device, par)
         self.dtype = cfg.torch_dtype
         self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model, cfg.quantization)
         self.hf_config = read_hf_config(self.model_path)
@@ -100,7 +103,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(mc.architecture)(mc)
+                model = model_class(mc.architecture)(mc, par)
                 # the device's ops, chosen once
                 self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels, cfg.deterministic)
                 if cfg.deterministic:
@@ -146,7 +149,11 @@ class ModelRunner:
         # tensor parallelism, not with pipeline stages)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and par.pp_size == 1:
-            self.cuda_graph_runner = CudaGraphRunner(self)
+            reason = graph_unsafe(self.model)
+            if reason is None:
+                self.cuda_graph_runner = CudaGraphRunner(self)
+            else:  # what the model's parts say of themselves: its decode steps run eagerly
+                logger.warning("CUDA graphs off: %s", reason)
         from radixgen.runtime.parallel_step import StepGroup
 
         self.group = StepGroup(self) if par.world_size > 1 else None

@@ -96,9 +96,9 @@ class StepGroup:
 
     def _run_stage0(self, desc: StepDescription):
         header, payload = desc.pack()
-        distributed.broadcast_from_first(header)
+        self.par.tp.broadcast_from_first(header)
         if payload.numel():
-            distributed.broadcast_from_first(payload)
+            self.par.tp.broadcast_from_first(payload)
         self.last_sent = time.monotonic()
         return self._run_and_pass_on(desc, header, payload, None)
 
@@ -110,10 +110,10 @@ class StepGroup:
             header = torch.zeros(StepDescription.HEADER_LEN, dtype=torch.int64)
             payload = torch.zeros(0, dtype=torch.int64)
             if self.prev_rank is None:  # stage 0: from rank 0, over the stage's tensor-parallel group
-                distributed.broadcast_from_first(header)
+                self.par.tp.broadcast_from_first(header)
                 n = StepDescription.payload_len(header)
                 if n:
-                    payload = distributed.broadcast_from_first(torch.zeros(n, dtype=torch.int64))
+                    payload = self.par.tp.broadcast_from_first(torch.zeros(n, dtype=torch.int64))
             else:
                 distributed.recv(header, self.prev_rank)
                 n = StepDescription.payload_len(header)

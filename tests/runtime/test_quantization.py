@@ -12,7 +12,6 @@ from quant_checkpoints import AWQ_NIBBLE_COLUMN, pack_along_cols, pack_along_row
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu
-from radixgen.runtime import distributed
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.linear import (
@@ -25,6 +24,7 @@ from radixgen.runtime.layers.ops import CpuOps, TorchOps
 from radixgen.runtime.layers.quantization import QuantSpec, resolve
 from radixgen.runtime.layers.quantization.base import QuantizedWeight
 from radixgen.runtime.model_runner import ModelRunner
+from radixgen.runtime.parallel_context import ParallelAxis
 
 OPS = {"c": lambda: CpuOps(cpu.lib()), "torch": TorchOps}
 
@@ -112,13 +112,13 @@ def awq_tensors(q, z, s):
 
 
 @pytest.mark.parametrize("ops_name", list(OPS))
-def test_awq_and_gptq_layers_take_their_rank_shard(ops_name, monkeypatch):
+def test_awq_and_gptq_layers_take_their_rank_shard(ops_name):
     """With tensor parallelism (rank 1 of 2), a column-parallel AWQ layer takes its half of the output columns of
     every packed tensor, a row-parallel GPTQ layer its half of the input rows (whole groups), and each computes
     with exactly that shard of the dequantized weight."""
     if ops_name == "c" and not cpu.available():
         pytest.skip("no C kernels")
-    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(world_rank=1, tp_size=2))
+    tp = ParallelAxis.shard("tp", 1, 2)  # rank 1's shard, built in this process
     gen = torch.Generator().manual_seed(4)
     n, k, g = 64, 128, 32
     q = torch.randint(0, 16, (n, k), generator=gen)
@@ -126,14 +126,15 @@ def test_awq_and_gptq_layers_take_their_rank_shard(ops_name, monkeypatch):
     s = (torch.rand(n, k // g, generator=gen) * 0.1).half().float()  # fp16 exactly, as stored
     dense = s.repeat_interleave(g, 1) * (q - z.repeat_interleave(g, 1)).float()  # (out, in)
 
-    col = layer_with(ColumnParallelLinear, ops_name, QuantSpec("awq", group_size=g), in_features=k, out_features=n)
+    col = layer_with(ColumnParallelLinear, ops_name, QuantSpec("awq", group_size=g), in_features=k, out_features=n,
+                     tp=tp)
     for name, t in zip(("qweight", "qzeros", "scales"), awq_tensors(q, z, s), strict=True):
         getattr(col, name).weight_loader(getattr(col, name), t, None)
     col.process_weights()
     assert torch.allclose(col.method.dequantize(col), dense[n // 2:], rtol=1e-6)
 
     row = layer_with(RowParallelLinear, ops_name, QuantSpec("gptq", group_size=g, zero_offset=0), in_features=k,
-                     out_features=n)
+                     out_features=n, tp=tp)
     tensors = {"qweight": pack_along_rows(q.t().contiguous()), "qzeros": pack_along_cols(z.t().contiguous()),
                "scales": s.t().contiguous().half(), "g_idx": (torch.arange(k) // g).int()}
     for name, t in tensors.items():
@@ -142,15 +143,16 @@ def test_awq_and_gptq_layers_take_their_rank_shard(ops_name, monkeypatch):
     assert torch.allclose(row.method.dequantize(row), dense[:, k // 2:], rtol=1e-6)
 
 
-def test_splits_the_quantized_layouts_cannot_take(monkeypatch):
+def test_splits_the_quantized_layouts_cannot_take():
     """Under tp 2, where a rank's share does not fall on the format's bounds, startup fails naming the
     combination: GPTQ's activation order (a row-parallel rank's columns in other ranks' groups), groups cut by
     the split, GGUF blocks cut by it."""
     from radixgen.runtime.layers.quantization.gguf import GGUFTensor
 
-    monkeypatch.setattr(distributed, "_state", distributed.ParallelState(world_rank=0, tp_size=2))
+    tp = ParallelAxis.shard("tp", 0, 2)
     n, k, g = 32, 128, 32
-    row = layer_with(RowParallelLinear, "torch", QuantSpec("gptq", group_size=g), in_features=k, out_features=n)
+    row = layer_with(RowParallelLinear, "torch", QuantSpec("gptq", group_size=g), in_features=k, out_features=n,
+                     tp=tp)
     tensors = {"qweight": torch.zeros(k // 8, n, dtype=torch.int32), "qzeros": torch.zeros(k // g, n // 8).int(),
                "scales": torch.ones(k // g, n).half(), "g_idx": (torch.randperm(k) // g).int()}  # desc_act
     for name, t in tensors.items():
@@ -158,7 +160,7 @@ def test_splits_the_quantized_layouts_cannot_take(monkeypatch):
     with pytest.raises(ValueError, match=r"activation order.*tp_size=2"):
         row.process_weights()
     with pytest.raises(ValueError, match=r"group size 32.*tp_size=2"):  # 48 input columns a rank
-        layer_with(RowParallelLinear, "torch", QuantSpec("awq", group_size=g), in_features=96, out_features=n)
+        layer_with(RowParallelLinear, "torch", QuantSpec("awq", group_size=g), in_features=96, out_features=n, tp=tp)
     q4 = GGUFTensor("blk.0.ffn_down.weight", "Q4_0", torch.zeros(n, 2 * 18, dtype=torch.uint8), 64)  # 2 blocks
     assert q4.narrow(1, 32, 32).raw.shape == (n, 18)
     with pytest.raises(ValueError, match=r"'blk.0.ffn_down.weight' \(Q4_0\).*blocks of 32"):

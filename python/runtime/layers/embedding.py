@@ -13,6 +13,7 @@ from torch import nn
 
 from radixgen.runtime import distributed
 from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearBase, LinearMethod
+from radixgen.runtime.parallel_context import SINGLE, ParallelAxis
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,11 +22,10 @@ class VocabParallelEmbedding(nn.Module):
 
     method: LinearMethod = DENSE  # how its own table is read: as loaded
 
-    def __init__(self, vocab_size: int, hidden: int) -> None:
+    def __init__(self, vocab_size: int, hidden: int, *, tp: ParallelAxis = SINGLE.tp) -> None:
         super().__init__()
-        self.vocab_size = vocab_size
-        self.start, self.shard, self.valid = distributed.vocab_shard(vocab_size, distributed.tp_size(),
-                                                                     distributed.tp_rank())
+        self.vocab_size, self.tp = vocab_size, tp
+        self.start, self.shard, self.valid = distributed.vocab_shard(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -48,7 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         # ids [start, start + valid) are this rank's; the others read row 0 and are zeroed, then summed
         mine = (ids >= self.start) & (ids < self.start + self.valid)
         out = table.method.embed(table, (ids - self.start) * mine)
-        return distributed.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+        return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(ColumnParallelLinear):
@@ -57,10 +57,9 @@ class ParallelLMHead(ColumnParallelLinear):
 
     tied = False
 
-    def __init__(self, vocab_size: int, hidden: int) -> None:
-        self.vocab_size = vocab_size
-        self.start, rows, self.valid = distributed.vocab_shard(vocab_size, distributed.tp_size(),
-                                                               distributed.tp_rank())
+    def __init__(self, vocab_size: int, hidden: int, *, tp: ParallelAxis = SINGLE.tp) -> None:
+        self.vocab_size, self.tp = vocab_size, tp
+        self.start, rows, self.valid = distributed.vocab_shard(vocab_size, tp.size, tp.rank)
         self.full_out, self.out_start = vocab_size, self.start
         LinearBase.__init__(self, hidden, rows, bias=False)
 
@@ -83,4 +82,4 @@ class ParallelLMHead(ColumnParallelLinear):
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         """(T, rows) float32 of every rank -> (T, vocab) on the stage's first rank, None on the others."""
-        return distributed.gather_last_dim(logits, self.vocab_size)
+        return self.tp.gather_first(logits, self.vocab_size)

@@ -1,4 +1,5 @@
-"""Linear layers split for tensor parallelism (runtime/distributed.py holds the ranks and the collectives).
+"""Linear layers split for tensor parallelism over the tp axis they are built with (parallel_context.ParallelAxis:
+the rank, the size and the all-reduce; the one-rank axis by default).
 
 Column-parallel layers hold a range of the output features, row-parallel ones a range of the input features
 and sum their partial outputs over the tensor-parallel ranks (all-reduce) after the matmul. Each parameter
@@ -17,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixgen.runtime import distributed
 from radixgen.runtime.distributed import head_shard, split_range
+from radixgen.runtime.parallel_context import SINGLE, ParallelAxis
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 1) -> torch.Tensor | None:
@@ -118,6 +119,7 @@ class LinearBase(nn.Module):
     the dims new_param gave it (`checkpoint_part`)."""
 
     method: LinearMethod = DENSE
+    tp: ParallelAxis = SINGLE.tp  # the axis the parallel layers below split over
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -145,10 +147,10 @@ class LinearBase(nn.Module):
             return loaded
         if param.output_dim is not None:
             _, start, size, full = self.out_part(shard_id)
-            loaded = _features(loaded, param.output_dim, param.output_pack, full, start, size)
+            loaded = _features(loaded, param.output_dim, param.output_pack, full, start, size, self.tp.size)
         if param.input_dim is not None:
             start, size, full = self.in_part
-            loaded = _features(loaded, param.input_dim, param.input_pack, full, start, size)
+            loaded = _features(loaded, param.input_dim, param.input_pack, full, start, size, self.tp.size)
         return loaded
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -186,13 +188,13 @@ def _narrow(loaded, dim: int, full: int, start: int, size: int):
     return loaded.narrow(dim, start, size)
 
 
-def _features(loaded, dim: int, pack: int, full: int, start: int, size: int):
+def _features(loaded, dim: int, pack: int, full: int, start: int, size: int, tp_size: int):
     """Features [start, start + size) of the `full` ones along dim `dim` of a checkpoint tensor holding `pack`
     features per element (packed values, or a group's scale): the split must fall on those elements' bounds."""
     if pack > 1 and (start % pack or size % pack):
         raise ValueError(f"this rank's features [{start}, {start + size}) of {full} do not fall on the tensor's "
                          f"elements of {pack} features (packed values or a group's scale): tensor parallelism "
-                         f"cannot split it there (tp_size={distributed.tp_size()})")
+                         f"cannot split it there (tp_size={tp_size})")
     return _narrow(loaded, dim, full // pack, start // pack, size // pack)
 
 
@@ -217,9 +219,10 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor, fill: bool = False) -> None
 class ColumnParallelLinear(LinearBase):
     """Output features [out_start, out_start + out_features) of the full layer: by default this rank's share."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        self.full_out = out_features
-        self.out_start, size = split_range(out_features, distributed.tp_size(), distributed.tp_rank())
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 tp: ParallelAxis = SINGLE.tp) -> None:
+        self.full_out, self.tp = out_features, tp
+        self.out_start, size = split_range(out_features, tp.size, tp.rank)
         super().__init__(in_features, size, bias)
 
     def out_part(self, shard_id):
@@ -232,9 +235,9 @@ class RowParallelLinear(LinearBase):
     once: rank 0 holds it, the others a zero one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 in_range: tuple[int, int] | None = None) -> None:
-        self.full_in = in_features
-        self.in_start, size = in_range or split_range(in_features, distributed.tp_size(), distributed.tp_rank())
+                 in_range: tuple[int, int] | None = None, *, tp: ParallelAxis = SINGLE.tp) -> None:
+        self.full_in, self.tp = in_features, tp
+        self.in_start, size = in_range or split_range(in_features, tp.size, tp.rank)
         super().__init__(size, out_features, bias)
 
     @property
@@ -242,7 +245,7 @@ class RowParallelLinear(LinearBase):
         return self.in_start, self.in_features, self.full_in
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param is self.bias and distributed.tp_rank() != 0:
+        if param is self.bias and self.tp.rank != 0:
             if tuple(loaded.shape) != tuple(param.shape):
                 raise ValueError(f"bias shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
             param.data.zero_()
@@ -250,15 +253,16 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(super().forward(x))
+        return self.tp.all_reduce(super().forward(x))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up projections): this rank's share of each."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
-        self.full_sizes = list(out_sizes)
-        self.parts = [split_range(n, distributed.tp_size(), distributed.tp_rank()) for n in out_sizes]
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, *,
+                 tp: ParallelAxis = SINGLE.tp) -> None:
+        self.full_sizes, self.tp = list(out_sizes), tp
+        self.parts = [split_range(n, tp.size, tp.rank) for n in out_sizes]
         self.out_sizes = [size for _, size in self.parts]
         LinearBase.__init__(self, in_features, sum(self.out_sizes), bias)
 
@@ -271,8 +275,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul (shard ids "q", "k", "v"), for this rank's heads (`heads`, a
     distributed.HeadShard): the query heads and the KV heads they read."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        self.heads = head_shard(num_heads, num_kv_heads, distributed.tp_size(), distributed.tp_rank())
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, *,
+                 tp: ParallelAxis = SINGLE.tp) -> None:
+        self.tp = tp
+        self.heads = head_shard(num_heads, num_kv_heads, tp.size, tp.rank)
         self.full_rows = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         self.q_size = self.heads.num_heads * head_dim
         self.kv_size = self.heads.num_kv_heads * head_dim

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from radixgen.runtime.layers.ops import OpsLayer
+
+ROPE = "rope"  # RotaryStructure.kind of RotaryEmbedding
+
+
+class RotaryStructure(NamedTuple):
+    """A rotary as a fused kernel reads it: its kind (ROPE: positions index `cos_sin_cache` (P, D), cos | sin
+    halves, rotate-half) and its table. Another rotary (M-RoPE) has another kind, which the fused paths refuse."""
+
+    kind: str
+    cos_sin_cache: torch.Tensor | None
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -38,3 +49,7 @@ class RotaryEmbedding(OpsLayer):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q (T, Hq, D), k (T, Hk, D) -> rotated q, k (in place where the ops set's kernel does it)."""
         return self.ops.rotary(positions, q, k, self.cos_sin_cache)
+
+    def structure(self) -> RotaryStructure:
+        """What the fused paths read: rotate-half over this one table."""
+        return RotaryStructure(ROPE, self.cos_sin_cache)

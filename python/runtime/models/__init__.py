@@ -1,4 +1,6 @@
-"""One file per architecture; the registry maps a config's `architectures` entry to a model class."""
+"""One file per architecture, each declaring its parts and weight mapping (models/decoder.Architecture) and a
+CausalLM subclass; the registry maps a config's `architectures` entry to that class. Adding a model: its file
+and one entry here."""
 
 from __future__ import annotations
 
@@ -23,8 +25,27 @@ def architecture_of(hf_config: dict) -> str:
     )
 
 
+def _load(module: str, cls: str):
+    return getattr(importlib.import_module(f"radixgen.runtime.models.{module}"), cls)
+
+
 def model_class(architecture: str):
     for arch, module, cls in _ARCHITECTURES.values():
         if arch == architecture:
-            return getattr(importlib.import_module(f"radixgen.runtime.models.{module}"), cls)
+            return _load(module, cls)
     raise ValueError(f"unknown architecture key {architecture!r}")
+
+
+def for_gguf(gguf_arch: str):
+    """(HF architecture name, models.decoder.Architecture) of GGUF files whose general.architecture is `gguf_arch`,
+    or None where no registered model reads them."""
+    for hf_name, (_, module, cls) in _ARCHITECTURES.items():
+        declared = _load(module, cls).architecture
+        if declared.gguf_arch == gguf_arch:
+            return hf_name, declared
+    return None
+
+
+def gguf_architectures() -> list[str]:
+    """The GGUF general.architecture values the registered models read."""
+    return sorted({_load(m, c).architecture.gguf_arch for _, m, c in _ARCHITECTURES.values()} - {None})

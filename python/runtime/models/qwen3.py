@@ -1,28 +1,22 @@
-"""Qwen3: the Llama block with an RMSNorm over each query and key head before the rotation."""
+"""Qwen3: the decoder parts with an RMSNorm over each query and key head before the rotation."""
 
 from __future__ import annotations
 
-import torch
+from radixgen.runtime.models.decoder import Architecture, CausalLM
+from radixgen.runtime.models.parts import AttentionSpec, GatedMLP
+from radixgen.runtime.models.weights import (
+    ATTENTION_WEIGHTS,
+    DECODER_WEIGHTS,
+    GATED_MLP_WEIGHTS,
+    QK_NORM_WEIGHTS,
+    QKV_BIAS_WEIGHTS,
+)
 
-from radixgen.runtime.config import ModelConfig
-from radixgen.runtime.layers.norm import RMSNorm
-from radixgen.runtime.layers.rotary import RotaryEmbedding
-from radixgen.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-
-
-class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__(cfg, layer_id, rotary)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+QWEN3 = Architecture(
+    "qwen3", AttentionSpec(qk_norm=True), mlp=GatedMLP,
+    weights=DECODER_WEIGHTS + ATTENTION_WEIGHTS + QKV_BIAS_WEIGHTS + QK_NORM_WEIGHTS + GATED_MLP_WEIGHTS,
+    gguf_arch="qwen3")
 
 
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen3Attention
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    layer_cls = Qwen3DecoderLayer
+class Qwen3ForCausalLM(CausalLM):
+    architecture = QWEN3

@@ -37,7 +37,7 @@ class AWQFormat(Format):
         k, n, g = layer.in_features, layer.out_features, self.group(layer)
         if k % g or n % 8:
             raise ValueError(f"awq: a layer of {k} inputs and {n} outputs does not fit group size {g} and 8 outputs "
-                             f"per int32{split_note()}")
+                             f"per int32{split_note(layer)}")
         layer.weight = None
         loader = layer.weight_loader
         grouped = 0 if self.group_size else None  # one group per channel: every rank holds the whole of it

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from radixgen.kernels import cpu_linear
-from radixgen.runtime import distributed
 from radixgen.runtime.layers.linear import LinearBase, LinearMethod
 
 
@@ -76,9 +75,9 @@ class QuantizedWeight:
                                first.group, offsets, first.zero_points)
 
 
-def split_note() -> str:
-    """What an error about a layer's sizes adds under tensor parallelism (the sizes are the rank's share)."""
-    tp = distributed.tp_size()
+def split_note(layer: LinearBase) -> str:
+    """What an error about `layer`'s sizes adds under tensor parallelism (the sizes are the rank's share)."""
+    tp = layer.tp.size
     return f" (this rank's share of the layer at tp_size={tp})" if tp > 1 else ""
 
 

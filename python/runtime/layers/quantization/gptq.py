@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from radixgen.kernels.quant_matmul import unpack_cols, unpack_rows
-from radixgen.runtime import distributed
 from radixgen.runtime.layers.linear import new_param
 from radixgen.runtime.layers.quantization.base import (
     CheckpointLinear,
@@ -40,7 +39,7 @@ class GPTQFormat(Format):
         k, n, g = layer.in_features, layer.out_features, self.group(layer)
         if k % g or k % 8 or n % 8:
             raise ValueError(f"gptq: a layer of {k} inputs and {n} outputs does not fit group size {g} and 8 values "
-                             f"per int32{split_note()}")
+                             f"per int32{split_note(layer)}")
         layer.weight = None
         loader = layer.weight_loader
         grouped = 0 if self.group_size else None  # one group per channel: every rank holds the whole of it
@@ -67,9 +66,9 @@ class GPTQFormat(Format):
         if first:
             groups = groups - first
         n = layer.in_features // self.group_size
-        if distributed.tp_size() > 1 and groups.numel() and (groups.min() < 0 or groups.max() >= n):
+        if layer.tp.size > 1 and groups.numel() and (groups.min() < 0 or groups.max() >= n):
             raise ValueError(f"gptq: this layer's g_idx (activation order, desc_act) scatters groups over the input "
-                             f"columns, which tensor parallelism (tp_size={distributed.tp_size()}) cannot split by "
+                             f"columns, which tensor parallelism (tp_size={layer.tp.size}) cannot split by "
                              f"input features; serve this checkpoint with tp_size 1, or use one quantized without "
                              f"desc_act")
         return groups

@@ -1,0 +1,85 @@
+"""Declared weight mappings: a checkpoint's tensor names to a model's parameters, per part, composed per architecture.
+
+A part (models/parts.py) declares the names its parameters have in a Hugging Face checkpoint and in a GGUF file;
+an architecture's mapping is the sum of its parts' (`+`). The loader reads GGUF files through the mapping of the
+file's architecture (GGUF names -> HF names), and the model loads HF names through its own (projections that
+our layers merge -> the merged parameter and its shard id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """stacked: (checkpoint projection, our merged layer, shard id), the checkpoint name's ".<projection>." part
+    replaced by ".<merged layer>.". gguf_globals: GGUF name -> HF name outside the blocks; gguf_block: GGUF
+    block-tensor suffix -> HF suffix (blk.N.<a> -> model.layers.N.<b>); gguf_matmuls: the block suffixes that
+    are matmul weights (a native GGUF load hands them over in their blocks); gguf_rope_permuted: the file's
+    Q / K rows are in llama.cpp's interleaved rotary order (its "llama" architecture), undone on load."""
+
+    stacked: tuple[tuple[str, str, object], ...] = ()
+    gguf_globals: tuple[tuple[str, str], ...] = ()
+    gguf_block: tuple[tuple[str, str], ...] = ()
+    gguf_matmuls: frozenset[str] = frozenset()
+    gguf_rope_permuted: bool = False
+
+    def __add__(self, other: WeightMapping) -> WeightMapping:
+        return WeightMapping(self.stacked + other.stacked, self.gguf_globals + other.gguf_globals,
+                             self.gguf_block + other.gguf_block, self.gguf_matmuls | other.gguf_matmuls,
+                             self.gguf_rope_permuted or other.gguf_rope_permuted)
+
+    def with_rope_permuted(self) -> WeightMapping:
+        return WeightMapping(self.stacked, self.gguf_globals, self.gguf_block, self.gguf_matmuls, True)
+
+    def parameter(self, name: str) -> tuple[str, object]:
+        """(our parameter name, shard id or None) of checkpoint tensor `name` (without "model.")."""
+        for ckpt, ours, shard_id in self.stacked:
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{ours}."), shard_id
+        return name, None
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The HF checkpoint name of a GGUF tensor, or None for one recomputed from the config (rope_freqs)."""
+        for g, hf in self.gguf_globals:
+            if g == gguf_name:
+                return hf
+        parts = gguf_name.split(".", 2)
+        if parts[0] != "blk" or len(parts) < 3:
+            return None
+        for g, hf in self.gguf_block:
+            if g == parts[2]:
+                return f"model.layers.{parts[1]}.{hf}"
+        return None
+
+    def is_gguf_matmul(self, gguf_name: str) -> bool:
+        return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[2] in self.gguf_matmuls
+
+    def is_gguf_block(self, gguf_name: str, suffix: str) -> bool:
+        return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[2] == suffix
+
+
+# the parts' names (models/parts.py)
+DECODER_WEIGHTS = WeightMapping(
+    gguf_globals=(("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"),
+                  ("output.weight", "lm_head.weight")),
+    gguf_block=(("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight")),
+)
+ATTENTION_WEIGHTS = WeightMapping(
+    stacked=(("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v")),
+    gguf_block=(("attn_q.weight", "self_attn.q_proj.weight"), ("attn_k.weight", "self_attn.k_proj.weight"),
+                ("attn_v.weight", "self_attn.v_proj.weight"), ("attn_output.weight", "self_attn.o_proj.weight")),
+    gguf_matmuls=frozenset({"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"}),
+)
+QKV_BIAS_WEIGHTS = WeightMapping(gguf_block=(("attn_q.bias", "self_attn.q_proj.bias"),
+                                             ("attn_k.bias", "self_attn.k_proj.bias"),
+                                             ("attn_v.bias", "self_attn.v_proj.bias")))
+QK_NORM_WEIGHTS = WeightMapping(gguf_block=(("attn_q_norm.weight", "self_attn.q_norm.weight"),
+                                            ("attn_k_norm.weight", "self_attn.k_norm.weight")))
+GATED_MLP_WEIGHTS = WeightMapping(
+    stacked=(("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)),
+    gguf_block=(("ffn_gate.weight", "mlp.gate_proj.weight"), ("ffn_up.weight", "mlp.up_proj.weight"),
+                ("ffn_down.weight", "mlp.down_proj.weight")),
+    gguf_matmuls=frozenset({"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}),
+)

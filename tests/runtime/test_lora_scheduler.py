@@ -60,8 +60,9 @@ def tokenizer():
 def scheduler(tokenizer, root, names=("a", "b", "c"), **kw) -> Scheduler:
     kw.setdefault("max_loras", 3)
     kw.setdefault("dtype", "float32")
+    kw.setdefault("max_running_requests", 16)
     cfg = RuntimeConfig(model=str(tiny_model_dir("llama")), max_total_tokens=4096,
-                        max_running_requests=16, lora_paths=tuple(f"{n}={root / n}" for n in names),
+                        lora_paths=tuple(f"{n}={root / n}" for n in names),
                         max_lora_rank=8, **kw)
     return Scheduler(cfg, ModelRunner(cfg), tokenizer)
 

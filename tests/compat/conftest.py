@@ -1,7 +1,8 @@
 """The SGLang compatibility suite: SGLang's own client code against a real `radixgen serve` subprocess.
 
-SGLang is installed without its server dependencies (the Makefile: `pip install --no-deps sglang`); its
-frontend imports with the light packages of the `test` extra. Without it, the suite is skipped."""
+SGLang is installed without its server dependencies, in a folder of its own (the Makefile: `pip install
+--no-deps --target .venv/extras-sglang sglang`, which tests/conftest.py puts on sys.path); its frontend imports
+with the light packages of the `test` extra. Without it, the suite is skipped."""
 
 from __future__ import annotations
 

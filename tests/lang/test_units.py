@@ -366,8 +366,10 @@ def test_regex_constants_mean_what_sglang_programs_expect():
     from radixgen.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 
     for pattern, good, bad in [
-        (REGEX_INT, [" 24", "-3", "0", "365"], ["2.5", "abc", "", "007", " "]),
-        (REGEX_FLOAT, [" 3.14", "-0.5", "2", "10.25"], ["3.", ".5", "pi", "1e5"]),
+        # numbers as SGLang's: no leading space, trailing spaces / newlines (also their stops)
+        (REGEX_INT, ["24", "-3", "+0", "365\n", "7 \n", "9" * 19], ["2.5", "abc", "", " 24", " ", "\n7", "9" * 20]),
+        (REGEX_FLOAT, ["3.14", "-0.5", "2", ".5", "10.25 ", "3." + "1" * 16],
+         ["3.", "pi", "1e5", " 3.14", "1.2.3", "3." + "1" * 17]),
         (REGEX_BOOL, ["True", " False"], ["true", "yes"]),
         (REGEX_STR, ['"Paris"', ' "New York"', '""'], ["Paris", '"a"b"', '"line\nbreak"']),
     ]:

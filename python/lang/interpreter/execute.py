@@ -18,6 +18,7 @@ from radixgen.lang.interpreter.errors import TraceStop
 from radixgen.lang.interpreter.notifier import Notifier
 from radixgen.lang.ir import (
     DTYPE_REGEX,
+    DTYPE_STOPS,
     SAMPLING_FIELDS,
     Fork,
     Gen,
@@ -148,6 +149,7 @@ def gen_request(core: StateCore, node: Gen) -> GenRequest:
         params["n"] = n
     if node.dtype is not None:  # a dtype wins over a regex (gen() warned about it)
         params["regex"] = DTYPE_REGEX[node.dtype]
+        params["stop"] += [t for t in DTYPE_STOPS[node.dtype] if t not in params["stop"]]
     elif node.regex is not None:
         params["regex"] = node.regex
     elif node.json_schema is not None:

@@ -86,6 +86,8 @@ def test_installed_wheel_imports_every_module_and_serves_a_greedy_request(wheel,
     # The dependencies come from the test environment, behind the fresh one's own site-packages. A path listed in
     # a .pth file is not scanned for .pth files itself, so the editable install's finder does not come along.
     deps = [p for p in sys.path if p.endswith("site-packages")]  # this environment's (and any it layers over)
+    # the Makefile's --target folder of the default model's package (radixgen.runtime.loader finds it on the path)
+    deps += [str(p) for p in [Path(sys.prefix) / "extras-model"] if p.is_dir()]
     (site / "_test_env.pth").write_text("".join(f"{p}\n" for p in deps))
     _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", "--no-deps",
           "--force-reinstall", str(wheel)])

@@ -42,10 +42,11 @@ class TreeNode:
     """One edge of the tree: `key` tokens whose KV lives in `value` slots (same length).
 
     `lock_ref` counts the locks held on this node or any node below it; a node with lock_ref > 0
-    is never evicted. `last_access` is the tree's logical clock at the last match/insert through it.
+    is never evicted. `last_access` is the tree's logical clock at the last match/insert through it;
+    `hits` counts the requests admitted with a cached prefix through it (`record_hit`).
     """
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "hits")
 
     def __init__(
         self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None, last_access: int, id: int
@@ -57,6 +58,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.id = id  # creation order; breaks LRU ties deterministically
+        self.hits = 0
 
     def __len__(self) -> int:
         return len(self.key)
@@ -153,6 +155,17 @@ class RadixCache:
             node = max(branches, key=lambda c: (c.last_access, c.id))
             out += node.key[:max_tokens - len(out)]
         return out
+
+    def record_hit(self, node: TreeNode) -> None:
+        """Count a request that reuses the cached prefix ending at `node` (on every node of the path)."""
+        while node is not self.root and node is not None:
+            node.hits += 1
+            node = node.parent
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: one tick per match and insert (`TreeNode.last_access` is a reading of it)."""
+        return self._clock
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -350,6 +363,7 @@ class RadixCache:
         upper = self._new_node(node.key[:n], node.value[:n], node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.hits = node.hits
         node.parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
         node.value = node.value[n:]

@@ -28,6 +28,7 @@ from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.distributed import GroupError
 from radixgen.runtime.lora.adapter import LoRAAdapterError
 from radixgen.runtime.lora.manager import LoRAManager
+from radixgen.runtime.messages import TreeSnapshotRequest
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
     AbortRequest,
@@ -44,6 +45,7 @@ from radixgen.runtime.request import (
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
+from radixgen.runtime.scheduler.tree_snapshot import snapshot_tree
 from radixgen.runtime.special_tokens import eos_token_ids
 from radixgen.runtime.speculative import Speculator
 
@@ -152,6 +154,8 @@ class Scheduler:
                 self.outbox.append(ControlReply(reply_id, self.control(kind)))
             case LoadLoRAAdapter() | UnloadLoRAAdapter():
                 self.lora.handle(msg, self.outbox.append)
+            case TreeSnapshotRequest(reply_id=reply_id):
+                self.outbox.append(ControlReply(reply_id, snapshot_tree(self.kv.tree, self.tokenizer, msg)))
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 

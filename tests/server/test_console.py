@@ -7,28 +7,24 @@ view goes to build/screenshots/ (the paths are printed: run with -s to see them)
 from __future__ import annotations
 
 import json
-import os
 import uuid
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
+from browser import launch_browser, open_console, screenshot
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "screenshots"
-# bounded strings: a 135M model may go on with digits forever in an unbounded integer
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "country": {"type": "string", "maxLength": 20}},
           "required": ["city", "country"], "additionalProperties": False}
-TIMEOUT_MS = 180_000  # a CPU answer on a machine shared with other test runs
 
 
-def _marker_prompt() -> tuple[str, str]:
+def _marker_prompt(client: httpx.Client) -> tuple[str, str]:
+    """A new prompt whose first tree edge starts with its marker word: the cache is flushed first, so that no
+    earlier prompt shares its first tokens (and splits the word between two edges)."""
+    assert client.post("/flush_cache", params={"timeout": 60}).status_code == 200
     word = "Quokka" + uuid.uuid4().hex[:6]
     return word, f"{word} keeps a diary of the tides at the northern pier. " * 6
 
@@ -49,8 +45,8 @@ def test_static_files_are_served_without_the_key_and_nothing_else(server):
 
 
 def test_radix_tree_endpoint_shows_a_cached_prefix(server):
-    word, prompt = _marker_prompt()
     with server.client() as c:
+        word, prompt = _marker_prompt(c)
         r = c.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
         assert r.status_code == 200, r.text
         prompt_tokens = r.json()["meta_info"]["prompt_tokens"]
@@ -78,33 +74,15 @@ def test_radix_tree_endpoint_shows_a_cached_prefix(server):
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install -y chromium)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with launch_browser() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture
 def page(browser, server):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    context.add_init_script(f"localStorage.setItem('radixgen-api-key', {json.dumps(server.api_key)})")
-    pg = context.new_page()
-    pg.set_default_timeout(TIMEOUT_MS)
-    pg.errors = []  # console errors and uncaught exceptions: a clean page has none
-    pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
-    pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+    pg = open_console(browser, server.api_key)
     yield pg
-    context.close()
-
-
-def _shot(pg, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOTS / f"console-{name}.png"
-    pg.screenshot(path=str(path), full_page=True)
-    print(f"screenshot: {path}")
+    pg.context.close()
 
 
 def _ask(pg, text: str) -> dict:
@@ -147,7 +125,7 @@ def test_console_in_a_browser(page, server):
     answer = _ask(page, "Give the capital of France as JSON.")
     assert answer["done"] == "1", answer
     jsonschema.validate(json.loads(answer["text"]), SCHEMA)
-    _shot(page, "playground")
+    screenshot(page, "console-playground")
 
     page.select_option("#constraint-kind", "regex")
     page.fill("#constraint", "")
@@ -155,8 +133,8 @@ def test_console_in_a_browser(page, server):
     page.click("#send")
     assert "empty" in page.inner_text("#constraint-error")  # a bad box is refused in the page, nothing sent
 
-    word, prompt = _marker_prompt()
     with server.client() as c:
+        word, prompt = _marker_prompt(c)
         r = c.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200, r.text
     page.click("#tab-runtime")
@@ -168,5 +146,5 @@ def test_console_in_a_browser(page, server):
     page.wait_for_timeout(3500)  # two more polls: the charts have lines
     assert page.locator(".hit-chart polyline").count() == 1
     assert page.is_hidden("#runtime-error")
-    _shot(page, "runtime")
+    screenshot(page, "console-runtime")
     assert not page.errors, page.errors

@@ -44,7 +44,8 @@ def runtime_view(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def console_router(engine: Any, model_name: str) -> APIRouter:
+def console_static_router() -> APIRouter:
+    """The page and its files (also the router's: radixgen.router.app)."""
     router = APIRouter()
 
     @router.get("/", include_in_schema=False)
@@ -56,6 +57,12 @@ def console_router(engine: Any, model_name: str) -> APIRouter:
         if name not in CONSOLE_FILES:  # a fixed list: no path ever reaches the file system from the URL
             raise APIError(404, f"no console file {name!r}", None, "not_found")
         return FileResponse(CONSOLE_DIR / name, media_type=CONSOLE_FILES[name])
+
+    return router
+
+
+def console_router(engine: Any, model_name: str) -> APIRouter:
+    router = console_static_router()
 
     @router.get("/v1/radix_tree")
     async def radix_tree(max_nodes: int = Query(64, ge=1, le=TREE_LIMITS["max_nodes"]),

@@ -253,7 +253,9 @@ function renderWorkers(workers) {
       el.dataset.url = w.url;
       box.appendChild(el);
     }
-    el.querySelector(".worker-title").textContent = w.url ? `worker ${w.url}${w.doc ? "" : ` — ${w.error}`}` : "";
+    const error = typeof w.error === "string" ? w.error : (w.error && w.error.error && w.error.error.message) ||
+      JSON.stringify(w.error);
+    el.querySelector(".worker-title").textContent = w.url ? `worker ${w.url}${w.doc ? "" : ` — ${error}`}` : "";
     if (w.doc) renderWorker(el, w.url, w.doc);
   }
 }
@@ -265,6 +267,7 @@ function renderWorker(el, url, doc) {
   el.querySelector(".pool-bar").replaceChildren(...parts.map(([name, n, color]) => {
     const d = document.createElement("div");
     d.style.width = `${(100 * n) / Math.max(1, pool.total)}%`;
+    if (n > 0) d.style.minWidth = "3px";  // a few cached tokens in a large pool stay visible
     d.style.background = color;
     d.title = `${name}: ${n} tokens`;
     return d;

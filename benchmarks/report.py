@@ -88,8 +88,7 @@ class Report:
         ax.set_xticks(range(len(categories)), categories)
         ax.set_ylabel(ylabel)
         ax.margins(y=0.15)
-        if len(series) > 1:
-            ax.legend(frameon=False)
+        ax.legend(frameon=False)  # also for one series: its label may say what the title does not (the batch)
         return self._save(fig, ax, name, title)
 
     def lines(self, name: str, title: str, x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str,

@@ -311,12 +311,16 @@ class Engine:
                        viewer: str | None = None) -> TreeSnapshot:
         """A bounded picture of the radix cache (scheduler/tree_snapshot.py): the `max_nodes` largest subtrees,
         at most `max_depth` edges deep, each edge with a `preview_chars` text preview. `viewer`: an API key's cache
-        namespace, which then sees only its own namespaces (per-key isolation). Out-of-range bounds: RequestError."""
+        namespace, which then sees only its own namespaces (per-key isolation). Out-of-range bounds: RequestError;
+        a snapshot that failed in the scheduler: RequestFailed."""
         for name, value in (("max_nodes", max_nodes), ("max_depth", max_depth), ("preview_chars", preview_chars)):
             if type(value) is not int or not 1 <= value <= TREE_LIMITS[name]:
                 raise RequestError(f"{name} must be an integer in [1, {TREE_LIMITS[name]}], got {value!r}")
-        return self._client.call(
+        snapshot = self._client.call(
             lambda reply_id: TreeSnapshotRequest(reply_id, max_nodes, max_depth, preview_chars, viewer), "radix_tree")
+        if isinstance(snapshot, str):  # the scheduler's message: the snapshot failed there (and it goes on)
+            raise RequestFailed(f"the radix tree snapshot failed: {snapshot}")
+        return snapshot
 
     def get_server_info(self) -> dict:
         info = self._client.control("server_info")

@@ -7,7 +7,7 @@ import torch
 
 from radixgen.runtime.messages import TreeSnapshotRequest
 from radixgen.runtime.radix_cache import RadixCache
-from radixgen.runtime.scheduler.tree_snapshot import snapshot_tree
+from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply, snapshot_tree
 
 
 class CharTokenizer:
@@ -92,3 +92,15 @@ def test_namespaces_per_viewer():
     salted = [n for n in shared.nodes if n.namespace.startswith("salt ")]
     assert len(salted) == 4 and all(n.text is None for n in salted)  # salted prefixes are nobody's to read
     assert not any("key-" in label for label in shared.namespaces)
+
+
+def test_a_failed_snapshot_is_a_reply_not_a_crash():
+    class Broken:
+        def decode(self, ids):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+    tree = RadixCache()
+    _insert(tree, [1, 2, 3])
+    reply = snapshot_reply(tree, Broken(), _req())
+    assert reply.reply_id == 1 and isinstance(reply.payload, str) and "UnicodeDecodeError" in reply.payload
+    assert snapshot_reply(tree, CharTokenizer(), _req()).payload.nodes[0].text == "bcd"

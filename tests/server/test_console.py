@@ -21,10 +21,13 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "country"], "additionalProperties": False}
 
 
-def _marker_prompt(client: httpx.Client) -> tuple[str, str]:
-    """A new prompt whose first tree edge starts with its marker word: the cache is flushed first, so that no
-    earlier prompt shares its first tokens (and splits the word between two edges)."""
+def _flush(client: httpx.Client) -> None:
     assert client.post("/flush_cache", params={"timeout": 60}).status_code == 200
+
+
+def _marker_prompt() -> tuple[str, str]:
+    """A new prompt whose first tree edge starts with its marker word, once the cache holds no earlier marker
+    prompt (one would share the word's first tokens and split it between two edges): flush before."""
     word = "Quokka" + uuid.uuid4().hex[:6]
     return word, f"{word} keeps a diary of the tides at the northern pier. " * 6
 
@@ -46,7 +49,8 @@ def test_static_files_are_served_without_the_key_and_nothing_else(server):
 
 def test_radix_tree_endpoint_shows_a_cached_prefix(server):
     with server.client() as c:
-        word, prompt = _marker_prompt(c)
+        _flush(c)
+        word, prompt = _marker_prompt()
         r = c.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
         assert r.status_code == 200, r.text
         prompt_tokens = r.json()["meta_info"]["prompt_tokens"]
@@ -106,6 +110,8 @@ def _ask(pg, text: str) -> dict:
 
 
 def test_console_in_a_browser(page, server):
+    with server.client() as c:
+        _flush(c)  # the chats below and the marker prompt are what the tree view then shows
     page.goto(server.url + "/")
     page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
     assert page.inner_text("#model-name") == server.model
@@ -134,7 +140,7 @@ def test_console_in_a_browser(page, server):
     assert "empty" in page.inner_text("#constraint-error")  # a bad box is refused in the page, nothing sent
 
     with server.client() as c:
-        word, prompt = _marker_prompt(c)
+        word, prompt = _marker_prompt()  # the chats' prompts start with the chat template: no shared first token
         r = c.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200, r.text
     page.click("#tab-runtime")

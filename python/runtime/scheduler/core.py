@@ -45,7 +45,7 @@ from radixgen.runtime.request import (
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor, RegexStop
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
-from radixgen.runtime.scheduler.tree_snapshot import snapshot_tree
+from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply
 from radixgen.runtime.special_tokens import eos_token_ids
 from radixgen.runtime.speculative import Speculator
 
@@ -154,8 +154,8 @@ class Scheduler:
                 self.outbox.append(ControlReply(reply_id, self.control(kind)))
             case LoadLoRAAdapter() | UnloadLoRAAdapter():
                 self.lora.handle(msg, self.outbox.append)
-            case TreeSnapshotRequest(reply_id=reply_id):
-                self.outbox.append(ControlReply(reply_id, snapshot_tree(self.kv.tree, self.tokenizer, msg)))
+            case TreeSnapshotRequest():
+                self.outbox.append(snapshot_reply(self.kv.tree, self.tokenizer, msg))
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 

@@ -18,11 +18,23 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 
-from radixgen.runtime.messages import TreeNodeView, TreeSnapshot, TreeSnapshotRequest
+from radixgen.runtime.messages import ControlReply, TreeNodeView, TreeSnapshot, TreeSnapshotRequest
 from radixgen.runtime.radix_cache import NamespaceKey, RadixCache, TreeNode
 
-PREVIEW_TOKENS = 32  # tokens decoded for an edge's preview (more than any preview_chars needs)
+logger = logging.getLogger(__name__)
+
+
+
+def snapshot_reply(tree: RadixCache, tokenizer, req: TreeSnapshotRequest) -> ControlReply:
+    """The scheduler's answer: the snapshot, or the message of what failed (the Engine raises it as a
+    RequestFailed); a picture for the console never takes the scheduler down."""
+    try:
+        return ControlReply(req.reply_id, snapshot_tree(tree, tokenizer, req))
+    except Exception as e:  # noqa: BLE001
+        logger.exception("the radix tree snapshot failed")
+        return ControlReply(req.reply_id, f"{type(e).__name__}: {e}")
 
 
 def snapshot_tree(tree: RadixCache, tokenizer, req: TreeSnapshotRequest) -> TreeSnapshot:
@@ -105,7 +117,7 @@ def _subtree_sizes(top: TreeNode, sizes: dict[int, int]) -> int:
 def _preview(tokenizer, key: tuple, chars: int) -> str:
     if tokenizer is None:
         return " ".join(map(str, key[:8]))
-    text = tokenizer.decode(list(key[:PREVIEW_TOKENS]))
+    text = tokenizer.decode(list(key[:chars]))  # a token decodes to a character or more: enough of them
     return text if len(text) <= chars else text[:chars] + "…"
 
 

@@ -123,6 +123,7 @@ def test_console_in_a_browser(page, server):
     assert "prompt tokens" in first["meta"] and first["cached"] != "", first
     second = _ask(page, "And three animals.")
     assert second["done"] == "1" and int(second["cached"]) > 0, second  # the first turn is a cached prefix
+    screenshot(page, "console-chat")
 
     page.click("#clear")
     page.select_option("#constraint-kind", "json_schema")

@@ -19,7 +19,7 @@ from radixgen.router.metrics import PROMETHEUS_CONTENT_TYPE, RouterMetrics
 from radixgen.router.policies import RoundRobin, make_policy
 from radixgen.router.proxy import Forwarder, Unserved, forward_headers, prompt_text, unserved_response, until_disconnect
 from radixgen.router.workers import WorkerPool
-from radixgen.runtime.server.console_api import console_static_router
+from radixgen.runtime.server.console_api import add_console_static
 from radixgen.runtime.server.errors import (
     APIError,
     JSONResponse,
@@ -208,7 +208,7 @@ def create_router_app(args: RouterConfig, worker_urls: tuple[str, ...] = ()) -> 
     async def get_metrics():
         return Response(metrics.render(pool), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    app.include_router(console_static_router())  # the web console, drawing every worker's tree
+    add_console_static(app)  # the web console, drawing every worker's tree
 
     @app.get("/v1/radix_tree")
     async def radix_tree(request: Request):

@@ -44,25 +44,25 @@ def runtime_view(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def console_static_router() -> APIRouter:
-    """The page and its files (also the router's: radixgen.router.app)."""
-    router = APIRouter()
+async def console_index() -> Response:
+    return FileResponse(CONSOLE_DIR / "index.html", media_type="text/html")
 
-    @router.get("/", include_in_schema=False)
-    async def index():
-        return FileResponse(CONSOLE_DIR / "index.html", media_type="text/html")
 
-    @router.get("/console/{name}", include_in_schema=False)
-    async def static(name: str):
-        if name not in CONSOLE_FILES:  # a fixed list: no path ever reaches the file system from the URL
-            raise APIError(404, f"no console file {name!r}", None, "not_found")
-        return FileResponse(CONSOLE_DIR / name, media_type=CONSOLE_FILES[name])
+async def console_file(name: str) -> Response:
+    if name not in CONSOLE_FILES:  # a fixed list: no path ever reaches the file system from the URL
+        raise APIError(404, f"no console file {name!r}", None, "not_found")
+    return FileResponse(CONSOLE_DIR / name, media_type=CONSOLE_FILES[name])
 
-    return router
+
+def add_console_static(target: Any) -> None:
+    """The page and its files on an app or router (also the router's: radixgen.router.app)."""
+    target.add_api_route("/", console_index, methods=["GET"], include_in_schema=False)
+    target.add_api_route("/console/{name}", console_file, methods=["GET"], include_in_schema=False)
 
 
 def console_router(engine: Any, model_name: str) -> APIRouter:
-    router = console_static_router()
+    router = APIRouter()
+    add_console_static(router)
 
     @router.get("/v1/radix_tree")
     async def radix_tree(max_nodes: int = Query(64, ge=1, le=TREE_LIMITS["max_nodes"]),

@@ -56,10 +56,31 @@ serve: $(PRODUCT)  # more flags: make serve SERVE_ARGS="--device cuda"; all of t
 	$(PY) -m radixgen.serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)
 
 bench: $(TESTING)
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do \
+	  if grep -q add_report_arg $$b; then $(PY) $$b --report $(BENCH_REPORT) || exit 1; else $(PY) $$b || exit 1; fi; \
+	done
+	@echo "reports: $(BENCH_REPORT)/index.md"
 
 lint: $(TESTING)
 	$(VENV)/bin/ruff check python kernels tests benchmarks examples
+
+# ---- the web console's browser tests and the benchmark reports (issue 35), apart from the install stamp above:
+# Debian's Chromium, which playwright (test extra) drives (its own browser download does not work here), installed
+# only when missing; matplotlib (bench extra) for the reports that `make bench` writes into BENCH_REPORT.
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+BENCH_REPORT ?= build/bench-report
+BENCH_STAMP := $(VENV)/.radixgen-bench-installed
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium
+
+$(BENCH_STAMP): $(TESTING)
+	@$(PIP) -e '.[bench]'
+	@touch $@
+
+test: $(CHROMIUM)
+bench: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,7 +3,7 @@ contexts, bf16 and fp32, for radixgen's model runner beside transformers' forwar
 beside radixgen itself on plain torch ops, and beside the roofline from this machine's matmul peak and
 memory bandwidth, all measured in this run.
 
-    python benchmarks/bench_forward.py [--dtypes bfloat16,float32] [--batches 1,8,32,64] [--quick]
+    python benchmarks/bench_forward.py [--dtypes bfloat16,float32] [--batches 1,8,32,64] [--quick] [--report DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
+from report import Report, add_report_arg
 
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.layers.linear import LinearBase, pack_weight, packed_linear
@@ -172,7 +173,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, one window")
     ap.add_argument("--no-torch-ops", action="store_true",
                     help="skip the column of radixgen with its C kernels and packed weights turned off")
+    add_report_arg(ap)
     args = ap.parse_args()
+    report = Report(args.report, "bench_forward", "Model executor: decode tok/s by batch") if args.report else None
     reps = 2 if args.quick else args.reps
     n_windows = 1 if args.quick else args.windows
     path = resolve_model_path(None)
@@ -229,6 +232,28 @@ def main() -> None:
           "the layers' weights with its own kernel). The engines take turns inside each measurement window; tok/s:\n"
           "each engine's best over all windows; roofline and of roofline: radixgen's median window, its time\n"
           "against the ceilings measured right before and after that window.")
+    if report is not None:
+        write_report(report, rows, args)
+
+
+def write_report(report: Report, rows: list[tuple], args) -> None:
+    report.text(f"Decode steps over {args.ctx}-token contexts on the default model: radixgen's model runner beside "
+                "transformers' forward on the same weights and beside radixgen on plain torch ops (its C kernels "
+                "and packed weights off), each engine's best over the measurement windows, and the roofline from "
+                "this machine's matmul peak and memory bandwidth measured in the same run (dashed).")
+    for dtype in dict.fromkeys(r[0] for r in rows):
+        decode = [r for r in rows if r[0] == dtype and r[1].startswith("decode b=")]
+        batches = [int(r[1].split("=")[1]) for r in decode]
+        series = {"radixgen": [r[2] for r in decode], "radixgen, torch ops": [r[3] for r in decode],
+                  "transformers": [r[4] for r in decode], "roofline": [r[5]["median"]["roof"] for r in decode]}
+        if all(v != v for v in series["radixgen, torch ops"]):  # --no-torch-ops: all NaN
+            del series["radixgen, torch ops"]
+        report.lines(f"decode-{dtype}", f"Decode tok/s by batch ({dtype})", batches, series, xlabel="batch",
+                     ylabel="output tokens / s", log_x=True, log_y=True, dashed=["roofline"])
+    report.table(["dtype", "case", "radixgen tok/s", "torch ops", "transformers", "roofline tok/s", "of roofline"],
+                 [[d, c.strip(), f"{o:.1f}", f"{p:.1f}", f"{h:.1f}", f"{w['median']['roof']:.1f}",
+                   f"{w['median']['frac']:.1%}"] for d, c, o, p, h, w in rows])
+    report.write()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ For each: radixgen with the radix cache on, radixgen with it off, and transforme
 request by request (on a subset, as it is slow; its per-request figures are what it measured), in one
 run. Prints requests/s, output tokens/s, the cache hit rate and the best hit rate the workload allows.
 
-    python benchmarks/bench_prefix_cache.py [--quick] [--hf-requests 6]
+    python benchmarks/bench_prefix_cache.py [--quick] [--hf-requests 6] [--report DIR]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import random
 import time
 
 import torch
+from report import Report, add_report_arg
 
 from radixgen.runtime.engine import Engine
 from radixgen.runtime.loader import load_tokenizer, resolve_model_path
@@ -157,7 +158,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller workloads")
     ap.add_argument("--hf-requests", type=int, default=6, help="requests per workload for transformers")
     ap.add_argument("--max-new", type=int, default=16)
+    add_report_arg(ap)
     args = ap.parse_args()
+    report = Report(args.report, "bench_prefix_cache", "Prefix cache: speed-up by workload") if args.report else None
     tok = load_tokenizer(None)
     q = args.quick
     makers = {
@@ -192,6 +195,33 @@ def main() -> None:
             speed = rps / (off["requests"] / off["seconds"])
             note = f" ({r['requests']} requests)" if label == "transformers" else ""
             print(f"{name:11} {label:13} {rps:8.2f} {tps:10.1f} {hit:>9} {best:>9} {speed:21.2f}x{note}")
+    if report is not None:
+        write_report(report, results, list(makers), args)
+
+
+def write_report(report: Report, results: dict[tuple[str, str], dict], names: list[str], args) -> None:
+    def rps(name: str, label: str) -> float:
+        r = results[(name, label)]
+        return r["requests"] / r["seconds"]
+
+    report.text(f"The default model in bf16, {'quick' if args.quick else 'full'} workloads, max_new_tokens "
+                f"{args.max_new}: radixgen with its radix cache on and off, and transformers `generate` request by "
+                f"request ({args.hf_requests} requests per workload), all in one run. Speed-up: requests/s against "
+                "radixgen with the cache off (the dashed line).")
+    report.bars("speedup", "Requests/s against radixgen with the cache off", names,
+                {label: [rps(n, label) / rps(n, "cache off") for n in names] for label in ("cache on", "transformers")},
+                ylabel="speed-up (x)", baseline=1.0)
+    report.bars("hit-rate", "Cache hit rate: measured and the best the workload allows", names,
+                {"measured": [results[(n, "cache on")]["cached"] / results[(n, "cache on")]["prompt"] for n in names],
+                 "best possible": [results[(n, "cache on")]["ideal"] / results[(n, "cache on")]["prompt"]
+                                   for n in names]},
+                ylabel="share of prompt tokens", value_format="{:.0%}")
+    report.table(["workload", "system", "req/s", "out tok/s", "speed-up vs cache off"],
+                 [[n, label, f"{rps(n, label):.2f}",
+                   f"{results[(n, label)]['out_tokens'] / results[(n, label)]['seconds']:.1f}",
+                   f"{rps(n, label) / rps(n, 'cache off'):.2f}x"]
+                  for n in names for label in ("cache on", "cache off", "transformers")])
+    report.write()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ prompt_tokens deltas from /get_server_info) and requests per second.
 
     python benchmarks/bench_router.py            # a few minutes on 2 CPU cores (each worker: 1 thread)
     python benchmarks/bench_router.py --groups 9 --rounds 6 --max-total-tokens 3000
+    python benchmarks/bench_router.py --report DIR   # also a Markdown report with its plots
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import time
 
 import httpx
+from report import Report, add_report_arg
 from serve_proc import free_port, serve_command, start, stop
 
 WORDS = (
@@ -89,7 +91,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)
+    add_report_arg(p)
     args = p.parse_args()
+    report = Report(args.report, "bench_router", "Router: prefix-cache hit rate by policy") if args.report else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a kill still stops the servers started here
 
     prompts = workload(args.groups, args.rounds, args.prefix_words, args.seed)
@@ -133,7 +137,24 @@ def main() -> int:
     speedup = ca["req_s"] / rr["req_s"]
     print(f"cache-aware vs round-robin: hit rate x{hit_ratio:.2f} (target >= 1.5), "
           f"req/s x{speedup:.2f} (target >= 1.3)")
+    if report is not None:
+        write_report(report, results, len(prompts), args)
     return 0
+
+
+def write_report(report: Report, results: list[dict], requests: int, args) -> None:
+    report.text(f"{requests} requests over {args.groups} shared prefixes of {args.prefix_words} words, interleaved, "
+                f"from {args.concurrency} concurrent clients; each worker's KV pool holds {args.max_total_tokens} "
+                "tokens: less than every prefix together, more than half of them. Hit rate: the workers' cached "
+                "tokens over prompt tokens during the run.")
+    names = [r["name"].replace(" (2 workers)", "").replace(" (no router)", "") for r in results]
+    report.bars("hit-rate", "Prefix-cache hit rate by routing policy (2 workers)", names,
+                {"hit rate": [r["hit_rate"] for r in results]}, ylabel="cached / prompt tokens", value_format="{:.0%}")
+    report.bars("throughput", "Requests per second by routing policy", names,
+                {"req/s": [r["req_s"] for r in results]}, ylabel="requests / s")
+    report.table(["setup", "hit rate", "req/s", "wall s"],
+                 [[r["name"], f"{r['hit_rate']:.1%}", f"{r['req_s']:.2f}", f"{r['wall']:.1f}"] for r in results])
+    report.write()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ one run, the engines taking turns (A, B, A, B ...: the machine may be shared):
 Each turn starts from a flushed cache with the prompts prefilled (a run of max_new_tokens 0), so the timed run
 is decoding and the radix tree holds no earlier outputs to draft from.
 
-    python benchmarks/bench_speculative.py [--reps 3] [--new-tokens 96] [--threads 2] [--quick]
+    python benchmarks/bench_speculative.py [--reps 3] [--new-tokens 96] [--threads 2] [--quick] [--report DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from extraction_suite import CASES, messages  # noqa: E402
+from report import Report, add_report_arg  # noqa: E402
 from tiny_models import tiny_model_dir  # noqa: E402
 
 from radixgen.runtime.engine import Engine  # noqa: E402
@@ -157,17 +158,50 @@ HEADER = (f"   {'':22s} {'tokens':>6s} {'best t/s':>8s} {'med t/s':>8s} {'speedu
           f"{'accept':>7s} identical greedy output")
 
 
-def ngram_section(off: Engine, on: Engine, batches: list[int], new_tokens: int, reps: int, names: list[str]):
+def ngram_section(off: Engine, on: Engine, batches: list[int], new_tokens: int, reps: int,
+                  names: list[str]) -> dict[tuple[int, str], dict]:
+    """Prints the section; returns each (batch, workload)'s results (compare's) for the report."""
     print("\n1. n-gram drafts (speedup: best tok/s over the baseline's best)")
+    results = {}
     for batch in batches:
         loads = workloads(off, batch, new_tokens)
         for name in names:
             prompts, params = loads[name]
             res = compare({"off": off, "ngram": on}, prompts, params, reps)
+            results[(batch, name)] = res
             print(f"\n   {name}, batch {len(prompts)}, {new_tokens} new tokens at most, {reps} turns each")
             print(HEADER)
             print(row("off (baseline)", res["off"], None))
             print(row("ngram", res["ngram"], res["off"]))
+    return results
+
+
+def write_report(report: Report, results: dict[tuple[int, str], dict], batches: list[int], names: list[str],
+                 args) -> None:
+    def best_tps(r: dict) -> float:
+        return sum(len(i) for i in r["ids"]) / min(r["times"])
+
+    def accepted(r: dict) -> float:
+        d = r["delta"]
+        return d["spec_accepted_tokens"] / d["spec_draft_tokens"] if d.get("spec_draft_tokens") else 0.0
+
+    report.text(f"n-gram speculative decoding on the default model (bf16, greedy, {args.threads} threads), "
+                f"{args.new_tokens} new tokens at most, {args.reps} turns each, speculation on and off taking turns "
+                "in one run. Acceptance: the share of draft tokens the target kept; speed-up: best output tok/s "
+                "against the same run's baseline without speculation (the dashed line).")
+    report.bars("acceptance", "Share of n-gram draft tokens accepted", names,
+                {f"batch {b}": [accepted(results[(b, n)]["ngram"]) for n in names] for b in batches},
+                ylabel="accepted / drafted", value_format="{:.0%}")
+    report.bars("speedup", "Output tok/s with n-gram drafts against without", names,
+                {f"batch {b}": [best_tps(results[(b, n)]["ngram"]) / best_tps(results[(b, n)]["off"]) for n in names]
+                 for b in batches}, ylabel="speed-up (x)", baseline=1.0)
+    rows = []
+    for (b, n), res in results.items():
+        same = all(a == c for a, c in zip(res["ngram"]["ids"], res["off"]["ids"], strict=True))
+        rows.append([n, b, f"{best_tps(res['off']):.1f}", f"{best_tps(res['ngram']):.1f}",
+                     f"{accepted(res['ngram']):.0%}", "yes" if same else "no"])
+    report.table(["workload", "batch", "off tok/s", "ngram tok/s", "accepted", "identical greedy output"], rows)
+    report.write()
 
 
 def draft_section(off: Engine, draft: Engine, new_tokens: int, reps: int) -> None:
@@ -190,7 +224,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 48 new tokens, 2 turns, no draft model")
+    add_report_arg(ap)
     args = ap.parse_args()
+    report = Report(args.report, "bench_speculative", "Speculative decoding: acceptance") if args.report else None
     batches, names = [1, 8], ["extraction", "chat", "json"]
     if args.quick:
         batches, args.new_tokens, args.reps = [1], 48, 2
@@ -198,11 +234,13 @@ def main() -> None:
                   context_length=2048)  # the tiny draft model of section 2 has 2048 positions
     print(f"bench_speculative: default model, bf16, {args.threads} threads")
     with Engine(**common) as off, Engine(**common, speculative_algorithm="ngram") as on:
-        ngram_section(off, on, batches, args.new_tokens, args.reps, names)
+        results = ngram_section(off, on, batches, args.new_tokens, args.reps, names)
         if not args.quick:
             with Engine(**common, speculative_algorithm="draft",
                         speculative_draft_model=str(tiny_model_dir("llama"))) as draft:
                 draft_section(off, draft, args.new_tokens, args.reps)
+    if report is not None:
+        write_report(report, results, batches, names, args)
 
 
 if __name__ == "__main__":

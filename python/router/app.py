@@ -26,8 +26,10 @@ from radixgen.router.metrics import PROMETHEUS_CONTENT_TYPE, RouterMetrics
 from radixgen.router.policies import RoundRobin, make_policy
 from radixgen.router.proxy import Forwarder, Unserved, forward_headers, prompt_text, unserved_response, until_disconnect
 from radixgen.router.workers import WorkerPool
+from radixgen.runtime.server.console_api import add_console_static
 
-OPEN_PATHS = frozenset({"/health"})  # probes carry no key
+OPEN_PATHS = frozenset({"/health", "/"})  # probes carry no key, nor does the web console's page
+OPEN_PREFIXES = ("/console/",)  # the console's static files
 GENERATION_ROUTES = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 # upstream timeouts: generation may take as long as it takes (a client that gives up disconnects, which
 # aborts the request); a worker that does not accept a connection in time is as good as down
@@ -44,7 +46,8 @@ class APIKeyCheck:
         self.expected = [b"Bearer " + k.encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not any([hmac.compare_digest(given, e) for e in self.expected]):  # a list: compare with every key
                 response = error_response(
@@ -204,6 +207,25 @@ def create_router_app(args: RouterConfig, worker_urls: tuple[str, ...] = ()) -> 
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(pool), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    add_console_static(app)  # the web console, drawing every worker's tree
+
+    @app.get("/v1/radix_tree")
+    async def radix_tree(request: Request):
+        """Each worker's /v1/radix_tree document (the same query and key), one entry per worker."""
+        path = f"/v1/radix_tree?{request.url.query}" if request.url.query else "/v1/radix_tree"
+        results = {r["url"]: r for r in await fan_out(request, "GET", path)}
+        ok = [r for r in results.values() if r["status"] == 200]
+        if results and not ok and all(r["status"] in (400, 401) for r in results.values()):
+            first = results[next(iter(results))]  # every worker refused the same query: its error, as is
+            return JSONResponse(first["body"], status_code=first["status"])
+        workers = []
+        for w in pool.workers.values():
+            r = results.get(w.url, {})
+            error = r.get("error") or (r["body"] if r and r["status"] != 200 else None) or (
+                None if r else "not healthy")
+            workers.append({**worker_state(w), "doc": r["body"] if r.get("status") == 200 else None, "error": error})
+        return JSONResponse({"object": "radix_tree_list", "workers": workers})
 
     def worker_state(w) -> dict[str, Any]:
         return {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "last_error": w.last_error}

@@ -23,7 +23,14 @@ from typing import Any
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine_client import SchedulerClient, call_soon
 from radixgen.runtime.loader import load_tokenizer, resolve_model_path
-from radixgen.runtime.messages import GenerateRequest, LoadLoRAAdapter, LoRAUpdate, UnloadLoRAAdapter
+from radixgen.runtime.messages import (
+    GenerateRequest,
+    LoadLoRAAdapter,
+    LoRAUpdate,
+    TreeSnapshot,
+    TreeSnapshotRequest,
+    UnloadLoRAAdapter,
+)
 from radixgen.runtime.request_state import RequestError, RequestFailed, RequestState
 from radixgen.runtime.request_validation import (
     ModelLimits,
@@ -41,6 +48,8 @@ __all__ = ["Engine", "RequestError", "RequestFailed"]
 
 TOKENIZER_THREADS = 4  # the fast tokenizers release the GIL while encoding
 LORA_UPDATE_TIMEOUT_S = 300.0  # reading an adapter; a pinned one may wait for a slot to drain
+# the bounds of a radix tree snapshot (get_radix_tree): what a console can draw, and a reply that stays small
+TREE_LIMITS = {"max_nodes": 500, "max_depth": 64, "preview_chars": 200}
 
 
 class Engine:
@@ -314,6 +323,21 @@ class Engine:
         if update.error is not None:
             raise RequestError(update.error)
         return dict(update.adapters)
+
+    def get_radix_tree(self, max_nodes: int = 64, max_depth: int = 12, preview_chars: int = 48,
+                       viewer: str | None = None) -> TreeSnapshot:
+        """A bounded picture of the radix cache (scheduler/tree_snapshot.py): the `max_nodes` largest subtrees,
+        at most `max_depth` edges deep, each edge with a `preview_chars` text preview. `viewer`: an API key's cache
+        namespace, which then sees only its own namespaces (per-key isolation). Out-of-range bounds: RequestError;
+        a snapshot that failed in the scheduler: RequestFailed."""
+        for name, value in (("max_nodes", max_nodes), ("max_depth", max_depth), ("preview_chars", preview_chars)):
+            if type(value) is not int or not 1 <= value <= TREE_LIMITS[name]:
+                raise RequestError(f"{name} must be an integer in [1, {TREE_LIMITS[name]}], got {value!r}")
+        snapshot = self._client.call(
+            lambda reply_id: TreeSnapshotRequest(reply_id, max_nodes, max_depth, preview_chars, viewer), "radix_tree")
+        if isinstance(snapshot, str):  # the scheduler's message: the snapshot failed there (and it goes on)
+            raise RequestFailed(f"the radix tree snapshot failed: {snapshot}")
+        return snapshot
 
     def get_server_info(self) -> dict:
         info = self._client.control("server_info")

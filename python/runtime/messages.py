@@ -1,9 +1,10 @@
 """The messages between the Engine and the scheduler process (pickled over zmq): small typed records only.
 
 Engine -> scheduler: `GenerateRequest`, `AbortRequest`, `ControlRequest`, `LoadLoRAAdapter`,
-`UnloadLoRAAdapter`.
+`UnloadLoRAAdapter`, `TreeSnapshotRequest`.
 Scheduler -> Engine: `ReadySignal` (once, at start), `ReqOutput` (per step and request), `ControlReply`
-(a `LoRAUpdate` for the LoRA messages), `FatalError` (the scheduler cannot go on).
+(a `LoRAUpdate` for the LoRA messages, a `TreeSnapshot` for a snapshot request), `FatalError` (the
+scheduler cannot go on).
 The messages between the ranks of a parallel group are in step_messages.py (they name scheduler records; this
 module imports none).
 """
@@ -128,7 +129,57 @@ class UnloadLoRAAdapter:
     name: str
 
 
+@dataclass
+class TreeSnapshotRequest:
+    """Ask for a bounded picture of the radix tree (scheduler/tree_snapshot.py), answered by a ControlReply with
+    the same id whose payload is a TreeSnapshot: the `max_nodes` largest subtrees, `max_depth` edges deep at most,
+    each edge with a preview of its first `preview_chars` characters. `viewer`: the cache namespace of the API key
+    asking under per-key isolation (it sees only its own namespaces); None: every namespace (shared cache)."""
+
+    reply_id: int
+    max_nodes: int
+    max_depth: int
+    preview_chars: int
+    viewer: str | None = None
+
+
 # ---------------------------------------------------------------- scheduler -> Engine
+
+
+@dataclass(frozen=True)
+class TreeNodeView:
+    """One edge of the radix tree as the console draws it. `parent` is None for an edge right under its
+    namespace's root; `text` is None where the viewer may not read it (another client's salted namespace)."""
+
+    id: int
+    parent: int | None
+    namespace: str  # a display label, never a raw cache salt
+    depth: int  # edges above it in its namespace
+    prefix_len: int  # tokens before this edge
+    tokens: int  # tokens on this edge
+    subtree_tokens: int  # this edge's and every edge's below it
+    hits: int  # requests admitted with a cached prefix through this edge
+    idle_ticks: int  # tree operations (matches, inserts) since its last use
+    locked: bool  # held by a running request
+    hidden_children: int  # children left out of the snapshot (the size and depth bounds)
+    text: str | None
+
+
+@dataclass(frozen=True)
+class TreeSnapshot:
+    """A bounded picture of the radix tree: the largest subtrees first, namespaces apart (see TreeNodeView)."""
+
+    nodes: list[TreeNodeView]
+    total_nodes: int  # edges the viewer may see, in the snapshot or not
+    total_tokens: int  # tokens in them
+    namespaces: list[str]  # the labels of the namespaces the viewer may see, largest first
+    page_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes": [vars(n) for n in self.nodes], "total_nodes": self.total_nodes,
+                "total_tokens": self.total_tokens, "namespaces": self.namespaces, "page_size": self.page_size,
+                "truncated": len(self.nodes) < self.total_nodes}
+
 
 
 @dataclass

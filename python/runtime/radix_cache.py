@@ -83,11 +83,12 @@ class TreeNode:
 
     `lock_ref` counts the locks held on this node or any node below it; a node with lock_ref > 0
     is never evicted (only device nodes are locked). `last_access` is the tree's logical clock at the
-    last match/insert through it.
+    last match/insert through it; `hits` counts the requests admitted with a cached prefix through it
+    (`record_hit`).
     """
 
     # the location as two fields (`loc` puts them together): the hot loops read them as plain attributes
-    __slots__ = ("children", "parent", "key", "tier", "handle", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "tier", "handle", "lock_ref", "last_access", "id", "hits")
 
     def __init__(
         self, key: tuple[int, ...], loc: KVLocation, parent: TreeNode | None, last_access: int, id: int
@@ -99,6 +100,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.id = id  # creation order; breaks LRU ties deterministically
+        self.hits = 0
 
     @property
     def loc(self) -> KVLocation:
@@ -242,6 +244,17 @@ class RadixCache:
             node = max(branches, key=lambda c: (c.last_access, c.id))
             out += node.key[:max_tokens - len(out)]
         return out
+
+    def record_hit(self, node: TreeNode) -> None:
+        """Count a request that reuses the cached prefix ending at `node` (on every node of the path)."""
+        while node is not self.root and node is not None:
+            node.hits += 1
+            node = node.parent
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: one tick per match and insert (`TreeNode.last_access` is a reading of it)."""
+        return self._clock
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -473,6 +486,7 @@ class RadixCache:
         upper = self._new_node(node.key[:n], upper_loc, node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.hits = node.hits
         node.parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
         node.parent = upper

@@ -81,6 +81,24 @@ def test_small_body_limit(srv):
         assert_still_serves(c)
 
 
+def test_radix_tree_view_shows_a_key_only_its_own_namespaces(srv):
+    word = "Axolotl" + uuid.uuid4().hex[:6]
+    prompt = f"{word} writes down the tides of the bay every morning. " * 5
+    a, b = _client(srv, KEY_A), _client(srv, KEY_B)
+    with a, b:
+        for salt in (None, "s2"):
+            r = a.post("/generate", json={"text": prompt, "cache_salt": salt, "sampling_params": {"max_new_tokens": 1}})
+            assert r.status_code == 200, r.text
+        mine = a.get("/v1/radix_tree", params={"max_nodes": 500}).json()
+        assert mine["isolated"] is True
+        shown = [n for n in mine["tree"]["nodes"] if n["text"] and word in n["text"]]
+        assert len(shown) == 2 and len({n["namespace"] for n in shown}) == 2  # its key's and its salt's, apart
+        assert not any("key-" in ns or "s2" in ns for ns in mine["tree"]["namespaces"])  # no salt is shown
+        theirs = b.get("/v1/radix_tree", params={"max_nodes": 500}).json()["tree"]
+        assert not any(word in (n["text"] or "") for n in theirs["nodes"])
+        assert httpx.get(srv.url + "/v1/radix_tree").status_code == 401
+
+
 def test_sigterm_past_the_grace_period_ends_streams_with_an_error_event(srv):
     """Last: ends this module's server. Streams still running 2 s after SIGTERM get `data: {"error": ...}`
     then `data: [DONE]` (/v1 and /generate alike), and the server exits 0."""

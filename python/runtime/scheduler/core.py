@@ -25,6 +25,7 @@ from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.distributed import GroupError
 from radixgen.runtime.lora.manager import LoRAManager
+from radixgen.runtime.messages import TreeSnapshotRequest
 from radixgen.runtime.model_runner import ModelRunner
 from radixgen.runtime.request import (
     AbortRequest,
@@ -43,6 +44,7 @@ from radixgen.runtime.scheduler.intake import failure  # the abort reason of a r
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
+from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply
 from radixgen.runtime.scheduler.waits import WaitList
 from radixgen.runtime.special_tokens import eos_token_ids
 from radixgen.runtime.speculative import Speculator
@@ -151,6 +153,8 @@ class Scheduler:
                 self.outbox.append(ControlReply(reply_id, self.control(kind)))
             case LoadLoRAAdapter() | UnloadLoRAAdapter():
                 self.lora.handle(msg, self.outbox.append)
+            case TreeSnapshotRequest():
+                self.outbox.append(snapshot_reply(self.kv.tree, self.tokenizer, msg))
             case _:
                 raise TypeError(f"unknown message {type(msg).__name__}")
 

@@ -146,6 +146,8 @@ class KVCacheManager:
             return False
         m = self.tree.match_prefix(req.radix_key[:req.max_cacheable()], req.namespace)
         self.tree.lock(m.last_node)
+        if len(m.slots):
+            self.tree.record_hit(m.last_node)
         req.last_node = m.last_node
         req.cached_len = req.kv_len = len(m.slots)
         req.table_row = self.table.allocate()

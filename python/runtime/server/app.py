@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from radixgen.common.http_errors import APIError, JSONResponse, install_error_handlers
 from radixgen.common.prometheus import PROMETHEUS_CONTENT_TYPE
+from radixgen.runtime.server.console_api import console_router
 from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.middleware import APIKeyMiddleware, RequestBodyMiddleware
 from radixgen.runtime.server.native_api import NativeServing, native_router
@@ -108,6 +109,8 @@ def create_app(
 
     # /generate, /tokenize, /detokenize, /get_model_info, /server_info, /get_load, /flush_cache...
     app.include_router(native_router(native, server_info_doc))
+
+    app.include_router(console_router(engine, name))  # the web console at / and the /v1/radix_tree it polls
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest):

@@ -14,7 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixgen.common.http_errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})  # answer without the API key: liveness probes carry no secrets
+OPEN_PATHS = frozenset({"/health", "/"})  # answer without the API key: liveness probes carry no secrets,
+OPEN_PREFIXES = ("/console/",)  # nor does the web console's static page (it asks for the key to call the API)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 # The cache namespace of the API key that sent the request being handled (per-key cache isolation);
@@ -33,6 +34,10 @@ def key_namespace(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def is_open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 class APIKeyMiddleware:
     """401 (OpenAI shape) unless `Authorization: Bearer <key>` names one of the keys. With `per_key`,
     the request runs with KEY_NAMESPACE set to its key's namespace."""
@@ -43,7 +48,7 @@ class APIKeyMiddleware:
         self.expected = [(b"Bearer " + k.encode(), key_namespace(k) if per_key else None) for k in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

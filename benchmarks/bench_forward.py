@@ -19,9 +19,9 @@ import torch
 from report import Report, add_report_arg
 
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.layers.linear import LinearBase, pack_weight, packed_linear
 from radixgen.runtime.loader import resolve_model_path
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}

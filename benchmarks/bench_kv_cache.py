@@ -24,9 +24,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the scheduler process d
 import torch
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.kv_pool import KVPool
+from radixgen.runtime.executor.kv_pool import KVPool
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.loader import load_tokenizer
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 TEXT = Path(__file__).parent / "data" / "kv_text.txt"

@@ -103,8 +103,8 @@ def _timed_comm(totals: dict) -> None:
 def _rank(layout: dict, threads: int, model_path: str, rank: int, addr, conn) -> None:
     from radixgen.runtime import distributed
     from radixgen.runtime.config import ModelConfig, RuntimeConfig
+    from radixgen.runtime.executor.model_runner import ModelRunner
     from radixgen.runtime.loader import read_hf_config
-    from radixgen.runtime.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
     cfg = RuntimeConfig(model=model_path, dtype="bfloat16", max_total_tokens=8192, max_running_requests=64,
@@ -127,7 +127,7 @@ def _rank(layout: dict, threads: int, model_path: str, rank: int, addr, conn) ->
 
 def _decode_steps(runner, totals: dict, batch: int, steps: int, context: int) -> tuple[float, float]:
     """(best step seconds, its communication seconds) over `steps` decode steps at `context` tokens."""
-    from radixgen.runtime.batch import ForwardInput
+    from radixgen.runtime.scheduler.batch import ForwardInput
     from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
     kv = KVCacheManager.for_runner(runner)
@@ -154,8 +154,8 @@ def _decode_steps(runner, totals: dict, batch: int, steps: int, context: int) ->
 
 def anatomy(batches: list[int], steps: int, rounds: int, context: int) -> None:
     from radixgen.runtime.config import ModelConfig, RuntimeConfig
+    from radixgen.runtime.engine.ranks import GroupHost
     from radixgen.runtime.loader import read_hf_config, resolve_model_path
-    from radixgen.runtime.ranks import GroupHost
 
     path = str(resolve_model_path(None))
     ctx = mp.get_context("spawn")
@@ -201,7 +201,7 @@ def anatomy(batches: list[int], steps: int, rounds: int, context: int) -> None:
 def hook_cost(batches: list[int], steps: int, rounds: int, context: int) -> None:
     from radixgen.kernels import cpu, cpu_fused
     from radixgen.runtime.config import RuntimeConfig
-    from radixgen.runtime.model_runner import ModelRunner
+    from radixgen.runtime.executor.model_runner import ModelRunner
 
     if not (cpu.available() and cpu.lib().has_decode_step):
         print("\n3. the fused step's hook: skipped (no fused decode step in this CPU build)")

@@ -25,11 +25,11 @@ import torch
 from bench_forward import OurModel
 from bench_kv_cache import kv_cache_row
 
-from radixgen.runtime.kv_pool import KVPool
+from radixgen.runtime.executor.kv_pool import KVPool
+from radixgen.runtime.executor.model_runner import ForwardInput
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.loader import load_tokenizer, resolve_model_path
-from radixgen.runtime.model_runner import ForwardInput
 
 TEXT = Path(__file__).parent / "data" / "quant_text.txt"
 CTX, PREFILL, WINDOW = 256, 1024, 1024  # decode contexts, prefill length, perplexity window (tokens)
@@ -118,7 +118,7 @@ from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.scheduler.process import _make_grammar_backend
 tok = load_tokenizer(None)
 grammar = _make_grammar_backend(RuntimeConfig(), tok, len(tok), (tok.eos_token_id,))
-from radixgen.runtime.model_runner import release_free_heap
+from radixgen.runtime.executor.model_runner import release_free_heap
 release_free_heap()  # as the scheduler process does once it has started
 print(psutil.Process().memory_info().rss)
 """

@@ -1,5 +1,5 @@
 """The fused bf16 decode step of csrc/cpu_kernels.c (CPUs with AVX512-BF16): every decoder layer of a small
-decode batch in one C call (see radixgen.runtime.cpu_decode), its matmuls on the layers' own packed weights
+decode batch in one C call (see radixgen.runtime.executor.cpu_decode), its matmuls on the layers' own packed weights
 (radixgen.kernels.cpu_linear: bf16 K pairs, int8 or int4), and the LM head on those weights for a prefill's few
 sampled rows. On a rank of a tensor / pipeline parallel group the same call runs that rank's part (`StageIO`,
 `TensorParallelHook`; csrc/cpu_parallel.h)."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.messages import GenerateRequest, ReqOutput
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.sampling_params import SamplingParams
 from radixgen.runtime.scheduler import Scheduler
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from radixgen.runtime import distributed
-from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
+from radixgen.runtime.engine.ranks import GroupHost
+from radixgen.runtime.executor import distributed
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.loader import read_hf_config
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.ranks import GroupHost
+from radixgen.runtime.scheduler.batch import ForwardInput
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 GROUP_TIMEOUT_S = 240.0

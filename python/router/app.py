@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixgen.common.console_static import add_console_static
 from radixgen.common.http_errors import (
     APIError,
     JSONResponse,
@@ -26,7 +27,6 @@ from radixgen.router.metrics import PROMETHEUS_CONTENT_TYPE, RouterMetrics
 from radixgen.router.policies import RoundRobin, make_policy
 from radixgen.router.proxy import Forwarder, Unserved, forward_headers, prompt_text, unserved_response, until_disconnect
 from radixgen.router.workers import WorkerPool
-from radixgen.runtime.server.console_api import add_console_static
 
 OPEN_PATHS = frozenset({"/health", "/"})  # probes carry no key, nor does the web console's page
 OPEN_PREFIXES = ("/console/",)  # the console's static files

@@ -54,7 +54,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        from radixgen.runtime.models import architecture_of
+        from radixgen.runtime.architectures import architecture_of
 
         arch = architecture_of(hf)
         num_heads = hf["num_attention_heads"]
@@ -153,7 +153,7 @@ class RuntimeConfig:
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
                                  "bf16 scale per token and KV head (about twice the tokens in the same memory)",
                                  choices=tuple(KV_CACHE_DTYPES))
-    # ---- tensor and pipeline parallelism, single- and multi-node (runtime/distributed.py)
+    # ---- tensor and pipeline parallelism, single- and multi-node (runtime/executor/distributed.py)
     tp_size: int = option(1, "tensor parallelism: ranks that split every layer (attention heads, MLP columns, "
                           "vocabulary)", flags=("--tp-size", "--tensor-parallel-size"))
     pp_size: int = option(1, "pipeline parallelism: stages that split the layers (micro-batches in flight)",

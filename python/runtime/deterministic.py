@@ -52,15 +52,13 @@ def check_deterministic(quant_spec, dtype: torch.dtype, ops, head_dim: int) -> N
     """The runner's check, once the weight format (`quant_spec`, resolved from the checkpoint), the activations'
     dtype, the ops set and the head size are known: bf16 dense weights on the C kernels of an AVX512-BF16 CPU,
     heads the C attention takes (else the torch attention would run, whose sums follow the batch)."""
-    from radixgen.runtime.layers.ops import CpuOps
-
     if quant_spec.method != "none":
         raise ValueError(f"deterministic mode does not run with quantized weights (the checkpoint resolves to "
                          f"{quant_spec.method}): the int8 / int4 matmuls round apart at up to 16 rows and beyond")
     if dtype != torch.bfloat16:
         raise ValueError(f"deterministic mode needs bfloat16 weights on the CPU, got {dtype} (dtype='auto' picks "
                          f"float32 on a CPU without AVX512-BF16 or AMX)")
-    kl = ops.kl if isinstance(ops, CpuOps) else None
+    kl = getattr(ops, "kl", None)  # the C kernels of CpuOps; the other ops sets have none
     if kl is None or not kl.has_decode_step or not ops.attention_piece:
         raise ValueError("deterministic mode needs radixgen's C kernels built for AVX512-BF16 (this CPU or build "
                          "lacks them: the kernels did not build, or the CPU has no AVX512-BF16)")

@@ -1,4 +1,7 @@
-"""Weight loading: a Hugging Face folder, a GGUF file, or dummy weights; the default model.
+"""Model files: a Hugging Face folder or a GGUF file resolved to a folder; the default model; the tokenizer.
+
+Shared by the front process (the Engine resolves the model and reads its config and tokenizer before it starts
+the scheduler) and the ranks; filling a model's parameters from the files is executor/weights.py.
 
 Every model is resolved to a Hugging Face-style folder (config.json, *.safetensors, tokenizer files).
 A GGUF file is converted once (dequantized with the `gguf` package) into a cached folder under
@@ -15,7 +18,6 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -111,70 +113,6 @@ def load_tokenizer(model: str | os.PathLike | None = None):
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {e}") from e
 
 
-# ---------------------------------------------------------------- safetensors / dummy weights
-
-
-class CheckpointSlice:
-    """A checkpoint tensor not read yet: `narrow(dim, start, length)` reads only that part of the file
-    (safetensors' get_slice), so a tensor-parallel rank reads its shard and never the whole tensor; `read()` reads
-    it whole (a tensor that is not split, such as a scale of shape ()). Weight loaders call only `shape` and
-    `narrow`, which a torch tensor has too, and `read` where they take the whole tensor (layers/linear.py)."""
-
-    def __init__(self, part) -> None:
-        self._part = part
-        self.shape = tuple(part.get_shape())
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        index = [slice(None)] * len(self.shape)
-        index[dim] = slice(start, start + length)
-        return self._part[tuple(index)]
-
-    def read(self) -> torch.Tensor:
-        return self._part[...]
-
-
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
-    """Every tensor of the folder's safetensors files, by name, as a CheckpointSlice valid until the next."""
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {folder}")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    yield name, CheckpointSlice(st.get_slice(name))
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"corrupt safetensors file {f}: {e}") from e
-
-
-def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto", seed: int = 0,
-                 quantized: str = "none") -> None:
-    """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy). `quantized`: the
-    weight format (layers.quantization), named in the error when the checkpoint's tensors do not fit it."""
-    if load_format == "dummy":
-        if quantized not in ("none", "int8", "fp8"):
-            raise ModelLoadError(f"load_format dummy makes float weights; quantization {quantized!r} needs its "
-                                 f"checkpoint")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    gen = torch.Generator(p.device).manual_seed(seed + len(name))
-                    p.normal_(0.0, 0.02, generator=gen)
-        return
-    tensors = iter_gguf_native(folder) if is_gguf_native(folder) else iter_safetensors(folder)
-    try:
-        model.load_weights(tensors)
-    except ValueError as e:
-        if quantized == "none" or isinstance(e, ModelLoadError):
-            raise
-        raise ModelLoadError(f"{e} (the checkpoint's tensors do not match quantization {quantized!r})") from e
-
-
 # ---------------------------------------------------------------- GGUF conversion
 
 # the names of a GGUF file's tensors are its architecture's: declared with the model (models/weights.py), found by
@@ -188,7 +126,7 @@ def _gguf_field(reader, key: str, default=None):
     return f.contents()
 
 
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp stores Q/K rows interleaved per rotary pair; HF keeps halves. Undo it."""
     out_dim = w.shape[0]
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -231,7 +169,7 @@ def prepare_gguf_native(path: Path, name: str | None = None) -> Path:
     """The cached native folder of `path`: config, tokenizer and gguf.json; the weights stay in the file."""
 
     def fill(path: Path, out: Path) -> None:
-        reader, arch, meta = _open_gguf(path)
+        reader, arch, meta = open_gguf(path)
         token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
         tied = not any(t.name == "output.weight" for t in reader.tensors)
         _write_gguf_metadata(reader, arch, meta, path, out, int(token_embd.shape[-1]), tied)
@@ -240,7 +178,7 @@ def prepare_gguf_native(path: Path, name: str | None = None) -> Path:
     return _cache_folder(path, name, "-native", fill)
 
 
-def _open_gguf(path: Path):
+def open_gguf(path: Path):
     import gguf
 
     try:
@@ -260,14 +198,14 @@ def _open_gguf(path: Path):
     return reader, arch, meta
 
 
-def _mapping(arch: str):
+def gguf_mapping(arch: str):
     """The declared weight mapping (models.weights.WeightMapping) of GGUF architecture `arch`."""
     from radixgen.runtime.models import for_gguf
 
     return for_gguf(arch)[1].weights
 
 
-def _rope_heads(mapping, gguf_name: str, meta) -> int | None:
+def rope_heads(mapping, gguf_name: str, meta) -> int | None:
     """The head count whose llama.cpp row order (interleaved rotary pairs) a Q / K tensor has, else None (a
     mapping without gguf_rope_permuted: rows in HF order)."""
     if not mapping.gguf_rope_permuted:
@@ -284,8 +222,8 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
     import gguf
     from safetensors.torch import save_file
 
-    reader, arch, meta = _open_gguf(path)
-    mapping = _mapping(arch)
+    reader, arch, meta = open_gguf(path)
+    mapping = gguf_mapping(arch)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         hf_name = mapping.hf_name(t.name)
@@ -297,9 +235,9 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
                                  f"dequantized ({e})") from e
         w = torch.from_numpy(data.copy()).to(torch.float32)
-        heads = _rope_heads(mapping, t.name, meta)
+        heads = rope_heads(mapping, t.name, meta)
         if heads is not None:
-            w = _unpermute_rope(w, heads)
+            w = unpermute_rope(w, heads)
         tensors[hf_name] = w.contiguous()
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     tied = "lm_head.weight" not in tensors
@@ -345,33 +283,3 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
         "attention_bias": declared.attention.qkv_bias,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
-
-
-def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a native folder's GGUF file: matmul weights as GGUFTensors (their blocks, rows in our order),
-    everything else (norms, biases, an untied embedding) dequantized to float32."""
-    from radixgen.runtime.layers.quantization.gguf import GGUFTensor
-
-    path = Path(json.loads((folder / GGUF_SOURCE).read_text())["path"])
-    if not path.is_file():
-        raise ModelLoadError(f"the GGUF file of {folder} is gone: {path}")
-    reader, arch, meta = _open_gguf(path)
-    mapping = _mapping(arch)
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
-        hf_name = mapping.hf_name(t.name)
-        if hf_name is None:
-            continue
-        raw = torch.from_numpy(t.data.copy())
-        if raw.dim() == 1:  # a vector (norm, bias): float in every GGUF we read
-            yield hf_name, raw.float()
-            continue
-        heads = _rope_heads(mapping, t.name, meta)
-        if heads is not None:  # the permutation moves whole rows: it applies to the blocks as they are
-            raw = _unpermute_rope(raw, heads)
-        g = GGUFTensor(t.name, t.tensor_type.name, raw, int(t.shape[0]))
-        # handed over as stored: the matmul weights (and the embedding when it is the LM head's)
-        if mapping.is_gguf_matmul(t.name) or t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
-            yield hf_name, g
-        else:
-            yield hf_name, g.dense()

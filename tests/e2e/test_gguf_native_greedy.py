@@ -16,7 +16,7 @@ from test_default_model_greedy import NEW_TOKENS, PROMPTS
 
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine import Engine
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 
 
 @pytest.fixture(scope="module")

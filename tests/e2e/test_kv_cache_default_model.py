@@ -19,7 +19,7 @@ from test_default_model_greedy import NEW_TOKENS, PROMPTS  # noqa: F401  (prompt
 
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine import Engine
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 
 BOUNDS = {"int8": (0.05, 0.90), "fp8_e4m3": (0.08, 0.85)}  # (relative logit error, argmax agreement)
 # the largest lead, in logits, of the bf16 cache's greedy token over the 8-bit cache's where the greedy outputs

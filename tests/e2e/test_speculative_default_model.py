@@ -15,11 +15,11 @@ from tiny_models import tiny_model_dir
 
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.grammar import make_backend
 from radixgen.runtime.loader import load_tokenizer, resolve_model_path
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import GenerateRequest
 from radixgen.runtime.scheduler import Scheduler
+from radixgen.runtime.scheduler.request import GenerateRequest
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from tiny_models import tiny_model_dir
 from radixgen.kernels import cpu, lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
 from radixgen.kernels.lora import expand_weights, pack_kpairs, unpack_kpairs
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.layers.ops import TritonOps
 from radixgen.runtime.lora import load_lora_adapter
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 
 def on_device(case):

@@ -12,8 +12,8 @@ from quant_checkpoints import write_awq, write_fp8, write_gptq
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.layers.ops import TritonOps
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 
 def run_steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> list[torch.Tensor]:

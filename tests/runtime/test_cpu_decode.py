@@ -10,10 +10,10 @@ from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu, cpu_fused, cpu_linear
-from radixgen.runtime import cpu_decode
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor import cpu_decode
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.layers.linear import LinearBase
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 pytestmark = pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),
                                 reason="the fused decode step needs the CPU kernels built with AVX512-BF16")

@@ -19,8 +19,8 @@ from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.cuda_graph_runner import CudaGraphRunner, batch_size_buckets
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, batch_size_buckets
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 
 CPU_BATCHES = [1, 3, 5, 3, 1, 5]  # buckets 1, 4, 8, 4 (rows left by the 5-batch re-padded), 1, 8
 CUDA_BATCHES = [1, 3, 17, 3, 1]

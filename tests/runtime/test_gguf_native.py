@@ -16,9 +16,9 @@ from test_model_forward import Driver, prompts
 
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.layers.quantization import gguf as qgguf
 from radixgen.runtime.loader import default_gguf_path, resolve_model_path
-from radixgen.runtime.model_runner import ModelRunner
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType

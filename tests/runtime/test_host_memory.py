@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = """
 import resource, sys, torch
-from radixgen.runtime.model_runner import keep_freed_host_memory
+from radixgen.runtime.executor.model_runner import keep_freed_host_memory
 
 def faults_of_a_fresh_16mb_tensor():
     torch.empty(4 << 20).fill_(1.0)  # allocated, touched, freed

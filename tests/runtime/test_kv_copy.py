@@ -10,11 +10,11 @@ import torch
 from parallel_helpers import drive_copy, run_group
 from tiny_models import tiny_model_dir
 
-from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.kv_pool import KVPool, TableWriteLog
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.step_messages import CopyDirection, KVCopies, KVCopyQueue, StepDescription, StepKind
+from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog
+from radixgen.runtime.executor.model_runner import ModelRunner
+from radixgen.runtime.executor.step_messages import CopyDirection, KVCopies, KVCopyQueue, StepDescription, StepKind
+from radixgen.runtime.scheduler.batch import ForwardInput
 
 
 def test_copy_orders_travel_in_the_step_description():

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from radixgen.common.sampling_params import SamplingParams
-from radixgen.runtime.kv_pool import new_req_to_slot_table
-from radixgen.runtime.request import GenerateRequest, Req
+from radixgen.runtime.executor.kv_pool import new_req_to_slot_table
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+from radixgen.runtime.scheduler.request import GenerateRequest, Req
 
 
 def manager(slots: int = 64, rows: int = 4, page_size: int = 1) -> KVCacheManager:

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from radixgen.common.sampling_params import SamplingParams
-from radixgen.runtime.kv_pool import KVPool, new_req_to_slot_table
-from radixgen.runtime.radix_cache import KVLocation, RadixCache, Tier, TreeNode
-from radixgen.runtime.request import GenerateRequest, Req
+from radixgen.runtime.executor.kv_pool import KVPool, new_req_to_slot_table
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+from radixgen.runtime.scheduler.radix_cache import KVLocation, RadixCache, Tier, TreeNode
+from radixgen.runtime.scheduler.request import GenerateRequest, Req
 
 
 class DictTier:

@@ -12,11 +12,11 @@ from lora_helpers import ALL, base_model, make_adapter
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu, cpu_fused
-from radixgen.runtime import cpu_decode
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor import cpu_decode
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.lora import LoRAAdapterError, load_lora_adapter
 from radixgen.runtime.lora.pool import LoRABatch
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
 
 # two adapters per architecture: every projection (rank 4), and q/v/down only with rsLoRA (rank 8)
 ADAPTERS = {"a": dict(rank=4, targets=ALL, seed=1), "b": dict(rank=8, targets=("q_proj", "v_proj", "down_proj"),

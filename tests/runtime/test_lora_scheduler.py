@@ -16,9 +16,10 @@ from tiny_models import tiny_model_dir
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.loader import load_tokenizer
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import (
+from radixgen.runtime.scheduler import Scheduler
+from radixgen.runtime.scheduler.request import (
     AbortRequest,
     FinishReason,
     GenerateRequest,
@@ -27,7 +28,6 @@ from radixgen.runtime.request import (
     ReqOutput,
     UnloadLoRAAdapter,
 )
-from radixgen.runtime.scheduler import Scheduler
 
 PROMPTS = [[5, 9, 13, 17, 21, 400, 7, 8], [11, 12, 13, 14, 15], [31, 32, 33, 34, 35, 36, 37]]
 NEW = 6

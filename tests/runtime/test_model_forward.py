@@ -8,7 +8,7 @@ from kv_helpers import kv_of
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 
 ARCHS = ["llama", "llama3", "llama-tied", "qwen2", "qwen3"]
 TOL = 1e-4

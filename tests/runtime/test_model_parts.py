@@ -9,11 +9,11 @@ import torch
 from tiny_models import tiny_model_dir
 
 from radixgen.kernels import cpu
-from radixgen.runtime import model_runner as model_runner_module
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.cpu_decode import FusedDecode
-from radixgen.runtime.cuda_graph_runner import CudaGraphRunner, graph_unsafe
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.executor import model_runner as model_runner_module
+from radixgen.runtime.executor.cpu_decode import FusedDecode
+from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, graph_unsafe
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.models import for_gguf, model_class
 from radixgen.runtime.models.decoder import Architecture, CausalLM
 from radixgen.runtime.models.parts import AttentionSpec, GatedMLP, MLPPart, MLPStructure

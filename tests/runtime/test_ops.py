@@ -119,8 +119,8 @@ def test_cpu_verification_rows_attend_bit_for_bit_as_decode_steps(dtype):
     otherwise have computed them, one token a step: the same kernel, the same split of each context, so that
     speculative decoding leaves outputs bit for bit (a different kernel rounds differently, and a seeded request
     then samples another token at a near-tie of its draw)."""
-    from radixgen.runtime.forward_context import ForwardContext
-    from radixgen.runtime.kv_pool import KVPool
+    from radixgen.runtime.executor.forward_context import ForwardContext
+    from radixgen.runtime.executor.kv_pool import KVPool
 
     gen = torch.Generator().manual_seed(0)
     h, hkv, d, prefixes, new = 6, 2, 64, [300, 41], [3, 2]  # per request: tokens in the pool, rows verified

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from radixgen.runtime.distributed import GroupError
 from radixgen.runtime.engine import Engine
+from radixgen.runtime.executor.distributed import GroupError
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "List three colors:", "Once upon a time in a small village,"]

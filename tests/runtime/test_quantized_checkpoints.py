@@ -13,8 +13,8 @@ from test_model_forward import Driver, prompts, ref_logits, rel_err
 
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.loader import ModelLoadError
-from radixgen.runtime.model_runner import ModelRunner
 
 CHECKPOINTS = {  # name -> (writer, keyword arguments)
     "awq-g32": (write_awq, {"group": 32}),

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixgen.runtime.radix_cache import MatchResult, NamespaceKey, RadixCache, TreeNode
+from radixgen.runtime.scheduler.radix_cache import MatchResult, NamespaceKey, RadixCache, TreeNode
 
 
 def slots(*xs: int) -> torch.Tensor:

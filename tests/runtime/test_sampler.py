@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from radixgen.common.sampling_params import SamplingParams as SP
-from radixgen.runtime import sampler as sampler_mod
-from radixgen.runtime.sampler import (
+from radixgen.runtime.executor import sampler as sampler_mod
+from radixgen.runtime.executor.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,

@@ -15,8 +15,8 @@ from radixgen.common.sampling_params import (
     SamplingParams,
     choice_seeds,
 )
-from radixgen.runtime.request_state import RequestError
-from radixgen.runtime.request_validation import ModelLimits, build_requests, kv_slots_needed, prompt_ids
+from radixgen.runtime.engine.request_state import RequestError
+from radixgen.runtime.engine.validation import ModelLimits, build_requests, kv_slots_needed, prompt_ids
 
 EVERY_FIELD = dict(
     max_new_tokens=7, min_new_tokens=1, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, frequency_penalty=0.5,

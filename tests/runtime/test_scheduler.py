@@ -8,9 +8,9 @@ import torch
 
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import AbortRequest, FinishReason, GenerateRequest, ReqOutput
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.scheduler import Scheduler
+from radixgen.runtime.scheduler.request import AbortRequest, FinishReason, GenerateRequest, ReqOutput
 
 
 def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:

@@ -12,11 +12,11 @@ import torch
 
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import FinishReason, GenerateRequest, ReqOutput
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.scheduler import Scheduler
 from radixgen.runtime.scheduler import output as output_mod
 from radixgen.runtime.scheduler.process import _make_grammar_backend
+from radixgen.runtime.scheduler.request import FinishReason, GenerateRequest, ReqOutput
 from radixgen.runtime.special_tokens import eos_token_ids
 
 

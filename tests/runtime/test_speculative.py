@@ -18,11 +18,11 @@ from tiny_models import perturbed_model_dir, tiny_model_dir
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.grammar import make_backend
-from radixgen.runtime.model_runner import ForwardInput, ModelRunner
-from radixgen.runtime.radix_cache import RadixCache
-from radixgen.runtime.request import FinishReason, GenerateRequest
 from radixgen.runtime.scheduler import Scheduler
+from radixgen.runtime.scheduler.radix_cache import RadixCache
+from radixgen.runtime.scheduler.request import FinishReason, GenerateRequest
 from radixgen.runtime.speculative import adaptive
 from radixgen.runtime.speculative.adaptive import Acceptance, draft_lengths
 from radixgen.runtime.speculative.ngram import NgramIndex

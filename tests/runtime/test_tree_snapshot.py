@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from radixgen.runtime.messages import TreeSnapshotRequest
-from radixgen.runtime.radix_cache import RadixCache
+from radixgen.runtime.scheduler.radix_cache import RadixCache
 from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply, snapshot_tree
 
 

@@ -9,7 +9,7 @@ from collections import deque
 
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.messages import FinishReason
-from radixgen.runtime.request import GenerateRequest, Req
+from radixgen.runtime.scheduler.request import GenerateRequest, Req
 from radixgen.runtime.scheduler.waits import WaitList
 
 
@@ -136,7 +136,7 @@ def test_in_the_scheduler_an_abort_during_a_grammar_compile_leaks_nothing(model_
     from test_scheduler import run
     from test_scheduler_failures import greedy, make_scheduler
 
-    from radixgen.runtime.request import AbortRequest
+    from radixgen.runtime.scheduler.request import AbortRequest
 
     heavy = json.dumps({"type": "object", "properties": {
         f"field_{i}": {"type": "string", "pattern": "[a-z]{2,30}@[a-z]{1,20}\\.(com|org)"} for i in range(40)}})

@@ -23,8 +23,8 @@ from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
 from radixgen.kernels.kv_quant import gather_rows, store_rows_ref
-from radixgen.runtime.forward_context import ForwardContext, get_forward_context
-from radixgen.runtime.kv_pool import KVLayer
+from radixgen.runtime.executor.forward_context import ForwardContext, get_forward_context
+from radixgen.runtime.executor.kv_pool import KVLayer
 
 
 class DecodeMeta(NamedTuple):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.runtime import distributed
+from radixgen.runtime.executor import distributed
 from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearBase, LinearMethod
 from radixgen.runtime.parallel_context import SINGLE, ParallelAxis
 

@@ -5,7 +5,7 @@ Column-parallel layers hold a range of the output features, row-parallel ones a 
 and sum their partial outputs over the tensor-parallel ranks (all-reduce) after the matmul. Each parameter
 carries a `weight_loader` that copies the rank's part of a checkpoint tensor, and the dims it runs along
 (`new_param`), so that the same loaders take quantized tensors (packed along one dim, grouped along another):
-`loaded` is a torch tensor, a loader.CheckpointSlice or a GGUF tensor, and only its `shape` and `narrow` are
+`loaded` is a torch tensor, a executor.weights.CheckpointSlice or a GGUF tensor, and only its `shape` and `narrow` are
 called before the part is read, so a sharded load reads only the rank's part. How a layer keeps and applies its
 weight is its `LinearMethod` (the quantization package has one per format).
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixgen.runtime.distributed import head_shard, split_range
+from radixgen.runtime.executor.distributed import head_shard, split_range
 from radixgen.runtime.parallel_context import SINGLE, ParallelAxis
 
 
@@ -141,7 +141,7 @@ class LinearBase(nn.Module):
 
     def checkpoint_part(self, param: nn.Parameter, loaded, shard_id=None):
         """The part of checkpoint tensor `loaded` (a torch tensor or anything with its `shape` and `narrow`: a
-        loader.CheckpointSlice, a GGUF tensor) that `param` holds, not read yet where `loaded` is lazy. A scale
+        executor.weights.CheckpointSlice, a GGUF tensor) that `param` holds, not read yet where `loaded` is lazy. A scale
         stored as one value for the whole tensor (param.fill) is the same for every part."""
         if getattr(param, "fill", False) and math.prod(loaded.shape) == 1:
             return loaded
@@ -199,7 +199,7 @@ def _features(loaded, dim: int, pack: int, full: int, start: int, size: int, tp_
 
 
 def _whole(loaded) -> torch.Tensor:
-    """A checkpoint tensor as a torch tensor (a loader.CheckpointSlice is read here)."""
+    """A checkpoint tensor as a torch tensor (a executor.weights.CheckpointSlice is read here)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded.read()
 
 

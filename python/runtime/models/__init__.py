@@ -6,23 +6,8 @@ from __future__ import annotations
 
 import importlib
 
-# HF architecture name -> (our architecture key, module, class)
-_ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "qwen2", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("qwen3", "qwen3", "Qwen3ForCausalLM"),
-}
-
-
-def architecture_of(hf_config: dict) -> str:
-    names = hf_config.get("architectures") or []
-    for name in names:
-        if name in _ARCHITECTURES:
-            return _ARCHITECTURES[name][0]
-    raise ValueError(
-        f"unsupported architecture {names or hf_config.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}"
-    )
+from radixgen.runtime.architectures import ARCHITECTURES as _ARCHITECTURES
+from radixgen.runtime.architectures import architecture_of  # noqa: F401 - the registry's public name
 
 
 def _load(module: str, cls: str):

@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from radixgen.runtime import distributed
 from radixgen.runtime.config import ModelConfig
+from radixgen.runtime.executor import distributed
 from radixgen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixgen.runtime.layers.norm import RMSNorm
 from radixgen.runtime.models.parts import AttentionSpec, DecoderLayer, GatedMLP, LayerStructure

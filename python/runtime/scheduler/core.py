@@ -21,13 +21,18 @@ from collections import deque
 
 import torch
 
-from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.distributed import GroupError
+from radixgen.runtime.executor.distributed import GroupError
+from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.messages import TreeSnapshotRequest
-from radixgen.runtime.model_runner import ModelRunner
-from radixgen.runtime.request import (
+from radixgen.runtime.scheduler import intake
+from radixgen.runtime.scheduler.batch import Batch
+from radixgen.runtime.scheduler.intake import failure  # the abort reason of a request that failed
+from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+from radixgen.runtime.scheduler.output import OutputProcessor
+from radixgen.runtime.scheduler.policy import AdmissionPolicy
+from radixgen.runtime.scheduler.request import (
     AbortRequest,
     ControlKind,
     ControlReply,
@@ -39,11 +44,6 @@ from radixgen.runtime.request import (
     ReqOutput,
     UnloadLoRAAdapter,
 )
-from radixgen.runtime.scheduler import intake
-from radixgen.runtime.scheduler.intake import failure  # the abort reason of a request that failed
-from radixgen.runtime.scheduler.kv_manager import KVCacheManager
-from radixgen.runtime.scheduler.output import OutputProcessor
-from radixgen.runtime.scheduler.policy import AdmissionPolicy
 from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply
 from radixgen.runtime.scheduler.waits import WaitList
 from radixgen.runtime.special_tokens import eos_token_ids

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixgen.runtime.lora.adapter import LoRAAdapterError
-from radixgen.runtime.request import FinishReason, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.output import RegexStop
+from radixgen.runtime.scheduler.request import FinishReason, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.waits import AdapterSlot, Condition, GrammarCompile
 
 if TYPE_CHECKING:

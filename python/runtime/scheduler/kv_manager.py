@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import torch
 
-from radixgen.runtime.kv_pool import ReqToSlotTable, SlotAllocator, TableWriteLog
-from radixgen.runtime.radix_cache import KVLocation, MatchResult, RadixCache, TreeNode
-from radixgen.runtime.request import Req
-from radixgen.runtime.step_messages import KVCopyQueue
+from radixgen.runtime.executor.kv_pool import ReqToSlotTable, SlotAllocator, TableWriteLog
+from radixgen.runtime.executor.step_messages import KVCopyQueue
+from radixgen.runtime.scheduler.radix_cache import KVLocation, MatchResult, RadixCache, TreeNode
+from radixgen.runtime.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import NamedTuple
 import torch
 
 from radixgen.common.stop_regex import StopRegexMatcher
-from radixgen.runtime.batch import Batch
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.detokenizer import IncrementalDetokenizer
-from radixgen.runtime.request import FinishReason, Req, ReqOutput, SpecCounts
-from radixgen.runtime.sampler import Sampler, SamplingBatch, prompt_logprobs
+from radixgen.runtime.executor.sampler import Sampler, SamplingBatch, prompt_logprobs
+from radixgen.runtime.scheduler.batch import Batch
+from radixgen.runtime.scheduler.request import FinishReason, Req, ReqOutput, SpecCounts
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from radixgen.runtime.batch import Batch
-from radixgen.runtime.request import Req
+from radixgen.runtime.scheduler.batch import Batch
 from radixgen.runtime.scheduler.core import Scheduler
+from radixgen.runtime.scheduler.request import Req
 
 
 class PipelineScheduler(Scheduler):

@@ -8,8 +8,8 @@ Requests waiting past `max_queue_wait_steps` go first whatever the policy (no st
 from __future__ import annotations
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.request import Req
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+from radixgen.runtime.scheduler.request import Req
 
 # A waiting request that shares at least this many not-yet-cached tokens with one admitted in the
 # same step waits a step, so the shared part is computed once and then read from the tree.

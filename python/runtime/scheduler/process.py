@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from radixgen.runtime import distributed
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
-from radixgen.runtime.model_runner import ModelRunner, release_free_heap
-from radixgen.runtime.ranks import RankArgs, rank_threads
-from radixgen.runtime.request import ControlKind, ControlReply, ControlRequest, FatalError, ReadySignal
+from radixgen.runtime.executor import distributed
+from radixgen.runtime.executor.model_runner import ModelRunner, release_free_heap
+from radixgen.runtime.rank_args import RankArgs, rank_threads
 from radixgen.runtime.scheduler.core import Scheduler
 from radixgen.runtime.scheduler.pipeline import PipelineScheduler
+from radixgen.runtime.scheduler.request import ControlKind, ControlReply, ControlRequest, FatalError, ReadySignal
 from radixgen.runtime.special_tokens import eos_token_ids
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import heapq
 import logging
 
 from radixgen.runtime.messages import ControlReply, TreeNodeView, TreeSnapshot, TreeSnapshotRequest
-from radixgen.runtime.radix_cache import NamespaceKey, RadixCache, TreeNode
+from radixgen.runtime.scheduler.radix_cache import NamespaceKey, RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from radixgen.runtime.messages import FinishReason
-from radixgen.runtime.request import Req
+from radixgen.runtime.scheduler.request import Req
 
 
 class Condition(Protocol):

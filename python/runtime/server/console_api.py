@@ -1,4 +1,5 @@
-"""The web console: its static page at `/` (files in console/, shipped as package data, no build step) and the
+"""The web console: its static page at `/` (radixgen.common.console_static: files in common/console/, shipped as package
+data, no build step) and the
 JSON document it polls, `/v1/radix_tree`: a bounded snapshot of the radix cache (scheduler/tree_snapshot.py)
 with the KV pool's usage by state, the queues and the cumulative counters the page turns into rates.
 
@@ -10,19 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response
 
-from radixgen.runtime.engine import TREE_LIMITS
-from radixgen.runtime.server.errors import APIError, JSONResponse, error_of
+from radixgen.common.console_static import add_console_static
+from radixgen.common.http_errors import JSONResponse, error_of
+from radixgen.runtime.engine.core import TREE_LIMITS
 from radixgen.runtime.server.middleware import KEY_NAMESPACE
-
-CONSOLE_DIR = Path(__file__).parent / "console"
-CONSOLE_FILES = {"app.js": "text/javascript", "style.css": "text/css", "tree.js": "text/javascript",
-                 "charts.js": "text/javascript"}
 
 
 def pool_usage(cache: dict[str, int]) -> dict[str, int]:
@@ -42,22 +39,6 @@ def runtime_view(info: dict[str, Any]) -> dict[str, Any]:
                                                   "generation_tokens", "evicted_tokens")},
         "cache_hit_rate": info.get("cache_hit_rate", 0.0),
     }
-
-
-async def console_index() -> Response:
-    return FileResponse(CONSOLE_DIR / "index.html", media_type="text/html")
-
-
-async def console_file(name: str) -> Response:
-    if name not in CONSOLE_FILES:  # a fixed list: no path ever reaches the file system from the URL
-        raise APIError(404, f"no console file {name!r}", None, "not_found")
-    return FileResponse(CONSOLE_DIR / name, media_type=CONSOLE_FILES[name])
-
-
-def add_console_static(target: Any) -> None:
-    """The page and its files on an app or router (also the router's: radixgen.router.app)."""
-    target.add_api_route("/", console_index, methods=["GET"], include_in_schema=False)
-    target.add_api_route("/console/{name}", console_file, methods=["GET"], include_in_schema=False)
 
 
 def console_router(engine: Any, model_name: str) -> APIRouter:

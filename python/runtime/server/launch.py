@@ -127,7 +127,7 @@ class _Server(uvicorn.Server):
 
 def run_server(args: ServerArgs) -> int:
     if args.engine.get("node_rank", 0) > 0:  # a node after the first runs its ranks and serves nothing
-        from radixgen.runtime.ranks import run_node
+        from radixgen.runtime.engine.ranks import run_node
 
         return run_node(RuntimeConfig(**args.engine))
     if args.server.dp_size > 1:  # N workers and a router in front: the command's launcher does that

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from radixgen.common.chat_render import render_chat
 from radixgen.common.http_errors import APIError, JSONResponse, bad_request, error_body, error_of
 from radixgen.common.sampling_params import choice_seeds
-from radixgen.runtime.request_state import RequestError
+from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.server.native_protocol import (
     ConcateAndAppendRequest,
     DetokenizeRequest,

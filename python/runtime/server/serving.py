@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from radixgen.common.http_errors import APIError
-from radixgen.runtime.request_state import RequestError
+from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.middleware import scoped_cache_salt
 

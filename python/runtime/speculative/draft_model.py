@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from radixgen.runtime.batch import Batch, ForwardInput
 from radixgen.runtime.layers.quantization import weight_bytes
+from radixgen.runtime.scheduler.batch import Batch, ForwardInput
 
 
 class DraftModelDrafter:
@@ -25,8 +25,8 @@ class DraftModelDrafter:
         """cfg: the target's RuntimeConfig (its speculative_draft_model is loaded); target: its ModelRunner;
         tokenizer: the target's, which the draft model's must equal; stop_token_ids(req): the ids that end a
         request (no draft goes past one)."""
+        from radixgen.runtime.executor.model_runner import ModelRunner
         from radixgen.runtime.loader import load_tokenizer
-        from radixgen.runtime.model_runner import ModelRunner
 
         if load_tokenizer(cfg.speculative_draft_model).get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"speculative_draft_model {cfg.speculative_draft_model!r}: its tokenizer's vocabulary "

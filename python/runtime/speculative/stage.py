@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from radixgen.runtime.batch import Batch
-from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_ROWS
-from radixgen.runtime.cpu_decode import MAX_ROWS_PER_REQUEST
+from radixgen.runtime.executor.cpu_decode import MAX_BATCH as MAX_FUSED_ROWS
+from radixgen.runtime.executor.cpu_decode import MAX_ROWS_PER_REQUEST
 from radixgen.runtime.layers.quantization import weight_bytes
-from radixgen.runtime.request import FinishReason, Req, SpecCounts
+from radixgen.runtime.scheduler.batch import Batch
+from radixgen.runtime.scheduler.request import FinishReason, Req, SpecCounts
 from radixgen.runtime.speculative.adaptive import ROW_COST, Acceptance, draft_lengths
 from radixgen.runtime.speculative.draft_model import DraftModelDrafter
 from radixgen.runtime.speculative.ngram import NgramDrafter

@@ -21,6 +21,8 @@ from pathlib import Path
 import zmq
 
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.engine.ranks import GroupHost, RankProcess, first_dead
+from radixgen.runtime.engine.request_state import RequestError, RequestState
 from radixgen.runtime.messages import (
     AbortRequest,
     ControlReply,
@@ -30,8 +32,7 @@ from radixgen.runtime.messages import (
     ReadySignal,
     ReqOutput,
 )
-from radixgen.runtime.ranks import GroupHost, RankArgs, RankProcess, first_dead, node_ranks
-from radixgen.runtime.request_state import RequestError, RequestState
+from radixgen.runtime.rank_args import RankArgs, node_ranks
 
 logger = logging.getLogger(__name__)
 

@@ -17,38 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 from radixgen.common.options import split_addr
-from radixgen.runtime import distributed
+from radixgen.runtime import group_store
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.rank_args import RankArgs, node_ranks
 
 POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class RankArgs:
-    """What a rank process is started with."""
-
-    cfg: RuntimeConfig
-    model_path: str
-    rank: int = 0
-    store_addr: tuple[str, int] | None = None  # the group's TCPStore (None: a single process)
-    engine_addrs: tuple[str, str] | None = None  # rank 0: the zmq addresses it pulls from and pushes to
-
-
-def node_ranks(cfg: RuntimeConfig) -> range:
-    """The world ranks of node cfg.node_rank (as many on each node, in order)."""
-    per_node = cfg.world_size // cfg.nnodes
-    return range(cfg.node_rank * per_node, (cfg.node_rank + 1) * per_node)
-
-
-def rank_threads(cfg: RuntimeConfig) -> int:
-    """torch threads of each rank: --num-threads, else the node's CPUs split between its ranks (0: torch's
-    default, one process)."""
-    if cfg.num_threads or cfg.world_size == 1:
-        return cfg.num_threads
-    return max(1, (os.cpu_count() or 1) // len(node_ranks(cfg)))
 
 
 class RankProcess:
@@ -103,9 +78,9 @@ class GroupHost:
     def __init__(self, cfg: RuntimeConfig, model_config) -> None:
         host, port = split_addr(cfg.dist_init_addr) if cfg.dist_init_addr else ("127.0.0.1", 0)
         self.cfg = cfg
-        self.store = distributed.connect_store(host, port, cfg.dist_timeout, is_master=True)
+        self.store = group_store.connect_store(host, port, cfg.dist_timeout, is_master=True)
         self.addr = (host, self.store.port)  # port 0 asked for a free one
-        self.store.set(distributed.EXPECT_KEY, distributed.fingerprint(cfg, model_config))
+        self.store.set(group_store.EXPECT_KEY, group_store.fingerprint(cfg, model_config))
         self.started = time.monotonic()
 
     def check(self) -> None:
@@ -113,12 +88,12 @@ class GroupHost:
         other nodes that have not joined once dist_timeout has passed (this node's are processes the Engine
         watches: one that dies is reported as such)."""
         store = self.store
-        if store.check([distributed.ERROR_KEY]):
-            raise RuntimeError(store.get(distributed.ERROR_KEY).decode())
+        if store.check([group_store.ERROR_KEY]):
+            raise RuntimeError(store.get(group_store.ERROR_KEY).decode())
         if time.monotonic() - self.started > self.cfg.dist_timeout:
             local = node_ranks(self.cfg)
             missing = [r for r in range(self.cfg.world_size)
-                       if r not in local and not store.check([distributed.joined_key(r)])]
+                       if r not in local and not store.check([group_store.joined_key(r)])]
             if missing:
                 nodes = sorted({r // (self.cfg.world_size // self.cfg.nnodes) for r in missing})
                 raise RuntimeError(f"ranks {missing} (node(s) {nodes}) did not join the group at "

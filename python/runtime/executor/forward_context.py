@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixgen.runtime.kv_pool import KVPool
+from radixgen.runtime.executor.kv_pool import KVPool
 
 
 @dataclass

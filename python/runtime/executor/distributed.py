@@ -26,21 +26,17 @@ from typing import NamedTuple
 
 import torch
 
+from radixgen.runtime.group_store import (  # noqa: F401 - the store protocol, used here and by the Engine
+    ERROR_KEY,
+    EXPECT_KEY,
+    STARTED_KEY,
+    STORE_PREFIX,
+    connect_store,
+    fingerprint,
+    joined_key,
+    ready_key,
+)
 from radixgen.runtime.parallel_context import SINGLE, GroupError, ParallelContext, guard  # noqa: F401 (GroupError)
-
-STORE_PREFIX = "radixgen/"
-EXPECT_KEY = STORE_PREFIX + "expect"  # the layout the group expects (the Engine writes it)
-ERROR_KEY = STORE_PREFIX + "error"  # the first rank's startup failure, for the Engine to report
-STARTED_KEY = STORE_PREFIX + "started"  # rank 0 is ready: the steps begin
-
-
-def joined_key(rank: int) -> str:
-    return f"{STORE_PREFIX}joined/{rank}"
-
-
-def ready_key(rank: int) -> str:
-    return f"{STORE_PREFIX}ready/{rank}"
-
 
 # ---------------------------------------------------------------- sharding arithmetic (pure)
 
@@ -119,33 +115,6 @@ def rank_device(device: str, par: ParallelContext) -> torch.device:
     if dev.type != "cuda" or par.world_size == 1:
         return dev
     return torch.device("cuda", (dev.index or 0) + par.world_rank % par.ranks_per_node)
-
-
-def fingerprint(cfg, model_config) -> str:
-    """What every rank of a group must agree on: the layout and everything that sizes the shared KV slot table
-    and the shards. `cfg` a RuntimeConfig, `model_config` the model's ModelConfig (a node may keep the same
-    model under another path)."""
-    from dataclasses import asdict
-
-    keys = ("tp_size", "pp_size", "nnodes", "max_total_tokens", "max_kv_memory_gb", "max_running_requests",
-            "context_length", "load_format", "seed", "disable_cpu_kernels", "disable_cuda_graph", "cuda_graph_max_bs",
-            "kv_cache_dtype", "quantization")
-    return json.dumps({"config": {k: getattr(cfg, k) for k in keys}, "device": cfg.device.split(":")[0],
-                       "dtype": str(cfg.torch_dtype), "model": asdict(model_config)}, sort_keys=True, default=str)
-
-
-def connect_store(host: str, port: int, timeout_s: float, is_master: bool = False):
-    """A torch TCPStore at host:port (the master listens there); clear errors for a taken port or no master."""
-    from torch.distributed import TCPStore
-
-    try:
-        return TCPStore(host, port, None, is_master, timeout=datetime.timedelta(seconds=timeout_s),
-                        wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        if is_master:
-            raise GroupError(f"dist_init_addr {host}:{port}: cannot listen there ({e}); is the port taken?") from e
-        raise GroupError(f"dist_init_addr {host}:{port}: no group to join there within {timeout_s:g} s ({e}); "
-                         f"is node 0 started?") from e
 
 
 def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelContext:

@@ -21,18 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.engine_client import SchedulerClient, call_soon
-from radixgen.runtime.loader import load_tokenizer, resolve_model_path
-from radixgen.runtime.messages import (
-    GenerateRequest,
-    LoadLoRAAdapter,
-    LoRAUpdate,
-    TreeSnapshot,
-    TreeSnapshotRequest,
-    UnloadLoRAAdapter,
-)
-from radixgen.runtime.request_state import RequestError, RequestFailed, RequestState
-from radixgen.runtime.request_validation import (
+from radixgen.runtime.engine.client import SchedulerClient, call_soon
+from radixgen.runtime.engine.request_state import RequestError, RequestFailed, RequestState
+from radixgen.runtime.engine.validation import (
     ModelLimits,
     Prepared,
     assemble_ids,
@@ -42,6 +33,15 @@ from radixgen.runtime.request_validation import (
     prompt_texts,
     segment_texts,
     segmented_prompts,
+)
+from radixgen.runtime.loader import load_tokenizer, resolve_model_path
+from radixgen.runtime.messages import (
+    GenerateRequest,
+    LoadLoRAAdapter,
+    LoRAUpdate,
+    TreeSnapshot,
+    TreeSnapshotRequest,
+    UnloadLoRAAdapter,
 )
 
 __all__ = ["Engine", "RequestError", "RequestFailed"]

@@ -8,23 +8,24 @@ from pathlib import Path
 import torch
 
 from radixgen.kernels._cpu_bindings import libc_function
-from radixgen.runtime import distributed
-from radixgen.runtime.batch import ForwardInput
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
-from radixgen.runtime.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
-from radixgen.runtime.cpu_decode import FusedDecode
-from radixgen.runtime.cuda_graph_runner import CudaGraphRunner, graph_unsafe
 from radixgen.runtime.deterministic import check_deterministic
-from radixgen.runtime.forward_context import ForwardContext, forward_context
-from radixgen.runtime.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
+from radixgen.runtime.executor import distributed
+from radixgen.runtime.executor.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
+from radixgen.runtime.executor.cpu_decode import FusedDecode
+from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, graph_unsafe
+from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
+from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
+from radixgen.runtime.executor.step_messages import KVCopyQueue
+from radixgen.runtime.executor.weights import load_weights
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
-from radixgen.runtime.loader import is_gguf_native, load_weights, read_hf_config, resolve_model_path
+from radixgen.runtime.loader import is_gguf_native, read_hf_config, resolve_model_path
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
 from radixgen.runtime.parallel_context import ParallelContext
-from radixgen.runtime.step_messages import KVCopyQueue
+from radixgen.runtime.scheduler.batch import ForwardInput
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class ModelRunner:
                 self.cuda_graph_runner = CudaGraphRunner(self)
             else:  # what the model's parts say of themselves: its decode steps run eagerly
                 logger.warning("CUDA graphs off: %s", reason)
-        from radixgen.runtime.parallel_step import StepGroup
+        from radixgen.runtime.executor.parallel_step import StepGroup
 
         self.group = StepGroup(self) if par.world_size > 1 else None
 

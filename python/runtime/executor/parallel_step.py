@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from radixgen.runtime import distributed
+from radixgen.runtime.executor import distributed
+from radixgen.runtime.executor.step_messages import StepDescription, StepKind
 from radixgen.runtime.models.llama import StageHidden
-from radixgen.runtime.step_messages import StepDescription, StepKind
 
 if TYPE_CHECKING:
-    from radixgen.runtime.batch import ForwardInput
-    from radixgen.runtime.model_runner import ModelRunner
+    from radixgen.runtime.executor.model_runner import ModelRunner
+    from radixgen.runtime.scheduler.batch import ForwardInput
 
 HEARTBEAT_S = 1.0
 

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 
 from radixgen.common.prompt import MediaSegment, Prompt, TextSegment
 from radixgen.common.sampling_params import SamplingParams, check_text, choice_seeds, is_int
+from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.messages import GenerateRequest
-from radixgen.runtime.request_state import RequestError
 
 MAX_TOP_LOGPROBS = 100
 

@@ -18,8 +18,8 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from radixgen.runtime.batch import ForwardInput
-from radixgen.runtime.kv_pool import KVPool, TableWrites
+from radixgen.runtime.executor.kv_pool import KVPool, TableWrites
+from radixgen.runtime.scheduler.batch import ForwardInput
 
 
 class StepKind(IntEnum):
@@ -92,7 +92,7 @@ class KVCopyQueue:
 @dataclass
 class StepDescription:
     """One step of a tensor / pipeline parallel group, as rank 0 (the scheduler) sends it to the other ranks
-    (runtime/parallel_step.py): the step's ForwardInput, the request->slot table writes made since the previous
+    (runtime/executor/parallel_step.py): the step's ForwardInput, the request->slot table writes made since the previous
     step, which the other ranks apply to their copy of the table, and the KV copy orders. On the wire: a header of
     HEADER_LEN int64 (the kind and the lengths), then one int64 payload with every tensor and list concatenated."""
 

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixgen.runtime.forward_context import ForwardContext, forward_context
+from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
-    from radixgen.runtime.model_runner import ForwardInput, ModelRunner
+    from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 
 logger = logging.getLogger(__name__)
 

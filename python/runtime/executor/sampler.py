@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from radixgen.common.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
-from radixgen.runtime.logits_processors import (
+from radixgen.runtime.executor.logits_processors import (
     Penalties,
     apply_penalties,
     apply_vocab_mask,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from radixgen.common.prompt import radix_key
+from radixgen.runtime.executor.sampler import make_generator
 from radixgen.runtime.messages import (  # noqa: F401 - re-exported
     AbortRequest,
     ControlKind,
@@ -21,7 +22,6 @@ from radixgen.runtime.messages import (  # noqa: F401 - re-exported
     SpecCounts,
     UnloadLoRAAdapter,
 )
-from radixgen.runtime.sampler import make_generator
 
 # ---------------------------------------------------------------- the request record
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from radixgen.runtime.request import Req
+    from radixgen.runtime.scheduler.request import Req
 
 
 class ForwardInput(NamedTuple):

@@ -1,0 +1,23 @@
+"""The names of the architectures radixgen runs: a config's `architectures` entry -> our key, and where its model
+class is declared (runtime/models/). Shared: the config resolves a checkpoint's architecture (and refuses one it
+does not know) in any process without importing the model code, which only the model runner loads."""
+
+from __future__ import annotations
+
+# HF architecture name -> (our architecture key, module, class)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def architecture_of(hf_config: dict) -> str:
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name][0]
+    raise ValueError(
+        f"unsupported architecture {names or hf_config.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}"
+    )

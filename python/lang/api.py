@@ -3,6 +3,7 @@ frontend, so its programs run unchanged with `import radixgen as sgl`."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -69,11 +70,23 @@ def gen(
     choices_method: ChoicesSamplingMethod | str | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    *,
+    tools: list | None = None,
+    tool_choice: str = "auto",
+    tool_call_parser: str = "hermes",
+    parallel_tool_calls: bool = True,
+    reasoning: bool | str = False,
+    reasoning_parser: str = "qwen3",
 ) -> Node:
     """Generate text after the current state (stored in variable `name`). Arguments left None take
     the run's defaults (SGLang's names and order). `dtype` (int/float/str/bool: the output matches
     `ir.REGEX_INT`... and the variable holds that text), `regex` and `json_schema` constrain the
-    output; with `choices` this is a `select` (scored from logprobs, never sampled)."""
+    output; with `choices` this is a `select` (scored from logprobs, never sampled).
+
+    Agents (lang/agent.py): with `tools` (OpenAI function dicts or annotated Python functions) the calls
+    in the output go to variable `<name>_calls` (a list of agent.ToolCall) and `name` holds the rest;
+    tool_choice "required" or a tool's name makes the model call (a grammar in the tool-call format).
+    `reasoning=True` (or a variable name) moves the think block to `<name>_reasoning` (or that name)."""
     if choices is not None:
         return select(
             name,
@@ -88,6 +101,12 @@ def gen(
             re.compile(regex)
         except re.error as e:
             raise ValueError(f"gen.regex: not a valid regular expression: {e}") from e
+    if tools is not None:
+        from radixgen.lang.agent import function_spec
+
+        tools = json.dumps([function_spec(t) for t in tools])
+    if reasoning is True:
+        reasoning = f"{name}_reasoning"
     if dtype is not None and not isinstance(dtype, str):
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"gen.dtype: must be int, float, str or bool (got {dtype!r})")
@@ -114,6 +133,12 @@ def gen(
         dtype=dtype,
         regex=regex,
         json_schema=json_schema,
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_call_parser=tool_call_parser,
+        parallel_tool_calls=parallel_tool_calls,
+        reasoning=reasoning or None,
+        reasoning_parser=reasoning_parser,
     )
 
 

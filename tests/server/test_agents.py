@@ -54,14 +54,17 @@ For each function call, return a json object within <tool_call></tool_call> XML 
 {% endif %}{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather of a city",
+    "name": "get_weather", "description": "The weather of a city", "strict": True,
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                         "days": {"type": "integer"}},
-                   "required": ["city"], "additionalProperties": False}}}
-THINK = r"<think>[a-z ]{5,30}</think>\n\n[A-Z][a-z]{2,10}\."
-CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,12}", '
-        r'"days": [1-9]\}\}\n</tool_call>')
+                                                    "days": {"type": "integer", "enum": [1, 2, 3, 4, 5]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+ANSWER = r"[A-Z][a-z]{2,10}\."
+CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city":"[A-Z][a-z]{2,12}",'
+        r'"days":[1-5]\}\}\n</tool_call>')
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -85,64 +88,111 @@ def _extra(obj, name):
 
 
 def test_reasoning_separated_whole_and_streamed(oai):
-    kw = dict(model="m", messages=USER, max_tokens=60, temperature=0)
-    msg = oai.chat.completions.create(**kw, extra_body={"regex": THINK}).choices[0].message
-    assert re.fullmatch(r"[a-z ]{5,30}", _extra(msg, "reasoning_content")), msg
-    assert _extra(msg, "reasoning") == _extra(msg, "reasoning_content")  # vLLM's name too
-    assert re.fullmatch(r"[A-Z][a-z]{2,10}\.", msg.content)
+    """The budget closes the random model's think block after 6 tokens; the answer's regex starts after it."""
+    kw = dict(model="m", messages=USER, max_tokens=40, temperature=0)
+    body = {"regex": ANSWER, "max_thinking_tokens": 6}
+    msg = oai.chat.completions.create(**kw, extra_body=body).choices[0].message
+    thought = _extra(msg, "reasoning_content")
+    assert thought and "</think>" not in thought and "<think>" not in (msg.content or "")
+    assert _extra(msg, "reasoning") == thought  # vLLM's name too
+    assert re.fullmatch(ANSWER, msg.content)
     reasoning, content = [], []
-    for chunk in oai.chat.completions.create(**kw, stream=True, extra_body={"regex": THINK}):
+    for chunk in oai.chat.completions.create(**kw, stream=True, extra_body=body):
         for c in chunk.choices:
             reasoning.append(_extra(c.delta, "reasoning_content") or "")
             content.append(c.delta.content or "")
-    assert "".join(reasoning) == _extra(msg, "reasoning_content") and "".join(content) == msg.content
+    assert "".join(reasoning) == thought and "".join(content) == msg.content
     assert sum(1 for r in reasoning if r) > 1  # streamed as it comes
 
-    held = oai.chat.completions.create(**kw, stream=True, extra_body={"regex": THINK, "stream_reasoning": False})
+    held = oai.chat.completions.create(**kw, stream=True, extra_body={**body, "stream_reasoning": False})
     pieces = [_extra(c.delta, "reasoning_content") for ch in held for c in ch.choices]
-    assert [p for p in pieces if p] == [_extra(msg, "reasoning_content")]  # one delta once the block ends
+    assert [p for p in pieces if p] == [thought]  # one delta once the block ends
 
-    kept = oai.chat.completions.create(**kw, extra_body={"regex": THINK, "separate_reasoning": False})
-    assert kept.choices[0].message.content.startswith("<think>")
+    kept = oai.chat.completions.create(**kw, extra_body={**body, "separate_reasoning": False}).choices[0].message
+    assert kept.content.startswith(thought) and "</think>" in kept.content
+    assert _extra(kept, "reasoning_content") is None
+
+
+def test_json_schema_after_thinking_at_temperature_one(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    out = oai.chat.completions.create(model="m", messages=USER, max_tokens=40, temperature=1.0, seed=3, n=6,
+                                      response_format=fmt, extra_body={"max_thinking_tokens": 5})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice
+        assert _extra(choice.message, "reasoning_content")
+        jsonschema.validate(json.loads(choice.message.content), VERDICT)
 
 
 def test_enable_thinking_false_closes_the_block_in_the_prompt(oai):
-    out = oai.chat.completions.create(model="m", messages=USER, max_tokens=8, temperature=0,
-                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    out = oai.chat.completions.create(model="m", messages=USER, max_tokens=8, temperature=0, extra_body=NO_THINKING)
     msg = out.choices[0].message
     assert _extra(msg, "reasoning_content") is None and msg.content  # an answer, no thinking
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    out = oai.chat.completions.create(model="m", messages=USER, max_tokens=20, temperature=0, response_format=fmt,
+                                      extra_body=NO_THINKING)
+    jsonschema.validate(json.loads(out.choices[0].message.content), VERDICT)  # JSON from the first token
 
 
 def test_tool_call_streamed_as_deltas_and_whole(oai):
-    kw = dict(model="m", messages=USER, tools=[WEATHER], max_tokens=80, temperature=0, extra_body={"regex": CALL})
-    whole = oai.chat.completions.create(**kw).choices[0]
-    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    kw = dict(model="m", messages=USER, tools=[{**WEATHER, "function": {**WEATHER["function"], "strict": False}}],
+              max_tokens=80, temperature=0)
+    body = {"regex": CALL, **NO_THINKING}
+    whole = oai.chat.completions.create(**kw, extra_body=body).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
     (call,) = whole.message.tool_calls
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, WEATHER["function"]["parameters"])
-    deltas = [(c.delta, c.finish_reason) for ch in oai.chat.completions.create(**kw, stream=True) for c in ch.choices]
+    deltas = [(c.delta, c.finish_reason) for ch in oai.chat.completions.create(**kw, stream=True, extra_body=body)
+              for c in ch.choices]
     calls = [tc for d, _ in deltas for tc in d.tool_calls or []]
     assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].type == "function"
     assert all(tc.index == 0 and tc.function.name is None for tc in calls[1:])
     assert len(calls) > 3  # the arguments stream while they are generated
     assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == args
-    assert "".join(d.content or "" for d, _ in deltas) == "Let me check."
+    assert "".join(d.content or "" for d, _ in deltas) == (whole.message.content or "")
     assert deltas[-1][1] == "tool_calls"
 
 
-def test_required_tool_arguments_validate_at_temperature_one(oai):
+def _valid_calls(choice) -> int:
+    for call in choice.message.tool_calls or []:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    return len(choice.message.tool_calls or [])
+
+
+def test_required_strict_tools_after_thinking_at_temperature_one(oai):
     out = oai.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="required",
-                                      max_tokens=120, temperature=1.0, seed=11, n=8)
-    made = 0
+                                      parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=11, n=8,
+                                      extra_body={"max_thinking_tokens": 4})
     for choice in out.choices:
-        if choice.finish_reason != "tool_calls":
-            assert choice.finish_reason == "length"  # cut by max_tokens: nothing to validate
-            continue
-        for call in choice.message.tool_calls:
-            assert call.function.name == "get_weather"
-            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-            made += 1
-    assert made >= 4
+        assert choice.finish_reason == "tool_calls", choice
+        assert _valid_calls(choice) == 1 and _extra(choice.message, "reasoning_content")
+
+
+def test_auto_with_response_format_is_a_call_or_an_answer(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    out = oai.chat.completions.create(model="m", messages=USER, tools=[WEATHER], response_format=fmt,
+                                      parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=5, n=8,
+                                      extra_body=NO_THINKING)
+    kinds = set()
+    for choice in out.choices:
+        assert choice.finish_reason in ("stop", "tool_calls"), choice
+        kinds.add(choice.finish_reason)
+        if choice.finish_reason == "tool_calls":
+            assert _valid_calls(choice) == 1 and not choice.message.content
+        else:
+            jsonschema.validate(json.loads(choice.message.content), VERDICT)
+    assert kinds == {"stop", "tool_calls"}, kinds  # both branches are open to the sampler
+
+
+def test_strict_tool_the_grammar_cannot_enforce_is_400(oai):
+    tool = {"type": "function", "function": {"name": "tag", "strict": True, "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters.*uniqueItems"):
+        oai.chat.completions.create(model="m", messages=USER, tools=[tool], max_tokens=4)
+    out = oai.chat.completions.create(model="m", messages=USER, tools=[WEATHER], max_tokens=4, temperature=1.0,
+                                      extra_body=NO_THINKING)  # strict, auto: the triggered grammar compiles
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_tool_history_renders_and_bad_history_is_400(oai):
@@ -164,10 +214,8 @@ def test_tool_history_renders_and_bad_history_is_400(oai):
 
 
 def test_thinking_budget_and_parser_names_are_checked(oai):
-    for value, match in ((-1, "max_thinking_tokens"), (16, "thinking budget is not supported")):
-        with pytest.raises(openai.BadRequestError, match=match):
-            oai.chat.completions.create(model="m", messages=USER, max_tokens=4,
-                                        extra_body={"max_thinking_tokens": value})
+    with pytest.raises(openai.BadRequestError, match="max_thinking_tokens"):
+        oai.chat.completions.create(model="m", messages=USER, max_tokens=4, extra_body={"max_thinking_tokens": -1})
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         ServerConfig(tool_call_parser="nope")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):

@@ -26,6 +26,8 @@ class CallTag(NamedTuple):
     begin: str
     end: str
     arguments: dict[str, Any]  # the parameters schema
+    strict: bool = True  # a keyword the grammar cannot enforce is an error (else a warning)
+    where: str = "tools"  # what an error names
 
 
 def _structural(fmt: dict) -> xgr.Grammar:
@@ -60,26 +62,30 @@ def constraint_grammar(kind: str, text: str, *, whitespace: str = "compact", str
     return xgr.Grammar.from_ebnf(json_ebnf(json.loads(text), kind, whitespace=whitespace, strict=strict))
 
 
-def _call_tags(calls: Sequence[CallTag], whitespace: str, strict: bool) -> list[dict]:
+def _call_tags(calls: Sequence[CallTag], whitespace: str) -> list[dict]:
     return [{"type": "tag", "begin": c.begin, "end": c.end,
-             "content": {"type": "grammar", "grammar": json_ebnf(c.arguments, f"tools[{c.begin!r}]",
-                                                                  whitespace=whitespace, strict=strict)}}
+             "content": {"type": "grammar", "grammar": json_ebnf(c.arguments, c.where, whitespace=whitespace,
+                                                                  strict=c.strict)}}
             for c in calls]
 
 
-def triggered_calls(calls: Sequence[CallTag], *, whitespace: str = "compact", strict: bool = True) -> xgr.Grammar:
+def triggered_calls(calls: Sequence[CallTag], *, whitespace: str = "compact") -> xgr.Grammar:
     """Free text in which every call, once its trigger is written, is one of `calls` with valid arguments."""
     triggers = list(dict.fromkeys(c.trigger for c in calls))
-    return _structural({"type": "triggered_tags", "triggers": triggers, "tags": _call_tags(calls, whitespace, strict),
+    return _structural({"type": "triggered_tags", "triggers": triggers, "tags": _call_tags(calls, whitespace),
                         "at_least_one": False, "stop_after_first": False})
 
 
+def calls_only(calls: Sequence[CallTag], *, parallel: bool = True, whitespace: str = "compact") -> xgr.Grammar:
+    """One call (or several, one per line, when `parallel`) and nothing else."""
+    return _structural({"type": "tags_with_separator", "tags": _call_tags(calls, whitespace),
+                        "separator": "\n", "at_least_one": True, "stop_after_first": not parallel})
+
+
 def calls_or(answer: xgr.Grammar, calls: Sequence[CallTag], *, parallel: bool = True,
-             whitespace: str = "compact", strict: bool = True) -> xgr.Grammar:
-    """Either one or more calls (nothing else), or an answer of `answer`'s grammar."""
-    only_calls = _structural({"type": "tags_with_separator", "tags": _call_tags(calls, whitespace, strict),
-                              "separator": "\n", "at_least_one": True, "stop_after_first": not parallel})
-    return xgr.Grammar.union(only_calls, answer)
+             whitespace: str = "compact") -> xgr.Grammar:
+    """Either calls (nothing else), or an answer of `answer`'s grammar."""
+    return xgr.Grammar.union(calls_only(calls, parallel=parallel, whitespace=whitespace), answer)
 
 
 def after_thinking(answer: xgr.Grammar, start: str, end: str, *, opened: bool) -> xgr.Grammar:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixgen.runtime.server.chat_constraint import chat_constraint
 from radixgen.runtime.server.chat_output import ChatOutput
 from radixgen.runtime.server.errors import JSONResponse, bad_request, error_of
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
@@ -24,7 +25,7 @@ from radixgen.runtime.server.parsers import (
 )
 from radixgen.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
 from radixgen.runtime.server.serving import merge
-from radixgen.runtime.server.tools import tool_choice_schema, tool_parser
+from radixgen.runtime.server.tools import tool_parser
 
 if TYPE_CHECKING:
     from radixgen.runtime.server.openai_api import OpenAIServing
@@ -146,18 +147,13 @@ class ChatServing:
             parts.append(part["text"])
         return "".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest, with_tools: bool) -> tuple[str, list[int]]:
-        """The prompt's text and token ids; the template is rendered and the text tokenized off the event loop."""
-        text = await self.api.off_loop("messages", self.render, req, with_tools)
-        return text, await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
-
-    def output(self, req: ChatCompletionRequest, prompt: str, tools: Any, constrained: bool) -> ChatOutput:
-        """How the choices' text becomes message fields. A constrained output starts with the constraint's
-        text (not inside a think block the prompt opened): a block there is one the constraint writes."""
+    def output(self, req: ChatCompletionRequest, prompt: str, tools: Any) -> ChatOutput:
+        """How the choices' text becomes message fields; the output begins inside a think block when the
+        prompt opened one (a constraint starts after the block: chat_constraint)."""
         fmt = self.reasoning if req.separate_reasoning else None
         reasoning = None
         if fmt is not None:
-            thinking = fmt.thinking_at_start(prompt) and not constrained
+            thinking = fmt.thinking_at_start(prompt)
             reasoning = lambda: ReasoningParser(fmt, thinking)  # noqa: E731
         return ChatOutput(reasoning, tools, req.legacy_functions, req.stream_reasoning)
 
@@ -186,15 +182,11 @@ class ChatServing:
         lora = api.admit(req)
         choice = req.effective_tool_choice
         with_tools = bool(req.tools) and choice != "none"
-        text, ids = await self.prompt(req, with_tools)
-        fmt = None
-        if req.response_format is not None and req.response_format.type != "text":
-            if req.response_format.type == "json_object":
-                fmt = {"type": "object"}
-            else:
-                fmt = req.response_format.json_schema.schema_  # type: ignore[union-attr]
-        tool_schema = tool_choice_schema(req.tools or [], choice, req.parallel_calls) if with_tools else None
-        constraint = api.constraint(req, response_format=fmt, tool_choice=tool_schema)
+        text = await self.api.off_loop("messages", self.render, req, with_tools)
+        # grammars are built off the event loop (a large schema takes milliseconds)
+        built = await self.api.off_loop("tools", chat_constraint, self, req, text, with_tools)
+        text, constraint = built.prompt, built.fields
+        ids = await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = api.sampling(req, api.budget(len(ids), requested, param, "messages"), constraint)
@@ -210,7 +202,7 @@ class ChatServing:
             logprob_start_len=-1,
         )
         tools = tool_parser(req.tools or [], choice if with_tools else "none", self.tool_format)
-        spec = self.output(req, text, tools, constrained=bool(constraint))
+        spec = self.output(req, text, tools)
         if req.stream:
             streams = await api.start_stream(jobs, rid, arrived)
             return EventStream(self.stream(req, jobs, streams, spec, rid), lambda: api.dispatcher.end_group(rid))

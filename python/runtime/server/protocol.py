@@ -211,7 +211,7 @@ class ChatCompletionRequest(SamplingFields):
     # ---- reasoning models (issue 29; SGLang's extra body): the think block of the output, see server/parsers
     separate_reasoning: bool = True  # thinking goes to reasoning_content (with a reasoning format), not content
     stream_reasoning: bool = True  # streamed as it comes; false: in one delta once the block ends
-    max_thinking_tokens: int | None = Field(None, ge=0)  # refused when set: no thinking budget yet
+    max_thinking_tokens: int | None = Field(None, ge=0)  # the think block is closed after this many tokens
     # ---- end of issue 29's fields
 
     @model_validator(mode="before")
@@ -227,8 +227,6 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
         _refuse_if_set(self, {"audio": "audio output", "web_search_options": "web search"})
-        if self.max_thinking_tokens is not None:
-            raise ValueError("max_thinking_tokens: a thinking budget is not supported by this server yet")
         if self.functions is not None:
             self.tools = [Tool(function=f) for f in self.functions]
         if isinstance(self.function_call, NamedToolChoiceFunction):

@@ -216,3 +216,9 @@ class ToolParser:
     def format_call(cls, name: str, arguments: Any) -> str:
         """A call written in this format (assistant turns of the history)."""
         raise NotImplementedError
+
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str] | None:
+        """(trigger, begin, end) around a call's arguments object, for a grammar that enforces the calls
+        (server: strict tools); None when the format's calls are not a JSON object between fixed texts."""
+        return None

@@ -134,6 +134,8 @@ class HermesParser(ToolParser):
                     return
                 if s.startswith(self.CLOSE):
                     self.buf = s[len(self.CLOSE):]
+                elif final and self.CLOSE.startswith(s):
+                    self.buf = ""  # cut off inside the closing marker
                 self.state = "text"
                 if final and not self.buf:
                     return
@@ -141,6 +143,10 @@ class HermesParser(ToolParser):
     @classmethod
     def format_call(cls, name: str, arguments: Any) -> str:
         return cls.OPEN + json_text({"name": name, "arguments": arguments}) + cls.CLOSE
+
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str]:
+        return cls.OPEN, f'{cls.OPEN}\n{{"name": {json_text(name)}, "arguments": ', "}\n" + cls.CLOSE
 
 
 class Llama3JsonParser(ToolParser):
@@ -194,6 +200,10 @@ class Llama3JsonParser(ToolParser):
     @classmethod
     def format_call(cls, name: str, arguments: Any) -> str:
         return json_text({"name": name, "parameters": arguments})
+
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str]:
+        return '{"name": ', f'{{"name": {json_text(name)}, "parameters": ', "}"
 
 
 class MistralParser(ToolParser):
@@ -282,6 +292,10 @@ class MistralParser(ToolParser):
     @classmethod
     def format_call(cls, name: str, arguments: Any) -> str:
         return cls.MARKER + json_text([{"name": name, "arguments": arguments}])
+
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str]:
+        return cls.MARKER, f'{cls.MARKER}[{{"name": {json_text(name)}, "arguments": ', "}]"
 
 
 class ForcedParser(MistralParser):

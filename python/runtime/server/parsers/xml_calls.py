@@ -115,6 +115,8 @@ class Qwen3CoderParser(ToolParser):
                     return
                 if s.startswith(CLOSE):
                     self.buf = s[len(CLOSE):]
+                elif final and CLOSE.startswith(s):
+                    self.buf = ""  # cut off inside the closing marker
                 self.state = "text"
                 if final and not self.buf:
                     return

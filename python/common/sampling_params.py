@@ -148,6 +148,11 @@ class SamplingParams:
     choices: list[str] | None = param(None, help="constraint: the output is exactly one of these strings")
     # OpenAI's logit_bias; string keys as JSON sends them are converted; -100 bans a token, +100 all but forces it
     logit_bias: dict[int, float] | None = param(None, help="token id -> added to its logit before sampling")
+    # ---- reasoning models: a thinking budget. The output begins inside a think block; when `think_end` (the
+    # block's closing text) is not in the first `max_thinking_tokens` output tokens, its tokens are forced there,
+    # and the answer (and its grammar's part after the block) follows.
+    max_thinking_tokens: int | None = param(None, help="the most tokens of the think block before it is closed")
+    think_end: str | None = param(None, help="the think block's closing text (with max_thinking_tokens)")
 
     def __post_init__(self) -> None:
         # shapes first (a str stop is one stop string, a dict schema is serialized), then every value
@@ -237,6 +242,18 @@ class SamplingParams:
             except (ValueError, RecursionError, OverflowError) as e:
                 bad("stop_regex", str(e))
         self._validate_constraint()
+        self._validate_thinking()
+
+    def _validate_thinking(self) -> None:
+        if self.max_thinking_tokens is not None:
+            if not is_int(self.max_thinking_tokens) or self.max_thinking_tokens < 0:
+                self._bad("max_thinking_tokens", "must be an integer >= 0")
+            if not isinstance(self.think_end, str) or not self.think_end:
+                self._bad("think_end", "max_thinking_tokens needs the think block's closing text (e.g. '</think>')")
+        elif self.think_end is not None:
+            self._bad("think_end", "is only used with max_thinking_tokens")
+        if self.think_end is not None:
+            check_text("sampling_params.think_end", self.think_end)
 
     def _validate_constraint(self) -> None:
         bad = self._bad

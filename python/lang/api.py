@@ -3,6 +3,7 @@ frontend, so its programs run unchanged with `import radixgen as sgl`."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -69,11 +70,23 @@ def gen(
     choices_method: ChoicesSamplingMethod | str | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    *,
+    tools: list | None = None,
+    tool_choice: str = "auto",
+    tool_call_parser: str = "hermes",
+    parallel_tool_calls: bool = True,
+    reasoning: bool | str = False,
+    reasoning_parser: str = "qwen3",
 ) -> Node:
     """Generate text after the current state (stored in variable `name`). Arguments left None take
     the run's defaults (SGLang's names and order). `dtype` (int/float/str/bool: the output matches
     `ir.REGEX_INT`... and the variable holds that text), `regex` and `json_schema` constrain the
-    output; with `choices` this is a `select` (scored from logprobs, never sampled)."""
+    output; with `choices` this is a `select` (scored from logprobs, never sampled).
+
+    Agents (lang/agent.py): with `tools` (OpenAI function dicts or annotated Python functions) the calls
+    in the output go to variable `<name>_calls` (a list of agent.ToolCall) and `name` holds the rest;
+    tool_choice "required" or a tool's name makes the model call (a grammar in the tool-call format).
+    `reasoning=True` (or a variable name) moves the think block to `<name>_reasoning` (or that name)."""
     given = dict(locals())  # every keyword, before anything below binds another name
     if choices is not None:
         return select(
@@ -89,11 +102,17 @@ def gen(
             re.compile(regex)
         except re.error as e:
             raise ValueError(f"gen.regex: not a valid regular expression: {e}") from e
+    if tools is not None:
+        from radixgen.lang.agent import function_spec
+
+        tools = json.dumps([function_spec(t) for t in tools])
+    if reasoning is True:
+        reasoning = f"{name}_reasoning"
     if dtype is not None and not isinstance(dtype, str):
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"gen.dtype: must be int, float, str or bool (got {dtype!r})")
         dtype = _DTYPE_NAMES[dtype]
-    given.update(dtype=dtype)
+    given.update(dtype=dtype, tools=tools, reasoning=reasoning or None)
     del given["choices"], given["choices_method"]
     return Gen(**{GEN_NAMES.get(k, k): v for k, v in given.items()})
 

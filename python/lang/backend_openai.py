@@ -82,6 +82,8 @@ class OpenAI(BaseBackend):
             extra["stop_regex"] = p["stop_regex"]
         if "regex" in p:
             extra["regex"] = p["regex"]
+        if "ebnf" in p:  # SGLang's extra body (gen with tools and a tool_choice that forces a call)
+            extra["ebnf"] = p["ebnf"]
         if "json_schema" in p:
             if self.is_chat_model:
                 schema = {"name": "output", "schema": json.loads(p["json_schema"])}

@@ -119,9 +119,23 @@ class Gen(Node):
     dtype: str | None = None  # one of DTYPES: the output matches DTYPE_REGEX (the variable holds the text)
     regex: str | None = None
     json_schema: str | None = None
+    # ---- agents (issue 29, lang/agent.py): calls and thinking read out of the output
+    tools: str | None = None  # a JSON list of OpenAI function specs: the calls go to variable `<name>_calls`
+    tool_choice: str = "auto"  # "auto", "required" or a tool's name (then a grammar makes the model call)
+    tool_call_parser: str = "hermes"
+    parallel_tool_calls: bool = True
+    reasoning: str | None = None  # the variable that holds the think block (None: it stays in the answer)
+    reasoning_parser: str = "qwen3"
+    # ---- end of issue 29's fields
 
     def __post_init__(self) -> None:
         check_name(self.name, "gen")
+        if (self.tools is not None or self.reasoning is not None) and not self.name:
+            raise ValueError("gen: tools / reasoning need a variable name (the parts go into variables)")
+        if self.tools is not None and self.tool_choice != "auto" and (self.regex or self.json_schema or self.dtype):
+            raise ValueError("gen: a tool_choice other than auto is a constraint; no regex / json_schema / dtype too")
+        if (self.tools is not None or self.reasoning is not None) and self.n not in (None, 1):
+            raise ValueError("gen: tools / reasoning take n=1")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:

@@ -13,21 +13,17 @@ from pydantic import ValidationError
 
 from radixgen.common.http_errors import APIError, install_error_handlers, value_error_param
 from radixgen.common.prometheus import Counter, Histogram
+from radixgen.runtime.server.chat_output import ChatOutput
 from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.native_protocol import GenerateRequest
+from radixgen.runtime.server.parsers import HermesParser, collect, reasoning_format
 from radixgen.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
     Tool,
 )
-from radixgen.runtime.server.tools import (
-    AutoToolStream,
-    format_call,
-    parse_auto,
-    parse_constrained,
-    tool_choice_schema,
-)
+from radixgen.runtime.server.tools import tool_choice_schema, tool_parser
 
 WEATHER = Tool.model_validate(
     {
@@ -226,49 +222,62 @@ def _named(name: str) -> NamedToolChoice:
     return NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
 
 
+def _parse(tools, choice, text: str, fmt=HermesParser):
+    parser = tool_parser(tools, choice, fmt)()
+    return collect(parser.feed(text) + parser.finish())
+
+
 def test_parse_constrained_output():
-    parsed = parse_constrained(
-        '[{"name": "get_weather", "arguments": {"city": "Rome"}}]', [WEATHER], "required"
-    )
-    assert parsed is not None and parsed.content is None
+    parsed = _parse([WEATHER], "required", '[{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    assert parsed.content is None
     (call,) = parsed.calls
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
-    named = parse_constrained('{"city": "Rome"}', [WEATHER], _named("get_weather"))
-    assert named.calls[0]["function"]["name"] == "get_weather"
-    assert parse_constrained('[{"name": "get_weather", "argu', [WEATHER], "required") is None  # cut by length
-    assert parse_constrained('[{"name": "nope", "arguments": {}}]', [WEATHER], "required") is None
+    named = _parse([WEATHER], _named("get_weather"), '{"city": "Rome"}')
+    assert named.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert not _parse([WEATHER], "required", '[{"name": "get_weather", "argu').calls  # cut by length
+    assert not _parse([WEATHER], "required", '[{"name": "nope", "arguments": {}}]').calls
+    assert tool_parser([WEATHER], "none", HermesParser) is None
 
 
 def test_parse_auto_output():
     text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}</tool_call>'
-    parsed = parse_auto(text, [WEATHER])
+    parsed = _parse([WEATHER], "auto", text)
     assert parsed.content == "Let me check."
     assert json.loads(parsed.calls[0]["function"]["arguments"]) == {"city": "Lima"}
     # an unclosed last call (the model stopped at EOS) still counts; unknown tools stay text
-    assert parse_auto('<tool_call>{"name": "get_weather", "arguments": {}}', [WEATHER]).calls
-    plain = parse_auto('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', [WEATHER])
+    assert _parse([WEATHER], "auto", '<tool_call>{"name": "get_weather", "arguments": {}}').calls
+    plain = _parse([WEATHER], "auto", '<tool_call>{"name": "launch", "arguments": {}}</tool_call>')
     assert plain.calls == [] and "launch" in plain.content
-    assert parse_auto("just text", [WEATHER]) == ("just text", [])
-    assert format_call("get_weather", {"city": "X"}).startswith("<tool_call>{")
+    assert _parse([WEATHER], "auto", "just text") == ("just text", [])
+    assert HermesParser.format_call("get_weather", {"city": "X"}).startswith("<tool_call>{")
 
 
 @pytest.mark.parametrize("split", [1, 3, 7])
-def test_auto_tool_stream_holds_back_only_calls(split):
-    text = 'Sure <tool_ <tool_call>{"name": "get_weather", "arguments": {"city": "Kyiv"}}</tool_call>'
-    s = AutoToolStream([WEATHER])
-    sent = "".join(s.feed(text[i : i + split]) for i in range(0, len(text), split))
-    rest = s.finish()
-    assert sent == "Sure <tool_ "
-    assert rest.content is None
-    assert json.loads(rest.calls[0]["function"]["arguments"]) == {"city": "Kyiv"}
+def test_chat_output_streams_content_reasoning_and_call_deltas(split):
+    """Deltas of a thinking model's call: thinking, then content up to the call, then the call's head and
+    its arguments in pieces; the non-streamed message of the same text agrees."""
+    text = ('<think>weather?</think>\n\nSure <tool_ <tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "Kyiv"}}</tool_call>')
+    fmt = reasoning_format("qwen3")
+    spec = ChatOutput(lambda: fmt.parser(""), tool_parser([WEATHER], "auto", HermesParser), False, True)
+    out = spec.choice()
+    deltas = [d for i in range(0, len(text), split) for d in out.feed(text[i : i + split])] + out.finish()
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "weather?"
+    assert "".join(d.get("content", "") for d in deltas) == "Sure <tool_"
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["id"].startswith("call_")
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Kyiv"}
+    assert len(calls) > 2 if split == 1 else len(calls) >= 2  # the arguments come in pieces
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+    whole = spec.choice().message(text)
+    assert whole["content"] == "Sure <tool_" and whole["reasoning_content"] == "weather?"
+    assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"city": "Kyiv"}
 
-    s = AutoToolStream([WEATHER])
-    text = "no call here, only <tool"
-    sent = "".join(s.feed(text[i : i + split]) for i in range(0, len(text), split))
-    rest = s.finish()
-    assert sent + (rest.content or "") == text and rest.calls == []
+    held = ChatOutput(lambda: fmt.parser(""), None, False, False).choice()  # stream_reasoning false
+    deltas = [d for i in range(0, len(text), split) for d in held.feed(text[i : i + split])] + held.finish()
+    assert [d["reasoning_content"] for d in deltas if "reasoning_content" in d] == ["weather?"]
 
 
 # ---------------------------------------------------------------- hardening (issue 12) and leniency (issue 14)

@@ -7,9 +7,11 @@ thread, the caller's thread, an asyncio task; see drivers.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from radixgen.lang.agent import calls_grammar, split_output
 from radixgen.lang.backend_base import PREFILL_ONLY, ChatContext, GenRequest, ScoredChoices
 from radixgen.lang.chat import RoleFrame
 from radixgen.lang.choices import decide
@@ -154,6 +156,11 @@ def gen_request(core: StateCore, node: Gen) -> GenRequest:
         params["regex"] = node.regex
     elif node.json_schema is not None:
         params["json_schema"] = node.json_schema
+    if node.tools is not None:  # tool_choice required / named: the output is calls (lang/agent.py)
+        grammar = calls_grammar(json.loads(node.tools), node.tool_choice, node.tool_call_parser,
+                                node.parallel_tool_calls)
+        if grammar is not None:
+            params["ebnf"] = grammar
     return_logprob = _pick(node.return_logprob, d.return_logprob, False)
     text_in_logprobs = _pick(node.return_text_in_logprobs, d.return_text_in_logprobs, False)
     chat = None
@@ -204,6 +211,14 @@ def execute_gen(core: StateCore, node: Gen) -> Generator[Any, Any, None]:
             value, meta, first = result["text"], result["meta_info"], result
         core.append(first["text"], tags, first["meta_info"])
     core.cached_len = len(core.text)  # prompt and output are in the cache now
+    if node.name and (node.tools is not None or node.reasoning is not None):
+        out = split_output(value, json.loads(node.tools) if node.tools else None, node.tool_call_parser,
+                           node.reasoning_parser if node.reasoning else None, request.text)
+        value = out.content or ""
+        if node.reasoning:
+            core.set_var(node.reasoning, out.reasoning or "")
+        if node.tools is not None:
+            core.set_var(f"{node.name}_calls", out.calls)
     if node.name:
         core.set_var(node.name, value, meta)
 

@@ -140,9 +140,9 @@ class LinearBase(nn.Module):
         return 0, self.in_features, self.in_features
 
     def checkpoint_part(self, param: nn.Parameter, loaded, shard_id=None):
-        """The part of checkpoint tensor `loaded` (a torch tensor or anything with its `shape` and `narrow`: a
-        executor.weights.CheckpointSlice, a GGUF tensor) that `param` holds, not read yet where `loaded` is lazy. A scale
-        stored as one value for the whole tensor (param.fill) is the same for every part."""
+        """The part of checkpoint tensor `loaded` (a torch tensor or anything with its `shape` and `narrow`: an
+        executor.weights.CheckpointSlice, a GGUF tensor) that `param` holds, not read yet where `loaded` is lazy. A
+        scale stored as one value for the whole tensor (param.fill) is the same for every part."""
         if getattr(param, "fill", False) and math.prod(loaded.shape) == 1:
             return loaded
         if param.output_dim is not None:

@@ -19,6 +19,7 @@ from radixgen.runtime.detokenizer import IncrementalDetokenizer
 from radixgen.runtime.executor.sampler import Sampler, SamplingBatch, prompt_logprobs
 from radixgen.runtime.scheduler.batch import Batch
 from radixgen.runtime.scheduler.request import FinishReason, Req, ReqOutput, SpecCounts
+from radixgen.runtime.scheduler.thinking import ThinkingBudget
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class OutputProcessor:
         self.context_length = context_length
         self.counters = counters
         self.sampler = Sampler()
+        self.thinking = ThinkingBudget(tokenizer)
 
     # ------------------------------------------------------------------ sampling
 
@@ -95,6 +97,11 @@ class OutputProcessor:
         for r, (k, j) in enumerate(rows_of):  # min_new_tokens: no stop token before then
             if len(reqs[k].output_ids) + j < reqs[k].params.min_new_tokens:
                 rows[r, list(self.stop_token_ids(reqs[k]))] = float("-inf")
+            if reqs[k].params.max_thinking_tokens is not None:  # a think block closed at its budget
+                forced = self.thinking.forced(reqs[k].params, _output_with(reqs[k], drafts[k][:j]))
+                if forced is not None:
+                    rows[r] = float("-inf")
+                    rows[r, forced] = 0.0
         row_reqs = [reqs[k] for k, _ in rows_of]
         sb = SamplingBatch.build([r.params for r in row_reqs],
                                  [_output_with(reqs[k], drafts[k][:j]) for k, j in rows_of],

@@ -37,10 +37,13 @@ def create_app(
     cache_isolation: str = "shared",
     strict_model_name: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app over `engine`. Clients must send one of `api_key` / `api_keys` when any is given; with
     cache_isolation "per-key" each key's requests share cached prefixes only among themselves (see
-    docs/security.md). `server_args` is what /get_server_info shows (no keys in it)."""
+    docs/security.md). `server_args` is what /get_server_info shows (no keys in it). `reasoning_parser` /
+    `tool_call_parser`: the chat output formats (server/parsers); None: detected from the chat template."""
     keys = list(dict.fromkeys([*([api_key] if api_key else []), *api_keys]))
     if cache_isolation not in CACHE_ISOLATION:
         raise ValueError(f"cache_isolation must be one of {list(CACHE_ISOLATION)}, got {cache_isolation!r}")
@@ -53,7 +56,7 @@ def create_app(
         engine = KeyScopedEngine(engine)
     dispatcher = Dispatcher(engine, metrics)
     name = served_model_name or Path(str(engine.model_info.get("model_name") or "default")).name
-    openai = OpenAIServing(engine, dispatcher, name, strict_model_name)
+    openai = OpenAIServing(engine, dispatcher, name, strict_model_name, reasoning_parser, tool_call_parser)
     native = NativeServing(engine, dispatcher, openai)
 
     app = FastAPI(title="radixgen", docs_url=None, redoc_url=None, openapi_url=None)

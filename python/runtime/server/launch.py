@@ -15,6 +15,7 @@ import uvicorn
 from radixgen.common.flags import add_dataclass_flags, values_of
 from radixgen.common.options import check_choice, option
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.server.parsers import REASONING_FORMATS, TOOL_PARSERS
 
 SHUTDOWN_GRACE_S = 30.0  # in-flight requests may finish this long after SIGTERM; the rest are aborted
 STREAM_CUTOFF_MARGIN_S = 1.0  # what still runs this long before the grace ends gets a final error event
@@ -44,6 +45,12 @@ class ServerConfig:
                                      "long; what still runs then ends with an error event")
     log_level: str = option("info", "log level of the server", choices=LOG_LEVELS)
     dp_size: int = option(1, "data parallelism: this many worker servers behind a cache-aware router")
+    # chat output formats (server/parsers)
+    reasoning_parser: str | None = option(None, "the think-block format of the model's output, separated into "
+                                          "reasoning_content; none: not separated (default: detected from the "
+                                          "chat template)", choices=(*REASONING_FORMATS, "none"))
+    tool_call_parser: str | None = option(None, "the format of the model's tool calls (default: detected from "
+                                          "the chat template; hermes when it names none)", choices=tuple(TOOL_PARSERS))
 
     def __post_init__(self) -> None:
         check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
@@ -54,6 +61,10 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, (*REASONING_FORMATS, "none"))
+        if self.tool_call_parser is not None:
+            check_choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_PARSERS))
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if any(not k or k != k.strip() for k in self.api_keys):
@@ -150,6 +161,8 @@ def run_server(args: ServerArgs) -> int:
             cache_isolation=server.cache_isolation,
             strict_model_name=server.strict_model_name,
             max_request_bytes=server.max_request_bytes,
+            reasoning_parser=server.reasoning_parser,
+            tool_call_parser=server.tool_call_parser,
         )
         config = uvicorn.Config(
             app,

@@ -38,7 +38,8 @@ OPENAI_NOT_EXPOSED = frozenset(("stop_regex", "choices"))
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, dispatcher: Dispatcher, served_model_name: str, strict_model_name: bool = False):
+    def __init__(self, engine: Any, dispatcher: Dispatcher, served_model_name: str, strict_model_name: bool = False,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
         from radixgen.runtime.server.openai_chat import ChatServing
         from radixgen.runtime.server.openai_completions import CompletionServing
 
@@ -54,7 +55,7 @@ class OpenAIServing:
         self.created = int(time.time())
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.completion_api = CompletionServing(self)
-        self.chat_api = ChatServing(self)
+        self.chat_api = ChatServing(self, reasoning_parser, tool_call_parser)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

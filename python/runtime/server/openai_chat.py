@@ -14,10 +14,19 @@ from starlette.responses import Response
 
 from radixgen.common.chat_render import render_chat
 from radixgen.common.http_errors import JSONResponse, bad_request, error_of
+from radixgen.runtime.server.chat_constraint import chat_constraint
+from radixgen.runtime.server.chat_output import ChatOutput
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
+from radixgen.runtime.server.parsers import (
+    ReasoningParser,
+    detect_reasoning_format,
+    detect_tool_parser,
+    reasoning_format,
+    tool_parser_class,
+)
 from radixgen.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
 from radixgen.runtime.server.serving import merge
-from radixgen.runtime.server.tools import ChatToolMode, format_call, tool_choice_schema, tools_system_prompt
+from radixgen.runtime.server.tools import tool_parser
 
 if TYPE_CHECKING:
     from radixgen.runtime.server.openai_api import OpenAIServing
@@ -51,29 +60,43 @@ def _json_or_text(arguments: str) -> Any:
         return arguments
 
 
-def calls_message(calls: list[dict], legacy: bool) -> tuple[dict, str]:
-    """The message fields and finish_reason of a choice that made calls; the legacy shape has one call."""
-    if legacy:
-        return {"function_call": calls[0]["function"]}, "function_call"
-    return {"tool_calls": calls}, "tool_calls"
-
-
-def calls_delta(calls: list[dict], legacy: bool) -> tuple[dict, str]:
-    if legacy:
-        return {"function_call": calls[0]["function"]}, "function_call"
-    return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, "tool_calls"
+def check_tool_history(messages: list[ChatMessage]) -> None:
+    """400 for tool turns the template would render as nonsense: a call's arguments that are not a JSON
+    object, a tool result answering no earlier call."""
+    ids: set[str | None] = set()
+    for i, m in enumerate(messages):
+        for j, c in enumerate(m.tool_calls or []):
+            try:
+                args = json.loads(c.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: not a JSON object: "
+                                  f"{c.function.arguments[:80]!r}", "messages")
+            ids.add(c.id)
+        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in ids and None not in ids:
+            raise bad_request(f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no earlier tool call",
+                              "messages")
 
 
 class ChatServing:
-    def __init__(self, api: OpenAIServing):
+    def __init__(self, api: OpenAIServing, reasoning_parser: str | None = None, tool_call_parser: str | None = None):
+        """`reasoning_parser` / `tool_call_parser`: format names (server/parsers); None: detected from the
+        chat template; reasoning_parser "none": thinking is not separated."""
         self.api = api
         self.tokenizer = api.tokenizer
         template = self.tokenizer.chat_template or ""
         self.template_renders_tools = "tools" in template  # else tools go into a system message
+        if reasoning_parser is None:
+            self.reasoning = detect_reasoning_format(template)
+        else:
+            self.reasoning = None if reasoning_parser == "none" else reasoning_format(reasoning_parser)
+        self.tool_format = tool_parser_class(tool_call_parser or detect_tool_parser(template))
 
     # ------------------------------------------------------------ the prompt
 
     def template_messages(self, req: ChatCompletionRequest, with_tools: bool) -> list[dict]:
+        check_tool_history(req.messages)
         msgs = []
         for i, m in enumerate(req.messages):
             content = self.message_text(m, i)
@@ -95,11 +118,12 @@ class ChatServing:
                         for c in calls
                     ]
                 else:  # the template cannot render calls: write them in the format the model was told
-                    text = "".join(format_call(c.function.name, _json_or_text(c.function.arguments)) for c in calls)
+                    text = "".join(self.tool_format.format_call(c.function.name, _json_or_text(c.function.arguments))
+                                   for c in calls)
                     d["content"] = content + text
             msgs.append(d)
         if with_tools and not self.template_renders_tools:
-            note = tools_system_prompt(req.tools or [])
+            note = self.tool_format.instructions([t.model_dump(exclude_none=True)["function"] for t in req.tools or []])
             if msgs[0]["role"] == "system":
                 msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
             else:
@@ -124,10 +148,15 @@ class ChatServing:
             parts.append(part["text"])
         return "".join(parts)
 
-    async def prompt(self, req: ChatCompletionRequest, with_tools: bool) -> list[int]:
-        """The prompt's token ids; the template is rendered and the text tokenized off the event loop."""
-        text = await self.api.off_loop("messages", self.render, req, with_tools)
-        return await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
+    def output(self, req: ChatCompletionRequest, prompt: str, tools: Any) -> ChatOutput:
+        """How the choices' text becomes message fields; the output begins inside a think block when the
+        prompt opened one (a constraint starts after the block: chat_constraint)."""
+        fmt = self.reasoning if req.separate_reasoning else None
+        reasoning = None
+        if fmt is not None:
+            thinking = fmt.thinking_at_start(prompt)
+            reasoning = lambda: ReasoningParser(fmt, thinking)  # noqa: E731
+        return ChatOutput(reasoning, tools, req.legacy_functions, req.stream_reasoning)
 
     def render(self, req: ChatCompletionRequest, with_tools: bool) -> str:
         """The prompt text through the chat template."""
@@ -152,15 +181,11 @@ class ChatServing:
         lora = api.admit(req)
         choice = req.effective_tool_choice
         with_tools = bool(req.tools) and choice != "none"
-        ids = await self.prompt(req, with_tools)
-        fmt = None
-        if req.response_format is not None and req.response_format.type != "text":
-            if req.response_format.type == "json_object":
-                fmt = {"type": "object"}
-            else:
-                fmt = req.response_format.json_schema.schema_  # type: ignore[union-attr]
-        tool_schema = tool_choice_schema(req.tools or [], choice, req.parallel_calls) if with_tools else None
-        constraint = api.constraint(req, response_format=fmt, tool_choice=tool_schema)
+        text = await self.api.off_loop("messages", self.render, req, with_tools)
+        # grammars are built off the event loop (a large schema takes milliseconds)
+        built = await self.api.off_loop("tools", chat_constraint, self, req, text, with_tools)
+        text, constraint = built.prompt, built.fields
+        ids = await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = api.sampling(req, api.budget(len(ids), requested, param, "messages"), constraint)
@@ -175,20 +200,18 @@ class ChatServing:
             top_logprobs_num=req.top_logprobs or 0,
             logprob_start_len=-1,
         )
-        mode = ChatToolMode(req.tools or [], choice if with_tools else "none", req.parallel_calls)
+        tools = tool_parser(req.tools or [], choice if with_tools else "none", self.tool_format)
+        spec = self.output(req, text, tools)
         if req.stream:
             streams = await api.start_stream(jobs, rid, arrived)
-            return EventStream(self.stream(req, jobs, streams, mode, rid), lambda: api.dispatcher.end_group(rid))
+            return EventStream(self.stream(req, jobs, streams, spec, rid), lambda: api.dispatcher.end_group(rid))
         outs = await api.run(request, jobs, rid, arrived)
         choices = []
         for job, out in zip(jobs, outs, strict=True):
             meta = out["meta_info"]
-            finish = finish_reason_of(meta)
-            parsed = mode.parse(out["text"])
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
-            if parsed.calls:
-                fields, finish = calls_message(parsed.calls, req.legacy_functions)
-                message.update(fields)
+            parsed = spec.choice()
+            message: dict[str, Any] = {"role": "assistant", **parsed.message(out["text"]), "refusal": None}
+            finish = parsed.finish_reason(finish_reason_of(meta))
             lp = {"content": self.logprobs(meta), "refusal": None} if req.logprobs else None
             choices.append({"index": job.index, "message": message, "logprobs": lp, "finish_reason": finish})
         return JSONResponse(
@@ -223,7 +246,7 @@ class ChatServing:
         return entries
 
     async def stream(
-        self, req: ChatCompletionRequest, jobs: list[Job], streams: list, mode: ChatToolMode, rid: str
+        self, req: ChatCompletionRequest, jobs: list[Job], streams: list, spec: ChatOutput, rid: str
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -237,7 +260,7 @@ class ChatServing:
 
         finals: list[dict | None] = [None] * len(jobs)
         sent_lp = [0] * len(jobs)
-        filters = [mode.stream_filter() for _ in jobs]
+        parsers = [spec.choice() for _ in jobs]
         try:
             for job in jobs:  # the first delta of each choice carries the role
                 yield chunk(job.index, {"role": "assistant", "content": ""})
@@ -248,19 +271,17 @@ class ChatServing:
                     if req.logprobs:
                         lp = self.logprobs(meta, sent_lp[i])
                         sent_lp[i] += len(lp)
-                    text = filters[i].feed(out.get("delta", ""))
-                    if text or lp:
-                        yield chunk(job.index, {"content": text} if text else {}, lp)
+                    deltas = parsers[i].feed(out.get("delta", ""))
+                    if lp and not deltas:
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):  # the logprobs ride on the first
+                        yield chunk(job.index, delta, lp if k == 0 else None)
                     if meta.get("finish_reason") is None:
                         continue
                     finals[i] = out
-                    finish = finish_reason_of(meta)
-                    rest = filters[i].finish(out["text"])
-                    if rest.content:
-                        yield chunk(job.index, {"content": rest.content})
-                    if rest.calls:
-                        delta, finish = calls_delta(rest.calls, req.legacy_functions)
+                    for delta in parsers[i].finish():
                         yield chunk(job.index, delta)
+                    finish = parsers[i].finish_reason(finish_reason_of(meta))
                     yield chunk(job.index, {}, None, finish)
             if include_usage:
                 yield sse({**head, "choices": [], "usage": self.api.usage(finals, req.n)})  # type: ignore[arg-type]

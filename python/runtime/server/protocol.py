@@ -24,8 +24,6 @@ NO_EFFECT = {
     "prompt_cache_key": "prefix caching is automatic (cache_salt partitions it)",
     "prediction": "no predicted-output speculation; the output is the same without it",
     "modalities": "text only",
-    "separate_reasoning": "the served model has no reasoning format to separate",
-    "stream_reasoning": "the served model has no reasoning format to separate",
 }
 
 
@@ -210,8 +208,11 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    separate_reasoning: bool = True
-    stream_reasoning: bool = True
+    # ---- reasoning models (issue 29; SGLang's extra body): the think block of the output, see server/parsers
+    separate_reasoning: bool = True  # thinking goes to reasoning_content (with a reasoning format), not content
+    stream_reasoning: bool = True  # streamed as it comes; false: in one delta once the block ends
+    max_thinking_tokens: int | None = Field(None, ge=0)  # the think block is closed after this many tokens
+    # ---- end of issue 29's fields
 
     @model_validator(mode="before")
     @classmethod

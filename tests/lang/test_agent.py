@@ -1,0 +1,86 @@
+"""Agents in the language: gen with tools reads the calls into `<name>_calls`, a tool_choice naming a tool
+makes the default model call it with schema-valid arguments (in-process and over HTTP), gen with
+reasoning keeps the think block out of the answer variable, and bad arguments are refused up front."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+import radixgen as rg
+from radixgen.lang.agent import ToolCall, function_spec, split_output, tools_prompt
+from radixgen.lang.backend_http import RuntimeEndpoint
+
+CITY = {"name": "get_weather", "description": "The weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                     "days": {"type": "integer", "enum": [1, 2, 3]}},
+    "required": ["city", "days"], "additionalProperties": False}}
+
+
+def add(a: int, b: int = 0) -> int:
+    """Adds two integers."""
+    return a + b
+
+
+def test_function_spec_from_dicts_and_functions():
+    assert function_spec({"type": "function", "function": CITY}) is CITY
+    spec = function_spec(add)
+    assert spec["name"] == "add" and spec["description"] == "Adds two integers."
+    assert spec["parameters"]["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    assert spec["parameters"]["required"] == ["a"]
+    with pytest.raises(ValueError, match="needs a str, int"):
+        function_spec(lambda x: x)
+    assert "get_weather" in tools_prompt([CITY]) and "<tool_call>" in tools_prompt([CITY])
+
+
+def test_split_output_parts():
+    text = '<think>hmm</think>\n\nSure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    out = split_output(text, [function_spec(add)], "hermes", "qwen3")
+    assert out.content == "Sure." and out.reasoning == "hmm"
+    assert [(c.name, c.arguments) for c in out.calls] == [("add", {"a": 1})]
+    assert split_output("plain", None, "hermes", None) == ("plain", None, [])
+
+
+def test_gen_arguments_are_checked():
+    with pytest.raises(ValueError, match="need a variable name"):
+        rg.gen(tools=[add])
+    with pytest.raises(ValueError, match="tool_choice other than auto"):
+        rg.gen("x", tools=[add], tool_choice="required", regex="a")
+    with pytest.raises(ValueError, match="n=1"):
+        rg.gen("x", reasoning=True, n=2)
+
+
+@rg.function
+def ask(s, tool_choice):
+    s += rg.system("You are a weather assistant.\n\n" + tools_prompt([CITY]))
+    s += rg.user("What is the weather in Oslo for two days?")
+    s += rg.assistant(rg.gen("turn", tools=[CITY], tool_choice=tool_choice, parallel_tool_calls=False,
+                             max_tokens=60))
+
+
+def _check_call(state):
+    (call,) = state["turn_calls"]
+    assert isinstance(call, ToolCall) and call.name == "get_weather"
+    jsonschema.validate(call.arguments, CITY["parameters"])
+    assert "<tool_call>" in state.text()  # the whole output stays in the text (the next turn's cache)
+    assert "<tool_call>" not in state["turn"]
+
+
+def test_forced_call_in_process(engine):
+    for _ in range(3):  # sampled: the grammar keeps every call valid
+        _check_call(ask.run(tool_choice="get_weather", backend=engine, temperature=1.0))
+    _check_call(ask.run(tool_choice="required", backend=engine, temperature=0))
+
+
+def test_forced_call_over_http(server_url):
+    _check_call(ask.run(tool_choice="get_weather", backend=RuntimeEndpoint(server_url), temperature=0))
+
+
+def test_reasoning_variable(engine):
+    @rg.function
+    def think(s):
+        s += "Question: 2 + 2?\nAnswer: <think>"
+        s += rg.gen("a", reasoning="thought", regex=r"[a-z ]{3,12}</think> [0-9]", max_tokens=20)
+
+    state = think.run(backend=engine, temperature=0)
+    assert state["thought"] and "</think>" not in state["a"] and state["a"].isdigit()

@@ -58,7 +58,7 @@ def function_spec(tool: dict | Callable) -> dict[str, Any]:
 
 def tools_prompt(tools: Sequence[dict | Callable], tool_call_parser: str = "hermes") -> str:
     """The system-prompt text that describes `tools` and how to call them in that format."""
-    from radixgen.runtime.server.parsers import tool_parser_class
+    from radixgen.common.parsers import tool_parser_class
 
     return tool_parser_class(tool_call_parser).instructions([function_spec(t) for t in tools])
 
@@ -67,8 +67,8 @@ def calls_grammar(specs: Sequence[dict], tool_choice: str, tool_call_parser: str
     """EBNF making the output calls only (tool_choice "required" or a tool's name), None for "auto"."""
     if tool_choice == "auto":
         return None
-    from radixgen.runtime.grammar.compose import CallTag, calls_only, ebnf_of
-    from radixgen.runtime.server.parsers import tool_parser_class
+    from radixgen.common.grammar.compose import CallTag, calls_only, ebnf_of
+    from radixgen.common.parsers import tool_parser_class
 
     fmt = tool_parser_class(tool_call_parser)
     chosen = [s for s in specs if tool_choice in ("required", s["name"])]
@@ -87,7 +87,7 @@ def split_output(text: str, specs: Sequence[dict] | None, tool_call_parser: str,
                  reasoning_parser: str | None, prompt: str = "") -> AgentOutput:
     """The output of a gen as content, thinking and calls; `prompt`: the text before it (which may have
     opened the think block)."""
-    from radixgen.runtime.server.parsers import collect, reasoning_format, tool_parser_class
+    from radixgen.common.parsers import collect, reasoning_format, tool_parser_class
 
     reasoning = None
     if reasoning_parser is not None:

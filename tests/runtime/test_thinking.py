@@ -14,8 +14,7 @@ from tiny_models import tiny_model_dir
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from radixgen import Engine
-from radixgen.common.sampling_params import SamplingParams
-from radixgen.runtime.grammar.compose import (
+from radixgen.common.grammar.compose import (
     CallTag,
     after_thinking,
     calls_or,
@@ -24,7 +23,8 @@ from radixgen.runtime.grammar.compose import (
     json_ebnf,
     triggered_calls,
 )
-from radixgen.runtime.grammar.schema import ConstraintError
+from radixgen.common.grammar.schema import ConstraintError
+from radixgen.common.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}

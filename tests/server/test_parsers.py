@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from radixgen.runtime.server.parsers import (
+from radixgen.common.parsers import (
     REASONING_FORMATS,
     TOOL_PARSERS,
     CallArgs,

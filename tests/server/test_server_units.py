@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from radixgen.common.http_errors import APIError, install_error_handlers, value_error_param
+from radixgen.common.parsers import HermesParser, collect, reasoning_format
 from radixgen.common.prometheus import Counter, Histogram
 from radixgen.runtime.server.chat_output import ChatOutput
 from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.native_protocol import GenerateRequest
-from radixgen.runtime.server.parsers import HermesParser, collect, reasoning_format
 from radixgen.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -54,8 +54,7 @@ Whitespace: "compact" emits ``{"a":1,"b":[2,3]}``; "flexible" allows whitespace 
 most ``max_whitespace`` characters in a row, so a model cannot loop on newlines.
 """
 
-from radixgen.runtime.grammar.backend import GrammarBackend, build_tokenizer_info, default_stop_token_ids, make_backend
-from radixgen.runtime.grammar.compile import (
+from radixgen.common.grammar.compile import (
     CONSTRAINT_KINDS,
     CacheInfo,
     CompileCache,
@@ -64,8 +63,7 @@ from radixgen.runtime.grammar.compile import (
     check_constraint,
     choices_to_ebnf,
 )
-from radixgen.runtime.grammar.matcher import JumpForward, Matcher, jump_forward
-from radixgen.runtime.grammar.schema import (
+from radixgen.common.grammar.schema import (
     ENFORCED_FORMATS,
     FORMAT_PATTERNS,
     ConstraintError,
@@ -74,6 +72,8 @@ from radixgen.runtime.grammar.schema import (
     analyze_schema,
     unenforced_keywords,
 )
+from radixgen.runtime.grammar.backend import GrammarBackend, build_tokenizer_info, default_stop_token_ids, make_backend
+from radixgen.runtime.grammar.matcher import JumpForward, Matcher, jump_forward
 
 __all__ = [
     "CONSTRAINT_KINDS", "ENFORCED_FORMATS", "FORMAT_PATTERNS", "CacheInfo", "CompileCache", "CompileHandle",

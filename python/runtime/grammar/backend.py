@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 import torch
 import xgrammar as xgr
 
+from radixgen.common.grammar.compile import CacheInfo, CompileCache, CompiledConstraint, CompileHandle
+from radixgen.common.grammar.schema import ConstraintError
 from radixgen.runtime.config import JSON_WHITESPACE
-from radixgen.runtime.grammar.compile import CacheInfo, CompileCache, CompiledConstraint, CompileHandle
 from radixgen.runtime.grammar.matcher import Matcher, jump_forward
-from radixgen.runtime.grammar.schema import ConstraintError
 from radixgen.runtime.special_tokens import eos_token_ids
 
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import xgrammar as xgr
 
-from radixgen.runtime.grammar.compile import CompiledConstraint
+from radixgen.common.grammar.compile import CompiledConstraint
 
 
 class JumpForward(NamedTuple):

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from radixgen.common.http_errors import bad_request
-from radixgen.runtime.grammar.compose import (
+from radixgen.common.grammar.compose import (
     CallTag,
     after_thinking,
     calls_or,
@@ -24,7 +23,8 @@ from radixgen.runtime.grammar.compose import (
     ebnf_of,
     triggered_calls,
 )
-from radixgen.runtime.grammar.schema import ConstraintError, analyze_schema, report_unenforced
+from radixgen.common.grammar.schema import ConstraintError, analyze_schema, report_unenforced
+from radixgen.common.http_errors import bad_request
 from radixgen.runtime.server.protocol import ChatCompletionRequest
 from radixgen.runtime.server.tools import parameters_schema, tool_choice_schema
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from radixgen.runtime.server.parsers import CallStart, Content, Event, ReasoningParser, ToolParser, collect
+from radixgen.common.parsers import CallStart, Content, Event, ReasoningParser, ToolParser, collect
 
 
 class ChatOutput(NamedTuple):

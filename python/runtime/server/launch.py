@@ -14,8 +14,8 @@ import uvicorn
 
 from radixgen.common.flags import add_dataclass_flags, values_of
 from radixgen.common.options import check_choice, option
+from radixgen.common.parsers import REASONING_FORMATS, TOOL_PARSERS
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.server.parsers import REASONING_FORMATS, TOOL_PARSERS
 
 SHUTDOWN_GRACE_S = 30.0  # in-flight requests may finish this long after SIGTERM; the rest are aborted
 STREAM_CUTOFF_MARGIN_S = 1.0  # what still runs this long before the grace ends gets a final error event

@@ -14,16 +14,16 @@ from starlette.responses import Response
 
 from radixgen.common.chat_render import render_chat
 from radixgen.common.http_errors import JSONResponse, bad_request, error_of
-from radixgen.runtime.server.chat_constraint import chat_constraint
-from radixgen.runtime.server.chat_output import ChatOutput
-from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
-from radixgen.runtime.server.parsers import (
+from radixgen.common.parsers import (
     ReasoningParser,
     detect_reasoning_format,
     detect_tool_parser,
     reasoning_format,
     tool_parser_class,
 )
+from radixgen.runtime.server.chat_constraint import chat_constraint
+from radixgen.runtime.server.chat_output import ChatOutput
+from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, finish_reason_of, json_logprob, sse
 from radixgen.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolCall
 from radixgen.runtime.server.serving import merge
 from radixgen.runtime.server.tools import tool_parser

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from radixgen.runtime.server.parsers import ForcedParser, NamedParser, ToolParser
+from radixgen.common.parsers import ForcedParser, NamedParser, ToolParser
 from radixgen.runtime.server.protocol import NamedToolChoice, Tool
 
 _ANY_OBJECT = {"type": "object"}

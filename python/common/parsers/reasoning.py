@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from radixgen.runtime.server.parsers.base import Split, partial_suffix
+from radixgen.common.parsers.base import Split, partial_suffix
 
 
 class ReasoningFormat(NamedTuple):

@@ -10,7 +10,7 @@ import ast
 import re
 from typing import Any
 
-from radixgen.runtime.server.parsers.base import ToolParser, json_text, known
+from radixgen.common.parsers.base import ToolParser, json_text, known
 
 _START, _END = "<|python_start|>", "<|python_end|>"
 _OPENS = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")  # a list whose first item is a call

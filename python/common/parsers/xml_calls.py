@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixgen.runtime.server.parsers.base import ToolParser, json_text, known, partial_suffix
+from radixgen.common.parsers.base import ToolParser, json_text, known, partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FN, FN_CLOSE = "<function=", "</function>"

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import xgrammar as xgr
 
-from radixgen.runtime.grammar.compile import check_constraint, choices_to_ebnf, fix_bounded_strings
-from radixgen.runtime.grammar.schema import ConstraintError, analyze_schema, report_unenforced
+from radixgen.common.grammar.compile import check_constraint, choices_to_ebnf, fix_bounded_strings
+from radixgen.common.grammar.schema import ConstraintError, analyze_schema, report_unenforced
 
 THINK_GAP = r"[ \n]{0,4}"  # what may stand between the end of the think block and the answer
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import xgrammar as xgr
 
 from radixgen.common.constraint import CONSTRAINT_KINDS, Constraint
-from radixgen.runtime.grammar.schema import ConstraintError, analyze_schema, parse_schema, report_unenforced
+from radixgen.common.grammar.schema import ConstraintError, analyze_schema, parse_schema, report_unenforced
 
 
 class CompiledConstraint(NamedTuple):

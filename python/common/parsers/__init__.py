@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from radixgen.runtime.server.parsers.base import (
+from radixgen.common.parsers.base import (
     CallArgs,
     CallStart,
     Content,
@@ -16,16 +16,16 @@ from radixgen.runtime.server.parsers.base import (
     ToolParser,
     collect,
 )
-from radixgen.runtime.server.parsers.json_calls import (
+from radixgen.common.parsers.json_calls import (
     ForcedParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     NamedParser,
 )
-from radixgen.runtime.server.parsers.pythonic import PythonicParser
-from radixgen.runtime.server.parsers.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningParser
-from radixgen.runtime.server.parsers.xml_calls import Qwen3CoderParser
+from radixgen.common.parsers.pythonic import PythonicParser
+from radixgen.common.parsers.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningParser
+from radixgen.common.parsers.xml_calls import Qwen3CoderParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from radixgen.runtime.server.parsers.base import JsonValueEnd, ToolParser, json_text, known, partial_suffix
+from radixgen.common.parsers.base import JsonValueEnd, ToolParser, json_text, known, partial_suffix
 
 # the head of a call object whose name comes first; (?=\S): the arguments value has begun
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')

@@ -19,7 +19,7 @@ OFFLINE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                  "no_stop_trim": "include_stop_str_in_output"}
 # Declared parameters vLLM's SamplingParams has no field for (the native dict LLM.generate takes has them).
 # The constraints come from guided_decoding / structured_outputs.
-OFFLINE_NOT_EXPOSED = frozenset(("stop_regex",))
+OFFLINE_NOT_EXPOSED = frozenset(("stop_regex", "max_thinking_tokens", "think_end"))
 
 @dataclass
 class GuidedDecodingParams:

@@ -20,7 +20,13 @@ from radixgen.lang.program import Function
 from radixgen.offline.params import OFFLINE_NAMES, OFFLINE_NOT_EXPOSED
 from radixgen.offline.params import SamplingParams as OfflineParams
 from radixgen.runtime.server.native_protocol import NativeSamplingParams
-from radixgen.runtime.server.openai_api import OPENAI_NAMES, OPENAI_NOT_EXPOSED, SET_ELSEWHERE, OpenAIServing
+from radixgen.runtime.server.openai_api import (
+    OPENAI_NAMES,
+    OPENAI_NOT_EXPOSED,
+    SET_BY_CHAT,
+    SET_ELSEWHERE,
+    OpenAIServing,
+)
 from radixgen.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
 DECLARED = [f.name for f in sampling_fields()]
@@ -49,17 +55,24 @@ SAMPLE = {
     "ebnf": 'root ::= "a"',
     "choices": ["yes", "no"],
     "logit_bias": {"5": 1.5},
+    "max_thinking_tokens": 16,
+    "think_end": "</reasoning>",
 }
+# Parameters that are only valid together (a thinking budget needs the block's closing text, and the other way
+# round): a sample of one comes with this value of the other.
+COMPANIONS = {"max_thinking_tokens": {"think_end": "</think>"}, "think_end": {"max_thinking_tokens": 64}}
 NON_CONSTRAINT = [name for name in DECLARED if name not in CONSTRAINT_FIELDS]
 
 # Deliberately not a keyword of the language's gen(...) (SGLang's gen has none of them; a run's requests keep
 # the declared defaults). `choices` is gen's too, but makes a select.
-LANG_NOT_EXPOSED = {"repetition_penalty", "skip_special_tokens", "no_stop_trim", "seed", "ebnf", "logit_bias"}
+LANG_NOT_EXPOSED = {"repetition_penalty", "skip_special_tokens", "no_stop_trim", "seed", "ebnf", "logit_bias",
+                    # a thinking budget: the server's chat API sets it (with the reasoning parser's closing text)
+                    "max_thinking_tokens", "think_end"}
 
 
 def native(name: str, value):
     """`value` as the declared parameter holds it after construction (e.g. logit_bias keys as ints)."""
-    return getattr(SamplingParams(**{name: value}), name)
+    return getattr(SamplingParams(**{**COMPANIONS.get(name, {}), name: value}), name)
 
 
 def test_every_declared_parameter_has_a_sample_and_help():
@@ -148,6 +161,9 @@ def test_openai_protocol_covers_the_declaration():
         for name in DECLARED:
             if name in OPENAI_NOT_EXPOSED:
                 assert OPENAI_NAMES.get(name, name) not in model.model_fields, f"{name} is exposed now"
+            elif name in SET_BY_CHAT:  # the budget is a chat field; its closing text comes from the parser
+                assert ("max_thinking_tokens" in ChatCompletionRequest.model_fields
+                        and name not in CompletionRequest.model_fields), name
             elif name != "max_new_tokens":  # max_tokens / max_completion_tokens: the budget
                 assert OPENAI_NAMES.get(name, name) in model.model_fields, (model.__name__, name)
 
@@ -155,7 +171,7 @@ def test_openai_protocol_covers_the_declaration():
 @pytest.mark.parametrize("constraint", ["regex", "json_schema", "ebnf"])
 def test_openai_mapping_carries_every_parameter(constraint):
     wire = {OPENAI_NAMES.get(name, name): SAMPLE[name] for name in NON_CONSTRAINT if name not in OPENAI_NOT_EXPOSED
-            and name != "max_new_tokens"}
+            and name not in SET_BY_CHAT and name != "max_new_tokens"}
     wire[constraint] = SAMPLE[constraint]
     req = CompletionRequest(prompt="hi", **wire)
     sp = OpenAIServing.sampling(req, 7, OpenAIServing.constraint(req))

@@ -82,6 +82,9 @@ class NativeSamplingParams(_Strict):
     seed: int | None = None
     choices: list[str] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
+    # a thinking budget: the think block is closed with `think_end` after this many output tokens
+    max_thinking_tokens: int | None = None
+    think_end: str | None = None
     # features radixgen lacks: only empty values
     structural_tag: Any = None
     custom_params: Any = None
@@ -177,7 +180,8 @@ _GENERATE_FEATURES = {
     "http_worker_ipc": "multi-tokenizer workers (http_worker_ipc) are",
     "background": "background requests (background) are",
     "require_reasoning": "reasoning control (require_reasoning) is",
-    "max_thinking_tokens": "thinking budgets (max_thinking_tokens) are",
+    "max_thinking_tokens": "a top-level thinking budget (max_thinking_tokens; give sampling_params' "
+                           "max_thinking_tokens and think_end) is",
     "priority": "request priorities (priority) are",
     "custom_labels": "custom metric labels (custom_labels) are",
     "return_bytes": "image generation (return_bytes) is",

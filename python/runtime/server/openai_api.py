@@ -32,7 +32,10 @@ logger = logging.getLogger("radixgen.server")
 OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
 # Declared parameters the mapping sets itself: the token budget (max_tokens / max_completion_tokens against the
 # context), n and seed (one job per choice, choice k seeded with seed + k), the constraint (constraint()).
-SET_ELSEWHERE = frozenset(("max_new_tokens", "n", "seed", *CONSTRAINT_FIELDS))
+# The thinking budget is the chat path's (chat_constraint.py: max_thinking_tokens with the reasoning format's
+# closing text); a completion has no think block.
+SET_BY_CHAT = frozenset(("max_thinking_tokens", "think_end"))
+SET_ELSEWHERE = frozenset(("max_new_tokens", "n", "seed", *CONSTRAINT_FIELDS, *SET_BY_CHAT))
 # Declared parameters the OpenAI API does not take (the native /generate does).
 OPENAI_NOT_EXPOSED = frozenset(("stop_regex", "choices"))
 

@@ -95,7 +95,7 @@ class LoRACase(NamedTuple):
         return int(self.seg_lens.max())
 
     def args(self, y: torch.Tensor) -> tuple:
-        """cpu.lora_delta_'s arguments, adding into y."""
+        """cpu_lora.lora_delta_'s arguments, adding into y."""
         return (y, self.x, self.a, self.b, self.scales, self.ranks, self.segments, self.rows, self.seg_starts,
                 self.seg_lens, self.seg_slots)
 

@@ -20,6 +20,7 @@ from radixgen.kernels import (
     cpu,
     cpu_fused,
     cpu_linear,
+    cpu_lora,
     decode_attention_ref,
     extend_attention_ref,
     fused_add_rmsnorm_ref,
@@ -171,10 +172,10 @@ def test_bf16_kernels(kl, gen):
         with pytest.raises(ValueError, match="AVX512-BF16"):
             cpu.silu_and_mul(x, kl=kl)
         with pytest.raises(ValueError, match="AVX512-BF16"):
-            cpu.lora_delta_(*lora.args(lora.y.clone()), kl=kl)
+            cpu_lora.lora_delta_(*lora.args(lora.y.clone()), kl=kl)
         return
     y = lora.y.clone()
-    cpu.lora_delta_(*lora.args(y), kl=kl)
+    cpu_lora.lora_delta_(*lora.args(y), kl=kl)
     assert rel_err(y.float() - lora.y.float(), lora.reference().float() - lora.y.float()) < TOL[torch.bfloat16]
     assert rel_err(cpu.extend_attention(*args, kl=kl), extend_attention_ref(*args)) < TOL[torch.bfloat16]
     assert torch.equal(cpu.silu_and_mul(x, kl=kl), cpu.silu_and_mul_ref(x))

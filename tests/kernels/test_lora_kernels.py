@@ -11,7 +11,7 @@ from kv_helpers import kv_of
 from lora_helpers import base_model, make_adapter
 from tiny_models import tiny_model_dir
 
-from radixgen.kernels import cpu, lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
+from radixgen.kernels import cpu, cpu_lora, lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
 from radixgen.kernels.lora import expand_weights, pack_kpairs, unpack_kpairs
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
@@ -68,7 +68,7 @@ def test_refs_are_the_textbook_formula(gen):
 def test_c_kernel_matches_refs(gen, t):
     c = lora_case(gen, torch.bfloat16, t=t)
     y = c.y.clone()
-    cpu.lora_delta_(*c.args(y))
+    cpu_lora.lora_delta_(*c.args(y))
     assert rel_err(y.float() - c.y.float(), c.reference().float() - c.y.float()) < TOL[torch.bfloat16]
 
 
@@ -87,7 +87,7 @@ def test_c_kernel_checks_its_arguments(gen):
     for change, match in cases:
         args = dict(zip(names, c.args(c.y.clone()), strict=True))
         with pytest.raises(ValueError, match=match):
-            cpu.lora_delta_(**{**args, **change})
+            cpu_lora.lora_delta_(**{**args, **change})
 
 
 @pytest.mark.parametrize("fn", [lora_expand_, lora_expand_ref_])

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from radixgen.common.sampling_params import SamplingParams as SP
+from radixgen.runtime.executor import prompt_logprobs as prompt_logprobs_mod
 from radixgen.runtime.executor import sampler as sampler_mod
+from radixgen.runtime.executor.prompt_logprobs import prompt_logprobs
 from radixgen.runtime.executor.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
     make_generator,
-    prompt_logprobs,
 )
 
 
@@ -337,7 +338,7 @@ def test_prompt_logprobs_against_a_direct_computation(monkeypatch):
     targets = torch.randint(0, vocab, (t,))
     direct = torch.log_softmax(logits[:, :vocab].double(), -1)
     # a small chunk so the prompt is processed in several pieces
-    monkeypatch.setattr(sampler_mod, "_PROMPT_CHUNK_ELEMENTS", 10 * vocab)
+    monkeypatch.setattr(prompt_logprobs_mod, "CHUNK_ELEMENTS", 10 * vocab)
     res = prompt_logprobs(logits, targets, top_k=4, vocab_size=vocab)
     torch.testing.assert_close(res.logprobs, direct[torch.arange(t), targets].float())
     values, ids = direct.topk(4, -1)

@@ -11,7 +11,8 @@ import torch
 from radixgen.common.sampling_params import MAX_SEED, MIN_SEED
 from radixgen.common.sampling_params import SamplingParams as SP
 from radixgen.runtime.executor.logits_processors import LOGPROB_FLOOR
-from radixgen.runtime.executor.sampler import Sampler, SamplingBatch, make_generator, prompt_logprobs
+from radixgen.runtime.executor.prompt_logprobs import prompt_logprobs
+from radixgen.runtime.executor.sampler import Sampler, SamplingBatch, make_generator
 
 NAN, INF = math.nan, math.inf
 

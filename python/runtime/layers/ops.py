@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
-from radixgen.kernels import cpu_linear
+from radixgen.kernels import cpu_linear, cpu_lora
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
@@ -168,7 +168,7 @@ class CpuOps(TorchOps):
         if (self.kl is not None and self.kl.has_decode_step and y.dtype == torch.bfloat16 and x.dtype == y.dtype
                 and x.is_contiguous() and y.is_contiguous() and y.is_cpu):
             t = rows.as_tensors(y.device)
-            cpu_kernels._lora_delta(self.kl, y, x, a, b, scales, ranks, rows.seg_end(segments), t["rows"],
+            cpu_lora._lora_delta(self.kl, y, x, a, b, scales, ranks, rows.seg_end(segments), t["rows"],
                                     t["starts"], t["lens"], t["slots"])
             return
         super().lora_delta_(y, x, a, b, scales, ranks, segments, rows)

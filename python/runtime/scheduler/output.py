@@ -16,7 +16,8 @@ import torch
 from radixgen.common.stop_regex import StopRegexMatcher
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.detokenizer import IncrementalDetokenizer
-from radixgen.runtime.executor.sampler import Sampler, SamplingBatch, prompt_logprobs
+from radixgen.runtime.executor.prompt_logprobs import prompt_logprobs
+from radixgen.runtime.executor.sampler import Sampler, SamplingBatch
 from radixgen.runtime.scheduler.batch import Batch
 from radixgen.runtime.scheduler.request import FinishReason, Req, ReqOutput, SpecCounts
 from radixgen.runtime.scheduler.thinking import ThinkingBudget

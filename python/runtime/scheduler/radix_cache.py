@@ -29,7 +29,7 @@ drops one namespace's unlocked entries (an adapter's unload).
 With page_size > 1 keys are compared in whole pages: a child is looked up by the token tuple of its
 first page, and matches and inserts are rounded down to whole pages.
 
-About 570 lines: every operation keeps the same bookkeeping (the leaf sets and token counts of each tier, the
+Longer than 400 lines: every operation keeps the same bookkeeping (the leaf sets and token counts of each tier, the
 lock counts) consistent, and keeping it in one module keeps that invariant readable in one place.
 """
 

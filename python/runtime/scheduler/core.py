@@ -1,18 +1,14 @@
-"""The scheduler: continuous batching over the KV pool with a radix-tree prefix cache.
+"""The scheduler: continuous batching over the KV pool with a radix-tree prefix cache, in its own process
+(process.py). Each step: take new messages, build one batch (extend work for waiting requests under a token budget,
+or one decode token for every running request; with speculation (speculative/) a decode batch becomes a
+verification), run it, process the outputs. Extend and decode steps alternate, so a long chunked prefill never
+stalls the running requests. KV slots belong to the KV cache manager (kv_manager.py), admission order to the policy
+(policy.py), stop conditions, logprobs and the records sent back to output.py; new requests come in through
+intake.py and wait for their conditions (a grammar compiling, a LoRA adapter's slot: waits.py) before admission.
 
-Runs in its own process (process.py). Each step: take new messages, build one batch (extend work for waiting
-requests under a token budget, or one decode token for every running request), run it, process the outputs.
-With speculative decoding (speculative/) a decode batch first gets draft tokens and becomes a verification.
-Extend and decode steps alternate while both have work, so a long chunked prefill never stalls the running
-requests. KV slots belong to the KV cache manager (kv_manager.py); the order of admission to the policy
-(policy.py); stop conditions, logprobs and the records sent back to output.py.
-
-One request never takes the scheduler down: an exception while taking in, admitting or processing one request
-fails that request alone (an abort with a message and status code 400 for a ValueError, else 500); a failed
-forward fails the requests of its batch. `finish` is the one way a request ends, and it always reports.
-New requests come in through intake.py and wait for their conditions (a grammar compiling, a LoRA adapter's
-slot: waits.py) before admission; the step polls them and queues a request once they are all done.
-"""
+One request never takes the scheduler down: an exception while taking in, admitting or processing one request fails
+that request alone (400 for a ValueError, else 500), a failed forward the requests of its batch; `finish` is the
+one way a request ends, and it always reports."""
 
 from __future__ import annotations
 
@@ -28,7 +24,6 @@ from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.messages import TreeSnapshotRequest
 from radixgen.runtime.scheduler import intake
 from radixgen.runtime.scheduler.batch import Batch
-from radixgen.runtime.scheduler.intake import failure  # the abort reason of a request that failed
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
@@ -375,7 +370,7 @@ class Scheduler:
         self.counters["failed_requests"] += 1
         if log:
             logger.error("request %s failed while %s it", req.rid, stage, exc_info=exc)
-        self.finish(req, failure(stage, exc))
+        self.finish(req, intake.failure(stage, exc))  # the abort reason of a request that failed
 
     def handle_aborts(self) -> None:
         for queue in (self.waiting, self.running, self.prefilling):
@@ -388,7 +383,7 @@ class Scheduler:
                 out = self.output.output_of(req)
             except Exception as e:  # noqa: BLE001 - the request still gets a final record
                 logger.exception("building the output of %s failed", req.rid)
-                out = ReqOutput(req.rid, [], failure("reporting", e), len(req.input_ids), 0)
+                out = ReqOutput(req.rid, [], intake.failure("reporting", e), len(req.input_ids), 0)
                 if not req.finished:
                     self.counters["failed_requests"] += 1
                     self._end(req, out.finish_reason)

@@ -42,7 +42,11 @@ def run_bench(tree: Path, path_root: Path | None, bench: str) -> tuple[str, floa
     script, *args = bench.split()
     env = dict(os.environ)
     if path_root is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path_root), env.get("PYTHONPATH")]))
+        # an older revision may look for the default model's package on the path only: the Makefile's --target
+        # folder goes there too
+        model = Path(sys.prefix) / "extras-model"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path_root), str(model) if model.is_dir() else None,
+                                                          env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, str(tree / "benchmarks" / script), *args], cwd=tree, env=env,
                        capture_output=True, text=True)

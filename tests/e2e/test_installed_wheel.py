@@ -103,3 +103,15 @@ def test_installed_wheel_imports_every_module_and_serves_a_greedy_request(wheel,
     with Engine(max_total_tokens=4096) as eng:
         want = eng.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0})["output_ids"]
     assert got["ids"] == want
+
+
+def test_the_dockerfiles_copy_what_the_build_reads():
+    # `pip install .` in deploy/Dockerfile.*: the build reads pyproject.toml, setup.py (package discovery) and the
+    # README (the long description); a file left out builds a wheel without packages, or no wheel
+    needed = {"pyproject.toml", "setup.py", "README.md", "python", "kernels"}
+    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        copied = set()
+        for line in (ROOT / "deploy" / name).read_text().splitlines():
+            if line.startswith("COPY "):
+                copied.update(p.rstrip("/").removeprefix("./") for p in line.split()[1:-1])
+        assert needed <= copied, f"{name} does not copy {sorted(needed - copied)}"

@@ -176,6 +176,19 @@ class ToolParser:
     def _run(self, final: bool) -> None:
         raise NotImplementedError
 
+    def _text_until(self, marker: str, then: str, final: bool) -> bool:
+        """State "text": content up to `marker`, then state `then` (True: go on parsing); without the marker, the
+        content that cannot be the marker's start (all of it when `final`) and False (wait for more text)."""
+        i = self.buf.find(marker)
+        if i >= 0:
+            self._content(self.buf[:i])
+            self.buf, self.state = self.buf[i + len(marker):], then
+            return True
+        keep = 0 if final else partial_suffix(self.buf, [marker])
+        self._content(self.buf[:len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep:]
+        return False
+
     def _content(self, text: str) -> None:
         if self._lstrip:
             text = text.lstrip()

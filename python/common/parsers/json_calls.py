@@ -100,14 +100,8 @@ class HermesParser(ToolParser):
     def _run(self, final: bool) -> None:
         while True:
             if self.state == "text":
-                i = self.buf.find(self.OPEN)
-                if i >= 0:
-                    self._content(self.buf[:i])
-                    self.buf, self.state = self.buf[i + len(self.OPEN):], "open"
+                if self._text_until(self.OPEN, "open", final):
                     continue
-                keep = 0 if final else partial_suffix(self.buf, [self.OPEN])
-                self._content(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
                 return
             if self.state == "open":
                 s = self.buf.lstrip()
@@ -222,14 +216,8 @@ class MistralParser(ToolParser):
     def _run(self, final: bool) -> None:
         while True:
             if self.state == "text":
-                i = self.buf.find(self.MARKER)
-                if i >= 0:
-                    self._content(self.buf[:i])
-                    self.buf, self.state = self.buf[i + len(self.MARKER):], "after"
+                if self._text_until(self.MARKER, "after", final):
                     continue
-                keep = 0 if final else partial_suffix(self.buf, [self.MARKER])
-                self._content(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
                 return
             if self.state in ("after", "array"):
                 s = self.buf.lstrip()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixgen.common.parsers.base import ToolParser, json_text, known, partial_suffix
+from radixgen.common.parsers.base import ToolParser, json_text, known
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FN, FN_CLOSE = "<function=", "</function>"
@@ -62,14 +62,8 @@ class Qwen3CoderParser(ToolParser):
         while True:
             s = self.buf.lstrip()
             if self.state == "text":
-                i = self.buf.find(OPEN)
-                if i >= 0:
-                    self._content(self.buf[:i])
-                    self.buf, self.state = self.buf[i + len(OPEN):], "open"
+                if self._text_until(OPEN, "open", final):
                     continue
-                keep = 0 if final else partial_suffix(self.buf, [OPEN])
-                self._content(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
                 return
             if self.state == "open":
                 j = s.find(">")

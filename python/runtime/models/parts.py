@@ -25,6 +25,7 @@ from radixgen.runtime.parallel_context import ParallelContext
 
 # MLP kinds (MLPStructure.kind): what the fused decode step and the CUDA graphs know how to run
 DENSE_GATED_SILU = "dense_gated_silu"  # down(silu(gate(x)) * up(x)), gate and up in one matmul
+MOE_GATED_SILU = "moe_gated_silu"  # routed experts, each a gated SiLU MLP; MLPStructure.moe describes them
 
 
 # ---------------------------------------------------------------- what the parts describe
@@ -46,15 +47,32 @@ class AttentionStructure(NamedTuple):
     rotary: RotaryStructure
 
 
+class MoEStructure(NamedTuple):
+    """An expert block (MOE_GATED_SILU) on this rank: its routing (layers.moe.MoERouting), the router's (E, hidden)
+    weight over all experts, this rank's experts as GroupedLinears gate_up (E_local, 2I, hidden; gate rows first)
+    and down (E_local, hidden, I) holding global experts [first_expert, first_expert + E_local), the shared expert
+    (Qwen2-MoE) as its dense (gate_up, down) linears or None, and the shared expert's sigmoid gate weight (1,
+    hidden) or None. The block's output is this rank's partial sum, all-reduced over the tp axis by the part."""
+
+    routing: object  # layers.moe.MoERouting
+    router: torch.Tensor
+    gate_up: object  # layers.quantization.experts.GroupedLinear
+    down: object
+    shared: tuple[LinearBase, LinearBase] | None
+    shared_gate: torch.Tensor | None
+    first_expert: int = 0
+
+
 class MLPStructure(NamedTuple):
     """The MLP slot's part: its kind, its linear layers by role (DENSE_GATED_SILU: "gate_up", "down"), this rank's
     intermediate size, and whether a step through it is safe to capture in a CUDA graph (no host sync, no
-    data-dependent shapes: an expert block's routing is neither)."""
+    data-dependent shapes: an expert block's routing is neither); `moe`, an expert block's description."""
 
     kind: str
     linears: dict[str, LinearBase]
     intermediate: int
     graph_safe: bool
+    moe: MoEStructure | None = None
 
 
 class LayerStructure(NamedTuple):

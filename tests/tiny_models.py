@@ -1,4 +1,4 @@
-"""Tiny random models (Llama, Qwen2, Qwen3) built from a transformers config with a fixed seed.
+"""Tiny random models (Llama, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE, Mixtral) from a transformers config, fixed seed.
 
 They carry the default model's tokenizer, so every runtime path (detokenization, grammars) runs on a
 real vocabulary; their vocab is padded past the tokenizer's (49152 -> 49216) so tests can check that
@@ -45,6 +45,16 @@ def hf_config(arch: str):
                                  "num_attention_heads": 6, "num_key_value_heads": 3}, rope_theta=10000.0)
     if arch == "qwen3-hd32":
         return tf.Qwen3Config(**_COMMON, head_dim=32, rope_theta=1000000.0)
+    # mixtures of experts: 8 experts, top 2 (Qwen2-MoE: a shared expert, and a dense layer 1 by mlp_only_layers)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**_COMMON, head_dim=16, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**_COMMON, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    if arch == "mixtral":
+        return tf.MixtralConfig(**{**_COMMON, "intermediate_size": 32}, rope_theta=10000.0, num_local_experts=8,
+                                num_experts_per_tok=2)
     raise ValueError(arch)
 
 
@@ -64,7 +74,7 @@ def tiny_model_dir(arch: str = "llama", root: str | os.PathLike | None = None) -
     model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
     with torch.no_grad():  # larger than the default init, so logits are far from uniform
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (an MoE's experts are stacked (E, out, in) in transformers)
                 p.normal_(0.0, 0.08)
     model.save_pretrained(tmp)
     default = resolve_model_path(None)

@@ -24,6 +24,42 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts config's expert blocks: `top_k` of `num_experts` experts per token, each a gated MLP
+    of `intermediate_size`; norm_topk_prob: the k routing weights renormalised to sum 1; a shared expert of
+    `shared_intermediate_size` (0: none) behind a sigmoid gate (Qwen2-MoE); `sparse_layers` the layers with an
+    expert block (the others have the dense MLP of ModelConfig.intermediate_size: Qwen's decoder_sparse_step and
+    mlp_only_layers)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+    @classmethod
+    def from_hf(cls, arch: str, hf: dict[str, Any]) -> MoEConfig | None:
+        """The expert blocks of an `arch` config (None: a dense architecture)."""
+        layers = range(hf["num_hidden_layers"])
+        # published Qwen configs say num_experts, transformers 5 saves them as num_local_experts (Mixtral's name)
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if arch == "mixtral":  # every layer; softmax, top-k, renormalised
+            return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, tuple(layers))
+        if arch not in ("qwen2_moe", "qwen3_moe"):
+            return None
+        step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+        shared = hf.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+        return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                   bool(hf.get("norm_topk_prob", False)), sparse, int(shared or 0))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs of a Hugging Face config.json."""
 
@@ -44,6 +80,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # the expert blocks of a mixture-of-experts model
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -94,10 +131,12 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
-            attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            attention_bias=(arch == "qwen2" or bool(hf.get("attention_bias", False))
+                            or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=MoEConfig.from_hf(arch, hf),
         )
 
 
@@ -158,6 +197,10 @@ class RuntimeConfig:
                           "vocabulary)", flags=("--tp-size", "--tensor-parallel-size"))
     pp_size: int = option(1, "pipeline parallelism: stages that split the layers (micro-batches in flight)",
                           flags=("--pp-size", "--pipeline-parallel-size"))
+    ep_size: int = option(1, "expert parallelism (mixture-of-experts models): the tensor-parallel ranks of a stage "
+                          "form ep_size groups, each holding 1/ep_size of every expert block's experts (and splitting "
+                          "their MLP columns over its tp_size / ep_size ranks); must divide tp_size, as SGLang's",
+                          flags=("--ep-size", "--expert-parallel-size"))
     nnodes: int = option(1, "machines the tp_size * pp_size ranks are spread over, as many on each")
     node_rank: int = option(0, "this machine's index: node 0 serves; the others run only their ranks")
     dist_init_addr: str | None = option(None, "host:port where node 0 meets the other ranks (needed with "
@@ -221,9 +264,13 @@ class RuntimeConfig:
             check_config(self)
 
     def _check_parallel(self) -> None:
-        for name in ("tp_size", "pp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}: expert parallelism splits "
+                             f"the experts over groups of the tensor-parallel ranks (use --tp-size "
+                             f"{self.ep_size} --ep-size {self.ep_size} for experts split over {self.ep_size} ranks)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if (self.tp_size * self.pp_size) % self.nnodes:
@@ -306,7 +353,8 @@ class RuntimeConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
-ENGINE_ALIASES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size"}
+ENGINE_ALIASES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+                  "expert_parallel_size": "ep_size"}
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

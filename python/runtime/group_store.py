@@ -29,7 +29,7 @@ def fingerprint(cfg, model_config) -> str:
     model under another path)."""
     from dataclasses import asdict
 
-    keys = ("tp_size", "pp_size", "nnodes", "max_total_tokens", "max_kv_memory_gb", "max_running_requests",
+    keys = ("tp_size", "pp_size", "ep_size", "nnodes", "max_total_tokens", "max_kv_memory_gb", "max_running_requests",
             "context_length", "load_format", "seed", "disable_cpu_kernels", "disable_cuda_graph", "cuda_graph_max_bs",
             "kv_cache_dtype", "quantization")
     return json.dumps({"config": {k: getattr(cfg, k) for k in keys}, "device": cfg.device.split(":")[0],

@@ -6,7 +6,11 @@ axis). No layer reads a global while it is built or run, so two models of differ
 process (a test builds a tp-2 shard beside a tp-1 model).
 
 Axes: tp (tensor parallelism: the ranks of one pipeline stage), pp (pipeline stages: the ranks of one tp index
-across the stages) and ep (expert parallelism: size 1 until a model has expert blocks). Each axis has its rank,
+across the stages) and ep (expert parallelism, SGLang's layout: ep_size divides tp_size, and the tp ranks of a
+stage are ep_size expert groups of tp_size / ep_size ranks each; tp rank r is ep rank r // (tp_size / ep_size),
+and its expert group splits those experts' MLP columns tp_size / ep_size ways, `moe_tp`). The ep axis needs no
+group of its own: an expert block's combine is the tp axis' all-reduce (docs/architecture.md), so its group
+stays None. Each axis has its rank,
 size and process group, and the collectives over that group: all_reduce, all_gather, all_to_all, and the two a
 vocabulary-parallel LM head and the step protocol use (gather_first, broadcast_from_first). At size 1 every
 collective is a no-op returning its input, so layers call them unconditionally. A failing collective (a rank
@@ -133,7 +137,7 @@ class ParallelAxis:
 @dataclass(frozen=True)
 class ParallelContext:
     """This process's ranks: world rank r of tp.size * pp.size is pipeline stage r // tp.size and tensor-parallel
-    rank r % tp.size; ep has size 1 (no model splits experts yet)."""
+    rank r % tp.size; its ep rank tp.rank // moe_tp_size among ep.size expert groups (ranks of one stage)."""
 
     world_rank: int = 0
     tp: ParallelAxis = ParallelAxis("tp")
@@ -143,14 +147,19 @@ class ParallelContext:
 
     @classmethod
     def layout(cls, world_rank: int, tp_size: int, pp_size: int, nnodes: int = 1, tp_group=None,
-               pp_group=None) -> ParallelContext:
+               pp_group=None, ep_size: int = 1) -> ParallelContext:
         """The context of `world_rank` in a tp_size x pp_size group, with the groups it belongs to (None: a
-        layout only, whose collectives at size > 1 raise)."""
+        layout only, whose collectives at size > 1 raise); ep_size (a divisor of tp_size) expert groups."""
+        if ep_size < 1 or tp_size % ep_size:
+            raise ValueError(f"ep_size={ep_size} must divide tp_size={tp_size} (expert groups of the tp ranks)")
         tp_rank, pp_rank = world_rank % tp_size, world_rank // tp_size
         tp = ParallelAxis("tp", tp_rank, tp_size, tp_group,
                           tuple(range(pp_rank * tp_size, (pp_rank + 1) * tp_size)))
         pp = ParallelAxis("pp", pp_rank, pp_size, pp_group, tuple(s * tp_size + tp_rank for s in range(pp_size)))
-        return cls(world_rank, tp, pp, ParallelAxis("ep", 0, 1, None, (world_rank,)), nnodes)
+        moe_tp = tp_size // ep_size
+        ep = ParallelAxis("ep", tp_rank // moe_tp, ep_size, None,
+                          tuple(pp_rank * tp_size + e * moe_tp + tp_rank % moe_tp for e in range(ep_size)))
+        return cls(world_rank, tp, pp, ep, nnodes)
 
     # the layout in the terms the step protocol and the KV sizing use
     @property
@@ -160,6 +169,15 @@ class ParallelContext:
     @property
     def tp_rank(self) -> int:
         return self.tp.rank
+
+    @property
+    def moe_tp_size(self) -> int:
+        """The ranks of one expert group, which split its experts' MLP columns."""
+        return self.tp.size // self.ep.size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp.rank % self.moe_tp_size
 
     @property
     def pp_size(self) -> int:

@@ -163,7 +163,8 @@ def init(cfg, model_config, world_rank: int, host: str, port: int) -> ParallelCo
         group = dist.new_group(ranks, timeout=timeout) if cfg.pp_size > 1 else None
         if world_rank in ranks:
             pp_group = group
-    _context = ParallelContext.layout(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, tp_group, pp_group)
+    _context = ParallelContext.layout(world_rank, cfg.tp_size, cfg.pp_size, cfg.nnodes, tp_group, pp_group,
+                                      cfg.ep_size)
     return _context
 
 

@@ -21,6 +21,7 @@ from radixgen.kernels import cpu_linear, cpu_lora
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
+from radixgen.runtime.layers.quantization.experts import GroupedLinear, grouped_method
 
 
 class TorchOps:
@@ -38,6 +39,12 @@ class TorchOps:
         for m in model.modules():
             if isinstance(m, LinearBase):
                 m.set_linear_method(linear_method(self.name, spec, m, self.kernels))
+            elif isinstance(m, GroupedLinear):  # an expert block's experts
+                try:
+                    m.method = grouped_method(spec.method)
+                except ValueError as e:
+                    raise ValueError(f"{type(model).__name__} has expert blocks: {e}") from e
+                m.method.create_weights(m)
 
     def install(self, model: nn.Module) -> None:
         """Once `model`'s weights are loaded: the linear methods re-lay them out (one copy each), and this becomes
@@ -45,7 +52,7 @@ class TorchOps:
         for m in model.modules():
             if isinstance(m, OpsLayer):
                 m.ops = self
-            if isinstance(m, LinearBase):
+            if isinstance(m, (LinearBase, GroupedLinear)):
                 m.process_weights()
 
     def linear_methods(self, model: nn.Module) -> list[str]:

@@ -21,14 +21,16 @@ def model_class(architecture: str):
     raise ValueError(f"unknown architecture key {architecture!r}")
 
 
-def for_gguf(gguf_arch: str):
+def for_gguf(gguf_arch: str, experts: bool = False):
     """(HF architecture name, models.decoder.Architecture) of GGUF files whose general.architecture is `gguf_arch`,
-    or None where no registered model reads them."""
+    or None where no registered model reads them. experts: the file has expert blocks (its expert_count > 0), which
+    prefers the architecture with expert weights (llama.cpp writes Mixtral as "llama")."""
+    found = []
     for hf_name, (_, module, cls) in _ARCHITECTURES.items():
         declared = _load(module, cls).architecture
         if declared.gguf_arch == gguf_arch:
-            return hf_name, declared
-    return None
+            found.append((bool(declared.weights.experts) != experts, hf_name, declared))
+    return min(found, key=lambda f: f[0])[1:] if found else None
 
 
 def gguf_architectures() -> list[str]:

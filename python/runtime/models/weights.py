@@ -8,7 +8,25 @@ our layers merge -> the merged parameter and its shard id).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class ExpertShard(NamedTuple):
+    """Where a checkpoint's expert tensor goes in an expert block's GroupedLinear: expert `expert`'s tensor, or all
+    experts stacked (None: (E, out, in)); `part` gate / up (the halves of gate_up), gate_up (both) or down."""
+
+    expert: int | None
+    part: str
+
+
+_ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")  # ...experts.<e>.<projection>.weight
+_ALL_EXPERTS = re.compile(r"\.experts\.(\w+)$")  # ...experts.<projection>: every expert, stacked (E, out, in)
+# the stacked names: transformers' fused layout (gate_up_proj (E, 2I, H), down_proj (E, H, I)), and the gate / up
+# stacks a GGUF file's *_exps tensors become
+STACKED_EXPERTS = (("gate_up_proj", "gate_up", "gate_up"), ("gate_proj", "gate_up", "gate"),
+                   ("up_proj", "gate_up", "up"), ("down_proj", "down", "down"))
 
 
 @dataclass(frozen=True)
@@ -24,17 +42,33 @@ class WeightMapping:
     gguf_block: tuple[tuple[str, str], ...] = ()
     gguf_matmuls: frozenset[str] = frozenset()
     gguf_rope_permuted: bool = False
+    experts: tuple[tuple[str, str, str], ...] = ()  # (checkpoint projection, our GroupedLinear, ExpertShard.part)
+    renames: tuple[tuple[str, str], ...] = ()  # checkpoint name parts -> ours (Mixtral's block_sparse_moe -> mlp)
 
     def __add__(self, other: WeightMapping) -> WeightMapping:
         return WeightMapping(self.stacked + other.stacked, self.gguf_globals + other.gguf_globals,
                              self.gguf_block + other.gguf_block, self.gguf_matmuls | other.gguf_matmuls,
-                             self.gguf_rope_permuted or other.gguf_rope_permuted)
+                             self.gguf_rope_permuted or other.gguf_rope_permuted, self.experts + other.experts,
+                             self.renames + other.renames)
 
     def with_rope_permuted(self) -> WeightMapping:
-        return WeightMapping(self.stacked, self.gguf_globals, self.gguf_block, self.gguf_matmuls, True)
+        return WeightMapping(self.stacked, self.gguf_globals, self.gguf_block, self.gguf_matmuls, True, self.experts,
+                             self.renames)
 
     def parameter(self, name: str) -> tuple[str, object]:
-        """(our parameter name, shard id or None) of checkpoint tensor `name` (without "model.")."""
+        """(our parameter name, shard id or None) of checkpoint tensor `name` (without "model."); an expert's
+        tensor (per expert, or all stacked) -> its block's GroupedLinear and an ExpertShard."""
+        for old, new in self.renames:
+            name = name.replace(old, new)
+        if self.experts:
+            m = _ONE_EXPERT.search(name)
+            for ckpt, ours, part in self.experts if m else ():
+                if m.group(2) == ckpt:
+                    return f"{name[:m.start()]}.experts.{ours}.weight", ExpertShard(int(m.group(1)), part)
+            m = _ALL_EXPERTS.search(name)
+            for ckpt, ours, part in STACKED_EXPERTS if m else ():
+                if m.group(1) == ckpt:
+                    return f"{name[:m.start()]}.experts.{ours}.weight", ExpertShard(None, part)
         for ckpt, ours, shard_id in self.stacked:
             if f".{ckpt}." in name:
                 return name.replace(f".{ckpt}.", f".{ours}."), shard_id
@@ -83,3 +117,18 @@ GATED_MLP_WEIGHTS = WeightMapping(
                 ("ffn_down.weight", "mlp.down_proj.weight")),
     gguf_matmuls=frozenset({"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}),
 )
+
+# expert blocks (models/moe_block.py): the router `mlp.gate`, the experts, Qwen2-MoE's shared expert and its gate
+_MOE_GGUF = WeightMapping(
+    gguf_block=(("ffn_gate_inp.weight", "mlp.gate.weight"), ("ffn_gate_exps.weight", "mlp.experts.gate_proj"),
+                ("ffn_up_exps.weight", "mlp.experts.up_proj"), ("ffn_down_exps.weight", "mlp.experts.down_proj")))
+QWEN_MOE_WEIGHTS = _MOE_GGUF + WeightMapping(
+    experts=(("gate_proj", "gate_up", "gate"), ("up_proj", "gate_up", "up"), ("down_proj", "down", "down")))
+SHARED_EXPERT_WEIGHTS = WeightMapping(
+    gguf_block=(("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
+                ("ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"),
+                ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
+                ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight")))
+MIXTRAL_WEIGHTS = _MOE_GGUF + WeightMapping(
+    experts=(("w1", "gate_up", "gate"), ("w3", "gate_up", "up"), ("w2", "down", "down")),
+    renames=((".block_sparse_moe.", ".mlp."),))

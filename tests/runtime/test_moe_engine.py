@@ -1,7 +1,6 @@
 """A mixture of experts with the rest of the runtime: through the Engine (scheduler, paged KV, radix cache) with
 ngram speculation, and the scheduler with a draft model (the MoE itself drafting), greedy tokens equal
-transformers'; over an
-8-bit KV cache the logits stay near the float pool's."""
+transformers'; over an 8-bit KV cache the logits stay near the float pool's."""
 
 from __future__ import annotations
 

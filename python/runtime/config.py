@@ -50,10 +50,10 @@ class MoEConfig:
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if arch == "mixtral":  # every layer; softmax, top-k, renormalised
             return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, tuple(layers))
-        if arch not in ("qwen2_moe", "qwen3_moe"):
+        if arch not in ("qwen2_moe", "qwen3_moe") or not experts:  # num_experts 0: every layer dense
             return None
         step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
-        sparse = tuple(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+        sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
         shared = hf.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
         return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
                    bool(hf.get("norm_topk_prob", False)), sparse, int(shared or 0))

@@ -200,7 +200,7 @@ class RuntimeConfig:
     ep_size: int = option(1, "expert parallelism (mixture-of-experts models): the tensor-parallel ranks of a stage "
                           "form ep_size groups, each holding 1/ep_size of every expert block's experts (and splitting "
                           "their MLP columns over its tp_size / ep_size ranks); must divide tp_size, as SGLang's",
-                          flags=("--ep-size", "--expert-parallel-size"))
+                          flags=("--ep-size", "--expert-parallel-size", "--ep"))
     nnodes: int = option(1, "machines the tp_size * pp_size ranks are spread over, as many on each")
     node_rank: int = option(0, "this machine's index: node 0 serves; the others run only their ranks")
     dist_init_addr: str | None = option(None, "host:port where node 0 meets the other ranks (needed with "

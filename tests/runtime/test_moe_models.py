@@ -209,6 +209,7 @@ def test_expert_parallel_shards_sum_to_the_whole_block(tp, ep):
     assert torch.allclose(sum(parts), want, atol=1e-5)
     with pytest.raises(ValueError, match="ep_size=3 must divide tp_size=2"):
         RuntimeConfig(tp_size=2, ep_size=3)
+    assert RuntimeConfig.from_kwargs(tensor_parallel_size=4, expert_parallel_size=2).ep_size == 2
 
 
 def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path):

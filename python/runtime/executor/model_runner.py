@@ -216,6 +216,13 @@ class ModelRunner:
         return {"weight_bytes": quantization.weight_bytes(self.model), "kv_pool_bytes": self.kv_pool.nbytes(),
                 "quantization": str(self.quantization)}
 
+    def encoder_cache_info(self) -> dict | None:
+        return self.encoder_cache.info() if self.encoder_cache is not None else None
+
+    def clear_encoder_cache(self) -> None:
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
+
     def cuda_graph_info(self) -> dict:
         g = self.cuda_graph_runner
         return {"enabled": False} if g is None else g.info()

@@ -105,7 +105,11 @@ class NativeServing:
         for i in range(count):
             where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
             params.append(parse_sampling_params(_pick(req.sampling_params, i, None), where))
-        if texts is not None and (req.return_prompt_token_ids or any(p.max_new_tokens is None for p in params)):
+        needs_ids = req.return_prompt_token_ids or any(p.max_new_tokens is None for p in params)
+        if req.image_data is not None and needs_ids:
+            raise bad_request("image_data: max_new_tokens null and return_prompt_token_ids need the prompt's tokens "
+                              "before its images are processed; give max_new_tokens", "image_data")
+        if texts is not None and needs_ids:
             # the token count is needed here; off the event loop, as the engine would do it
             ids_list = await asyncio.to_thread(lambda: [self.tokenizer(t).input_ids for t in texts])
             texts = None
@@ -122,6 +126,7 @@ class NativeServing:
                 "return_text_in_logprobs": req.return_text_in_logprobs,
                 "cache_salt": _salt(_pick(req.cache_salt, i, None), _pick(req.extra_key, i, None)),
                 "lora_path": _pick(req.lora_path, i, None),
+                "image_data": req.image_data if size is None else req.image_data[i] if req.image_data else None,
             }
             ids = None if ids_list is None else list(ids_list[i])
             items.append(_Item(None if texts is None else texts[i], ids, params[i], rid, kwargs))

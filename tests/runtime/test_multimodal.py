@@ -76,12 +76,20 @@ def test_a_multimodal_model_refuses_lora_and_a_draft_model_naming_the_combinatio
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # chunks of 8 tokens: every image prompt's prefill is cut inside its image
-    eng = Engine(str(tiny_llava_dir()), dtype="float32", max_total_tokens=KV_SLOTS, max_running_requests=8,
-                 chunked_prefill_size=8, max_images_per_request=2, max_image_pixels=96 * 96)
-    yield eng
-    eng.shutdown()
+def llm():
+    # chunks of 8 tokens: every image prompt's prefill is cut inside its image. The offline LLM's Engine serves
+    # the Engine-level tests too (one scheduler process for the module).
+    from radixgen.offline import LLM
+
+    model = LLM(str(tiny_llava_dir()), dtype="float32", max_total_tokens=KV_SLOTS, max_running_requests=8,
+                chunked_prefill_size=8, max_images_per_request=2, max_image_pixels=96 * 96)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(llm) -> Engine:
+    return llm.engine
 
 
 def idle_and_consistent(engine: Engine) -> None:
@@ -219,3 +227,31 @@ def test_image_data_of_a_batch_has_one_entry_per_prompt(engine):
         engine.generate(["a <image>", "b"], GREEDY, image_data=[make_image(0)])
     with pytest.raises(RequestError, match=r"image_data: goes with a text prompt, not input_ids"):
         engine.generate(input_ids=[1, 2], sampling_params=GREEDY, image_data=make_image(0))
+
+
+# ---------------------------------------------------------------- the offline API (vLLM's shapes)
+
+
+def test_offline_generate_with_multi_modal_data_and_chat_with_image_parts(llm, engine):
+    from radixgen.offline import SamplingParams
+
+    img = make_image(8)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = engine.generate("USER: <image>\nWhat is it?", {**GREEDY, "max_new_tokens": 8}, image_data=img)
+    (out,) = llm.generate({"prompt": "USER: <image>\nWhat is it?", "multi_modal_data": {"image": img}}, sp,
+                          use_tqdm=False)
+    assert out.outputs[0].token_ids == expected["output_ids"]
+    assert len(out.prompt_token_ids) == expected["meta_info"]["prompt_tokens"]
+    assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == N_IMG
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                              {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                               + base64.b64encode(png_bytes(img)).decode()}}]}]
+    (chat,) = llm.chat(messages, sp, use_tqdm=False)
+    (pil,) = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                    {"type": "image_pil", "image_pil": img}]}], sp, use_tqdm=False)
+    assert chat.outputs[0].token_ids == pil.outputs[0].token_ids
+    assert chat.prompt_token_ids.count(IMAGE_TOKEN_ID) == N_IMG
+    with pytest.raises(ValueError, match=r"multi_modal_data takes \{'image': ...\}, got \['video'\]"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"video": img}}, sp, use_tqdm=False)
+    with pytest.raises(RequestError, match=r"cannot decode the image data"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": b"junk"}}, sp, use_tqdm=False)

@@ -65,7 +65,9 @@ def test_llava_logits_equal_transformers_whole_and_chunked_through_the_image(tex
     assert runner.encoder_cache.info()["encoded_items"] == 1  # encoded once, then from the encoder cache
 
 
-def test_a_multimodal_model_refuses_lora_and_a_draft_model_naming_the_combination():
+def test_a_multimodal_model_refuses_lora_a_draft_model_and_parallelism_naming_the_combination():
+    with pytest.raises(ValueError, match=r"tp_size=2, pp_size=1\) with a vision-language model \(llava\)"):
+        check_multimodal(RuntimeConfig(tp_size=2), "llava")
     with pytest.raises(ValueError, match=r"LoRA adapters with a vision-language model \(llava\)"):
         check_multimodal(RuntimeConfig(enable_lora=True), "llava")
     with pytest.raises(ValueError, match=r"speculative_algorithm='draft' with a vision-language model"):

@@ -1,7 +1,8 @@
 """Image input through a real `radixgen serve` subprocess of a tiny random LLaVA: native /generate image_data,
 the OpenAI chat API through the `openai` client with image_url parts, remote images fetched from a loopback
 HTTP server (--allow-remote-media, with its size limit), the DSL over RuntimeEndpoint, SGLang's own frontend
-with sgl.image, and bad images answered with a 400 naming the problem while other requests go on."""
+with sgl.image, and bad images answered with a 400 naming the problem while other requests go on. The server
+runs n-gram speculation in float32: an image request's greedy output equals transformers' generate."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def data_url(img) -> str:
 @pytest.fixture(scope="module")
 def server():
     srv = start_server("--model", str(tiny_llava_dir()), "--max-total-tokens", "2048", "--allow-remote-media",
+                       "--dtype", "float32", "--speculative-algorithm", "ngram",
                        "--max-media-bytes", str(MAX_BYTES), "--max-images-per-request", "2")
     yield srv
     assert stop_server(srv) == 0, srv.log_tail()
@@ -78,6 +80,27 @@ def test_generate_with_image_data_reuses_the_cache_and_tells_images_apart(server
                                           "image_data": [data_url(small(2)), data_url(small(3)), None]}).json()
         assert [r["meta_info"]["prompt_tokens"] for r in batch][:2] == [batch[0]["meta_info"]["prompt_tokens"]] * 2
         assert batch[0]["output_ids"] != batch[1]["output_ids"]
+
+
+def test_ngram_speculation_over_an_image_prompt_keeps_the_greedy_output(server):
+    import torch
+    import transformers as tf
+    from tiny_vlm import IMAGE_TOKEN_ID, hf_pixels
+
+    d = tiny_llava_dir()
+    img = small(11)
+    tok = tf.AutoTokenizer.from_pretrained(d)
+    tail = "\nSay: a b c a b c a b c a b c a b c"
+    ids = tok("USER: ").input_ids + [IMAGE_TOKEN_ID] * N_IMG + tok(tail, add_special_tokens=False).input_ids
+    hf = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    expected = hf.generate(input_ids=torch.tensor([ids]), pixel_values=hf_pixels(d, img), max_new_tokens=24,
+                           do_sample=False)[0, len(ids):].tolist()
+    with server.client() as c:
+        out = c.post("/generate", json={"text": "USER: <image>" + tail, "image_data": data_url(img),
+                                        "sampling_params": {**GREEDY, "max_new_tokens": 24}}).json()
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    assert out["output_ids"] == expected
+    assert out["meta_info"]["spec_verify_ct"] > 0  # verification passes ran
 
 
 def test_openai_chat_with_an_image_url_part(server):

@@ -159,22 +159,30 @@ def test_bad_images_are_400s_naming_the_problem(server, image_data, message):
 
 def test_the_dsl_over_runtime_endpoint_sends_images_and_forks_keep_them(server):
     backend = rg.RuntimeEndpoint(server.url, api_key=server.api_key)
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
     @rg.function
     def describe(s, img):
-        s += rg.user(rg.image(img) + "Describe it.")
-        s += rg.assistant(rg.gen("answer", max_tokens=6, temperature=0, ignore_eos=True))
+        s += "Look: " + rg.image(img) + " Now: "  # an image in plain text
+        s += rg.user(rg.image(img) + "Describe it.")  # and inside a role
+        s += rg.assistant(rg.gen("answer", **params))
         branches = s.fork(2)
         for k, f in enumerate(branches):
-            f += rg.user(f"Detail {k}?") + rg.assistant(rg.gen("detail", max_tokens=4, temperature=0,
-                                                                  ignore_eos=True))
+            f += rg.user(f"Detail {k}?") + rg.assistant(rg.gen("detail", **params))
+        s["texts"] = [f.text() for f in branches]
         s["details"] = [f["detail"] for f in branches]
 
     state = describe.run(img=small(7), backend=backend)
-    assert "<image>" in state.text() and state["answer"]
-    assert len(state["details"]) == 2
+    assert state.text().count("<image>") == 2 and state["answer"]
     other = describe.run(img=small(8), backend=backend)
     assert other["answer"] != state["answer"]  # the image reached the model
+    with server.client() as c:  # each branch's request carried both images: the same text sent with them
+        for text, detail in zip(state["texts"], state["details"], strict=True):
+            prompt = text[: text.rindex(detail)]
+            direct = c.post("/generate", json={"text": prompt, "image_data": [data_url(small(7))] * 2,
+                                               "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                   "ignore_eos": True}}).json()
+            assert direct["text"] == detail
     backend.shutdown()
 
 

@@ -166,7 +166,10 @@ class NativeServing:
 
     def _calls(self, req: GenerateRequest, items: list[_Item], base: str) -> list[tuple[str, Any]]:
         """(rid, coroutine) engine calls: one for a single prompt or a uniform batch, else one per prompt."""
-        uniform = not isinstance(req.rid, list) and all(it.kwargs == items[0].kwargs for it in items)
+        def same(kwargs: dict) -> dict:  # what must agree for one batched call (images go per prompt)
+            return {k: v for k, v in kwargs.items() if k != "image_data"}
+
+        uniform = not isinstance(req.rid, list) and all(same(it.kwargs) == same(items[0].kwargs) for it in items)
         if not req.is_batch or uniform:
             prompts = [it.prompt for it in items] if items[0].ids is None else None
             ids = None if prompts is not None else [it.ids for it in items]
@@ -174,8 +177,10 @@ class NativeServing:
                 prompts = None if prompts is None else prompts[0]
                 ids = None if ids is None else ids[0]
             sp = [self._engine_params(it) for it in items] if req.is_batch else self._engine_params(items[0])
-            coro = self.engine.async_generate(prompt=prompts, input_ids=ids, sampling_params=sp, rid=base,
-                                              **items[0].kwargs)
+            kwargs = dict(items[0].kwargs)
+            if req.is_batch and any(it.kwargs["image_data"] is not None for it in items):
+                kwargs["image_data"] = [it.kwargs["image_data"] for it in items]
+            coro = self.engine.async_generate(prompt=prompts, input_ids=ids, sampling_params=sp, rid=base, **kwargs)
             return [(base, coro)]
         return [(it.rid, self.engine.async_generate(prompt=it.prompt, input_ids=it.ids, rid=it.rid,
                                                     sampling_params=self._engine_params(it), **it.kwargs))

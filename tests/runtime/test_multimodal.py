@@ -192,6 +192,8 @@ def test_a_repeated_image_hits_both_caches_and_a_different_image_hits_neither(en
     assert third["meta_info"]["cached_tokens"] < 3
     enc2 = engine.get_server_info()["encoder_cache"]
     assert enc2["encoded_items"] == encoded + 2 and enc2["hits"] > enc["hits"]
+    previews = [n.text or "" for n in engine.get_radix_tree(preview_chars=60).nodes]
+    assert any("[image]" in p for p in previews)  # an image's key ids are shown as one mark, never decoded
     idle_and_consistent(engine)
 
 

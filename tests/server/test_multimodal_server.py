@@ -10,6 +10,7 @@ import base64
 import http.server
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,13 +42,16 @@ def server():
 
 @pytest.fixture(scope="module")
 def image_host():
-    """A loopback HTTP server of two PNGs: /small.png (under the byte limit) and /big.png (over it)."""
+    """A loopback HTTP server of two PNGs: /small.png (under the byte limit) and /big.png (over it); /slow.png
+    answers after 2 s."""
     files = {"/small.png": png_bytes(make_image(21, (16, 16))), "/big.png": png_bytes(make_image(22, (48, 40)))}
     assert len(files["/small.png"]) < MAX_BYTES < len(files["/big.png"])
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            body = files.get(self.path)
+            if self.path == "/slow.png":
+                time.sleep(2.0)
+            body = files.get("/small.png" if self.path == "/slow.png" else self.path)
             self.send_response(200 if body else 404)
             self.send_header("Content-Length", str(len(body or b"")))
             self.end_headers()
@@ -135,6 +139,10 @@ def test_remote_images_are_fetched_within_the_size_limit(server, image_host):
         gone = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 4, "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{image_host}/none.png"}}]}]})
         assert gone.status_code == 400 and "answered HTTP 404" in gone.json()["error"]["message"]
+    from radixgen.common.media import MediaError, load_image
+
+    with pytest.raises(MediaError, match=r"fetching .*/slow.png failed: ReadTimeout"):  # the fetch's time limit
+        load_image(f"{image_host}/slow.png", allow_remote=True, timeout_s=0.3)
 
 
 @pytest.mark.parametrize("image_data,message", [

@@ -240,6 +240,7 @@ def test_a_json_schema_constrains_the_answer_to_an_image_question(engine):
     ("<image>", make_image(0, (100, 100)), r"100x100 = 10000 pixels, more than the limit of 9216"),
     ("<image>", "@@@ not base64 @@@", r"neither a file path, a URL nor valid base64"),
     ("<image>", 12, r"expected a path, bytes, a data URL, base64 text or a PIL image, got int"),
+    ("a <image> b", None, r"prompt: holds the image placeholder token \(id 49152\) where no image is given"),
 ])
 def test_bad_images_are_request_errors_naming_the_problem(engine, prompt, image_data, message):
     with pytest.raises(RequestError, match=message):
@@ -254,6 +255,8 @@ def test_bad_images_are_request_errors_naming_the_problem(engine, prompt, image_
 def test_image_data_of_a_batch_has_one_entry_per_prompt(engine):
     with pytest.raises(RequestError, match=r"for 2 prompts, give a list with one entry per prompt"):
         engine.generate(["a <image>", "b"], GREEDY, image_data=[make_image(0)])
+    with pytest.raises(RequestError, match=r"prompt\[1\]: holds the image placeholder token"):
+        engine.generate(input_ids=[[1, 2], [1, IMAGE_TOKEN_ID]], sampling_params=GREEDY)
     with pytest.raises(RequestError, match=r"image_data: goes with a text prompt, not input_ids"):
         engine.generate(input_ids=[1, 2], sampling_params=GREEDY, image_data=make_image(0))
 

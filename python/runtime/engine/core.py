@@ -160,6 +160,7 @@ class Engine:
             batched, ids, texts = self._ids(prompt, input_ids)
             if texts is not None:
                 ids = self.tokenize(texts)
+        self.media.check_placeholders(ids, kw.get("media"), batched)
         return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
     async def _aprepare(self, prompt, input_ids, sampling_params, image_data=None, **kw) -> Prepared:

@@ -90,6 +90,19 @@ class MediaFrontEnd:
             raise RequestError(f"{where}: {count} images, more than the limit of "
                                f"{self.config.max_images_per_request} per request (--max-images-per-request)")
 
+    def check_placeholders(self, ids_list: list[list[int]], media: list[tuple], batched: bool) -> None:
+        """No prompt holds an image's span id outside its images' spans (the text "<image>" with no image given,
+        or such an id in input_ids): it would be embedded as a token with no image behind it."""
+        span_ids = self.processor.span_ids if self.processor is not None else frozenset()
+        if not span_ids:
+            return
+        for i, (ids, items) in enumerate(zip(ids_list, media or [()] * len(ids_list), strict=True)):
+            inside = sum(it.end - it.start for it in items)
+            if sum(1 for t in ids if t in span_ids) != inside:
+                where = f"prompt[{i}]" if batched else "prompt"
+                raise RequestError(f"{where}: holds the image placeholder token (id {min(span_ids)}) where no image "
+                                   f"is given; give one image per placeholder ({self.processor.placeholder_text!r})")
+
     # ------------------------------------------------------------------ processing
 
     def process(self, prompts: list[Prompt], batched: bool) -> list[list[ProcessedSegment]]:

@@ -22,8 +22,9 @@ from radixgen.runtime.loader import read_hf_config
 from radixgen.runtime.media.processor import processor_for
 
 GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+SHORT = {**GREEDY, "max_new_tokens": 8}
 N_IMG = 16  # the tiny tower's patches: image tokens per image
-KV_SLOTS = 300
+KV_SLOTS = 200
 
 
 def rel_err(a, b) -> float:
@@ -176,19 +177,19 @@ def test_a_repeated_image_hits_both_caches_and_a_different_image_hits_neither(en
     a, b = make_image(5), make_image(6)
     engine.flush_cache()
     encoded = engine.get_server_info()["encoder_cache"]["encoded_items"]  # counts since start
-    first = engine.generate("USER: <image>\nWhat colour?", GREEDY, image_data=a)
+    first = engine.generate("USER: <image>\nWhat colour?", SHORT, image_data=a)
     head = len(engine.tokenize(["USER: "])[0])
     # the same image, another question: its KV comes from the tree (up to where the prompts part)
-    again = engine.generate("USER: <image>\nHow big?", GREEDY, image_data=png_bytes(a))
+    again = engine.generate("USER: <image>\nHow big?", SHORT, image_data=png_bytes(a))
     assert again["meta_info"]["cached_tokens"] >= head + N_IMG
     # another image after the same text: only the text is shared, and it is encoded
-    other = engine.generate("USER: <image>\nWhat colour?", GREEDY, image_data=b)
+    other = engine.generate("USER: <image>\nWhat colour?", SHORT, image_data=b)
     assert other["meta_info"]["cached_tokens"] == head
     assert other["output_ids"] != first["output_ids"]
     enc = engine.get_server_info()["encoder_cache"]
     assert enc["encoded_items"] == encoded + 2
     # the first image after other text: not in the tree, but its embeddings come from the encoder cache
-    third = engine.generate("Look: <image> now answer.", GREEDY, image_data=a)
+    third = engine.generate("Look: <image> now answer.", SHORT, image_data=a)
     assert third["meta_info"]["cached_tokens"] < 3
     enc2 = engine.get_server_info()["encoder_cache"]
     assert enc2["encoded_items"] == encoded + 2 and enc2["hits"] > enc["hits"]
@@ -198,8 +199,8 @@ def test_a_repeated_image_hits_both_caches_and_a_different_image_hits_neither(en
 
 
 def test_retraction_and_abort_with_images_leak_nothing(engine):
-    imgs = [make_image(10 + k) for k in range(6)]
-    prompts = [f"Question {k}: <image> ?" for k in range(6)]  # no shared prefix: admitted together
+    imgs = [make_image(10 + k) for k in range(4)]
+    prompts = [f"Question {k}: <image> ?" for k in range(4)]  # no shared prefix: admitted together
     params = GREEDY
     alone = []
     for p, i in zip(prompts, imgs, strict=True):
@@ -207,12 +208,12 @@ def test_retraction_and_abort_with_images_leak_nothing(engine):
         alone.append(engine.generate(p, params, image_data=i)["output_ids"])
     engine.flush_cache()
     before = engine.get_server_info()["stats"]["retractions"]
-    together = engine.generate(prompts, params, image_data=imgs)  # 6 x 55 slots at most > the pool's 300
+    together = engine.generate(prompts, params, image_data=imgs)  # 4 x 55 slots at most > the pool's 200
     assert engine.get_server_info()["stats"]["retractions"] > before
     assert [o["output_ids"] for o in together] == alone
 
     async def aborted():
-        it = await engine.async_generate("USER: <image>\nGo on.", {**GREEDY, "max_new_tokens": 200}, stream=True,
+        it = await engine.async_generate("USER: <image>\nGo on.", {**GREEDY, "max_new_tokens": 150}, stream=True,
                                          image_data=imgs[0])
         async for _ in it:
             break  # leaving the stream aborts the request

@@ -13,6 +13,8 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "mixtral", "MixtralForCausalLM"),
+    # vision-language models (models/multimodal.py; their image processors: runtime/media/)
+    "LlavaForConditionalGeneration": ("llava", "llava", "LlavaForConditionalGeneration"),
 }
 
 

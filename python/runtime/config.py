@@ -1,4 +1,8 @@
-"""Frozen configuration records, resolved and validated before anything is built."""
+"""Frozen configuration records, resolved and validated before anything is built.
+
+Longer than 400 lines: RuntimeConfig is the one declaration of every runtime option (each flag's default, check
+and help text in one place, which the server, the Engine and the offline API read), and the model config records
+beside it are what those options are checked against; split, a new option would need edits in several files."""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ reasoning keeps the think block out of the answer variable, and bad arguments ar
 
 from __future__ import annotations
 
+import json
+import re
+
 import jsonschema
 import pytest
 
@@ -84,3 +87,53 @@ def test_reasoning_variable(engine):
 
     state = think.run(backend=engine, temperature=0)
     assert state["thought"] and "</think>" not in state["a"] and state["a"].isdigit()
+
+
+# ---------------------------------------------------------------- a constraint after thinking (tiny Qwen3)
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(tmp_path_factory):
+    from qwen3_chat import qwen3_chat_model
+
+    from radixgen import Engine
+
+    with Engine(model=str(qwen3_chat_model(tmp_path_factory.mktemp("qwen3"))), dtype="float32",
+                max_total_tokens=4096) as eng:
+        yield eng
+
+
+@rg.function
+def judge(s, gen_kw):
+    s += rg.user("Is the sky blue?")
+    s += rg.assistant(rg.gen("answer", reasoning=True, max_tokens=40, **gen_kw))
+
+
+@pytest.mark.parametrize("constraint, check", [
+    ({"json_schema": VERDICT}, lambda a: jsonschema.validate(json.loads(a), VERDICT)),
+    ({"regex": r"(yes|no), [a-z]{2,8}"}, lambda a: re.fullmatch(r"(yes|no), [a-z]{2,8}", a) or pytest.fail(a)),
+    ({"choices": ["blue", "grey"]}, lambda a: a in ("blue", "grey") or pytest.fail(a)),
+])
+def test_constraint_after_thinking_in_one_request(qwen3_engine, constraint, check):
+    """The random model thinks (the budget closes its block after 5 tokens), then the constraint holds: one
+    request, one grammar (the server's compose path), at temperature 1."""
+    for _ in range(3):
+        state = judge.run({"max_thinking_tokens": 5, **constraint}, backend=qwen3_engine, temperature=1.0)
+        assert state["answer_reasoning"], state.text()
+        assert "<think>" not in state["answer"] and "</think>" not in state["answer"]
+        check(state["answer"])
+        meta = state.get_meta_info("answer")
+        assert meta["finish_reason"]["type"] == "stop", meta
+        assert "</think>" in state.text()  # the whole output stays in the text (the next turn's cache)
+
+
+def test_reasoning_gen_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_thinking_tokens"):
+        rg.gen("a", max_thinking_tokens=3)
+    with pytest.raises(ValueError, match="max_thinking_tokens: must be an integer >= 0"):
+        rg.gen("a", reasoning=True, max_thinking_tokens=-1)
+    with pytest.raises(ValueError, match="sampled, not scored"):
+        rg.gen("a", reasoning=True, choices=["x"], choices_method="token_length_normalized")

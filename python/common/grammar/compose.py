@@ -78,10 +78,11 @@ def triggered_calls(calls: Sequence[CallTag], *, whitespace: str = "compact") ->
                         "at_least_one": False, "stop_after_first": False})
 
 
-def calls_only(calls: Sequence[CallTag], *, parallel: bool = True, whitespace: str = "compact") -> xgr.Grammar:
-    """One call (or several, one per line, when `parallel`) and nothing else."""
+def calls_only(calls: Sequence[CallTag], *, parallel: bool = True, whitespace: str = "compact",
+               separator: str = "\n") -> xgr.Grammar:
+    """One call (or several, `separator` between them, when `parallel`) and nothing else."""
     return _structural({"type": "tags_with_separator", "tags": _call_tags(calls, whitespace),
-                        "separator": "\n", "at_least_one": True, "stop_after_first": not parallel})
+                        "separator": separator, "at_least_one": True, "stop_after_first": not parallel})
 
 
 def calls_or(answer: xgr.Grammar, calls: Sequence[CallTag], *, parallel: bool = True,

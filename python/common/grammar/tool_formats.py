@@ -42,6 +42,7 @@ _FLAT_KEYS = frozenset({"type", "properties", "required", "additionalProperties"
 _RAW_STRING_KEYS = frozenset({"type", "description", "title", "enum", "const", "pattern", "minLength",
                               "maxLength", "default", "examples", "$comment"})
 _JSON_LITERAL = re.compile(r'(?<!\\)"(true|false|null)"')
+_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'  # a JSON string's plain character in xgrammar's EBNF
 _PY_LITERAL = {"true": '"True"', "false": '"False"', "null": '"None"'}
 
 
@@ -71,7 +72,7 @@ def _flat_properties(t: ToolSpec) -> list[tuple[str, dict, bool]]:
 # ---------------------------------------------------------------- qwen3_coder
 
 
-def _raw_string(sub: dict, where: str, strict: bool) -> dict:
+def _raw_string(sub: dict, where: str, strict: bool) -> dict | None:
     """A string parameter's value as raw text (what the parser keeps as it is)."""
     report_unenforced(where, [f"/{k}: not expressible for a raw-text parameter" for k in sub
                               if k not in _RAW_STRING_KEYS], strict)
@@ -84,20 +85,30 @@ def _raw_string(sub: dict, where: str, strict: bool) -> dict:
         if lo is not None or hi is not None:
             report_unenforced(where, ["/minLength, /maxLength: not enforced together with a pattern"], strict)
         return {"type": "regex", "pattern": sub["pattern"]}
-    if lo is not None or hi is not None:
-        return {"type": "regex", "pattern": rf"[\s\S]{{{lo or 0},{'' if hi is None else hi}}}"}
-    return {"type": "any_text"}
+    if lo is not None or hi is not None:  # without "<": the value cannot hold the closing marker
+        return {"type": "regex", "pattern": rf"[^<]{{{lo or 0},{'' if hi is None else hi}}}"}
+    return None  # any text up to the closing marker
+
+
+def _json_value(sub: dict, where: str, strict: bool, whitespace: str) -> str:
+    """A parameter's JSON value, whose strings write "<" escaped (\\u003c): the parser ends the value at the
+    first closing marker, wherever it stands."""
+    return json_ebnf(sub, where, whitespace=whitespace, strict=strict).replace(_JSON_CHAR, _JSON_CHAR[:-1] + '<]')
 
 
 def _xml_body(t: ToolSpec, whitespace: str) -> dict:
     parts = []
     for name, sub, required in _flat_properties(t):
         where = f"{t.where}/properties/{name}"
-        if sub.get("type") == "string":
-            value = _raw_string(sub, where, t.strict)
+        begin = {"type": "const_string", "value": f"{PARAM}{name}>\n"}
+        value = _raw_string(sub, where, t.strict) if sub.get("type") == "string" else {
+            "type": "grammar", "grammar": _json_value(sub, where, t.strict, whitespace)}
+        if value is None:  # free text: it ends at the first closing marker (the parser's reading too)
+            tag = {"type": "sequence", "elements": [
+                begin, {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": PARAM_CLOSE},
+                {"type": "const_string", "value": "\n"}]}
         else:
-            value = {"type": "grammar", "grammar": json_ebnf(sub, where, whitespace=whitespace, strict=t.strict)}
-        tag = {"type": "tag", "begin": f"{PARAM}{name}>\n", "content": value, "end": f"\n{PARAM_CLOSE}\n"}
+            tag = {"type": "tag", "begin": begin["value"], "content": value, "end": f"\n{PARAM_CLOSE}\n"}
         parts.append(tag if required else {"type": "or", "elements": [{"type": "const_string", "value": ""}, tag]})
     if not parts:
         return {"type": "const_string", "value": ""}
@@ -184,7 +195,8 @@ def only_calls(fmt: str, tools: Sequence[ToolSpec], *, parallel: bool = True,
     if fmt == "pythonic":
         return _pythonic_calls(tools, parallel, whitespace)
     tags = _xml_tags(tools, whitespace) if fmt == "qwen3_coder" else _json_tags(fmt, tools)
-    return calls_only(tags, parallel=parallel, whitespace=whitespace)
+    separator = "; " if fmt == "llama3_json" else "\n"  # Llama 3's calls are one JSON text, ";" between them
+    return calls_only(tags, parallel=parallel, whitespace=whitespace, separator=separator)
 
 
 def calls_or_answer(fmt: str, answer: xgr.Grammar, tools: Sequence[ToolSpec], *, parallel: bool = True,

@@ -80,10 +80,11 @@ def test_forced_call_over_http(server_url):
 
 
 def test_reasoning_variable(engine):
+    """The prompt opened the block; the budget closes it and the regex holds for the answer after it."""
     @rg.function
     def think(s):
         s += "Question: 2 + 2?\nAnswer: <think>"
-        s += rg.gen("a", reasoning="thought", regex=r"[a-z ]{3,12}</think> [0-9]", max_tokens=20)
+        s += rg.gen("a", reasoning="thought", regex=r"[0-9]", max_thinking_tokens=6, max_tokens=20)
 
     state = think.run(backend=engine, temperature=0)
     assert state["thought"] and "</think>" not in state["a"] and state["a"].isdigit()
@@ -137,3 +138,23 @@ def test_reasoning_gen_arguments_are_checked():
         rg.gen("a", reasoning=True, max_thinking_tokens=-1)
     with pytest.raises(ValueError, match="sampled, not scored"):
         rg.gen("a", reasoning=True, choices=["x"], choices_method="token_length_normalized")
+
+
+def test_agent_example_loop_reuses_the_cache(engine):
+    """examples/agent.py on the default model: each tool step calls its tool with valid arguments, and each
+    turn's prompt finds the whole previous prompt in the radix cache."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        import agent as example
+    finally:
+        sys.path.pop(0)
+    steps = example.agent.run(question="How cold is Oslo in Fahrenheit?", backend=engine, temperature=0).ret_value
+    assert len(steps) == len(example.PLAN) + 1 and steps[-1]["answer"]
+    for step, tool in zip(steps, example.PLAN, strict=False):
+        (line,) = step["calls"]
+        assert line.startswith(f"{tool}(")
+    for before, after in zip(steps, steps[1:], strict=False):
+        assert after["cached"] >= before["prompt"], steps

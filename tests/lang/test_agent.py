@@ -131,6 +131,24 @@ def test_constraint_after_thinking_in_one_request(qwen3_engine, constraint, chec
         assert "</think>" in state.text()  # the whole output stays in the text (the next turn's cache)
 
 
+@pytest.mark.parametrize("fmt", ["pythonic", "qwen3_coder"])
+def test_forced_call_in_the_flattened_formats(qwen3_engine, fmt):
+    """tool_choice "required" in a program makes the random model call in `fmt` (its grammar), with valid
+    arguments, sampled at temperature 1."""
+    @rg.function
+    def call(s):
+        s += rg.user("What is the weather in Oslo?")
+        s += rg.assistant(rg.gen("turn", tools=[CITY], tool_choice="required", tool_call_parser=fmt,
+                                 parallel_tool_calls=False, max_tokens=200))  # random tokens: short ones
+
+    for _ in range(3):
+        state = call.run(backend=qwen3_engine, temperature=1.0)
+        assert state.get_meta_info("turn")["finish_reason"]["type"] == "stop"
+        (made,) = state["turn_calls"]
+        assert made.name == "get_weather" and state["turn"] == ""
+        jsonschema.validate(made.arguments, CITY["parameters"])
+
+
 def test_reasoning_gen_arguments_are_checked():
     with pytest.raises(ValueError, match="max_thinking_tokens"):
         rg.gen("a", max_thinking_tokens=3)

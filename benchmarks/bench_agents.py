@@ -91,8 +91,7 @@ def throughput(eng: Engine, args) -> list[tuple[str, int, float, int, float]]:
     fixed = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "temperature": 0.0}
     results = []
     for label, (prompts, constraint) in rows.items():
-        base = {**fixed, "min_new_tokens": 0, "ignore_eos": True} if "ebnf" in constraint and label.startswith(
-            "c.") else fixed
+        base = {**fixed, "min_new_tokens": 0, "ignore_eos": True} if "max_thinking_tokens" in constraint else fixed
         eng.generate(prompts[0], {"max_new_tokens": 1, **constraint})  # compile outside the timed runs
         best: dict[str, tuple[int, float]] = {}
         for _ in range(args.reps):  # alternate and keep each one's best run: the machine may be shared

@@ -139,7 +139,12 @@ def test_strict_qwen3_coder_call_or_json_answer_at_temperature_one(oai):
     ({"input": "hi", "tools": [{"type": "web_search"}]}, r"tools\[0\]\.type: only function tools"),
     ({"input": "hi", "tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
         "x": {"type": "array", "uniqueItems": True}}}}]}, r"tools\[0\]\.function\.parameters.*uniqueItems"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {  # strict by default
+        "type": "object", "anyOf": [{"properties": {"a": {"type": "integer"}}}]}}]},
+     r"tools\[0\]\.function\.parameters.*/anyOf: not expressible in this tool-call format"),
     ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice names function 'nope', not in tools"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "hi", "reasoning": {"effort": "max"}}, r"reasoning\.effort"),
     ({"input": "hi", "frobnicate": 1}, "frobnicate"),

@@ -210,6 +210,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     try:
         return ChatCompletionRequest.model_validate_json(json.dumps({k: v for k, v in body.items() if v is not None}))
     except ValidationError as e:
-        err = e.errors()[0]
+        err = e.errors()[0]  # named as the chat request names it (the fields mostly share their names)
+        msg = str(err["msg"]).removeprefix("Value error, ")
         loc = ".".join(str(x) for x in err["loc"])
-        raise bad_request(f"{loc}: {err['msg']}", str(err["loc"][0]) if err["loc"] else None) from None
+        raise bad_request(f"{loc}: {msg}" if loc else msg, str(err["loc"][0]) if err["loc"] else None) from None

@@ -99,10 +99,13 @@ def test_function_calls_streamed_and_answered(oai):
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(deltas) > 2 and "".join(deltas) == args_done.arguments == call.arguments  # seeded: the same call
-    # the next turn: the call and its output go back as input items, or through previous_response_id
+    # the next turn: the call and its output go back as input items (a reasoning item is accepted and not
+    # rendered again), or through previous_response_id
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "h"}]}
     follow = oai.responses.create(model="m", input=[{"role": "user", "content": "What is the weather in Oslo?"},
-                                                    *[i.model_dump(exclude_none=True) for i in resp.output], result],
+                                                    thought, *[i.model_dump(exclude_none=True) for i in resp.output],
+                                                    result],
                                   tools=[WEATHER], tool_choice="none", max_output_tokens=6, temperature=0,
                                   reasoning=NO_THINKING)
     chained = oai.responses.create(model="m", previous_response_id=resp.id, input=[result], tools=[WEATHER],

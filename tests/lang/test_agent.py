@@ -121,7 +121,7 @@ def judge(s, gen_kw):
 def test_constraint_after_thinking_in_one_request(qwen3_engine, constraint, check):
     """The random model thinks (the budget closes its block after 5 tokens), then the constraint holds: one
     request, one grammar (the server's compose path), at temperature 1."""
-    for _ in range(3):
+    for _ in range(2):
         state = judge.run({"max_thinking_tokens": 5, **constraint}, backend=qwen3_engine, temperature=1.0)
         assert state["answer_reasoning"], state.text()
         assert "<think>" not in state["answer"] and "</think>" not in state["answer"]
@@ -134,14 +134,14 @@ def test_constraint_after_thinking_in_one_request(qwen3_engine, constraint, chec
 @pytest.mark.parametrize("fmt", ["pythonic", "qwen3_coder"])
 def test_forced_call_in_the_flattened_formats(qwen3_engine, fmt):
     """tool_choice "required" in a program makes the random model call in `fmt` (its grammar), with valid
-    arguments, sampled at temperature 1."""
+    arguments, sampled at temperature 1 (the random model writes the markers in short tokens: a long output)."""
     @rg.function
     def call(s):
         s += rg.user("What is the weather in Oslo?")
         s += rg.assistant(rg.gen("turn", tools=[CITY], tool_choice="required", tool_call_parser=fmt,
                                  parallel_tool_calls=False, max_tokens=200))  # random tokens: short ones
 
-    for _ in range(3):
+    for _ in range(1):  # many samples of each format's grammar: tests/server/test_tool_grammars.py
         state = call.run(backend=qwen3_engine, temperature=1.0)
         assert state.get_meta_info("turn")["finish_reason"]["type"] == "stop"
         (made,) = state["turn_calls"]

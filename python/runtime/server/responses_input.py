@@ -173,7 +173,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _reasoning(reasoning: dict[str, Any] | None) -> dict[str, Any]:
-    """`effort` goes to the chat template (``reasoning_effort``); "none" switches a Qwen3's thinking off."""
+    """`effort` goes to the chat template (``reasoning_effort``); "none" switches a Qwen3's thinking off.
+    `summary` is accepted, and no summary is written: the reasoning item carries the whole thinking text."""
     if not reasoning:
         return {}
     unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})

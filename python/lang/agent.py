@@ -67,20 +67,52 @@ def calls_grammar(specs: Sequence[dict], tool_choice: str, tool_call_parser: str
     """EBNF making the output calls only (tool_choice "required" or a tool's name), None for "auto"."""
     if tool_choice == "auto":
         return None
-    from radixgen.common.grammar.compose import CallTag, calls_only, ebnf_of
+    from radixgen.common.grammar.compose import ebnf_of
+    from radixgen.common.grammar.tool_formats import ToolSpec, only_calls
     from radixgen.common.parsers import tool_parser_class
 
-    fmt = tool_parser_class(tool_call_parser)
     chosen = [s for s in specs if tool_choice in ("required", s["name"])]
     if not chosen:
         raise ValueError(f"gen.tool_choice: {tool_choice!r} is not 'auto', 'required' or a tool's name")
-    tags = []
-    for s in chosen:
-        tag = fmt.call_tag(s["name"])
-        if tag is None:
-            raise ValueError(f"gen.tool_choice: the {tool_call_parser} format has no grammar for its calls")
-        tags.append(CallTag(*tag, s.get("parameters") or {"type": "object"}, where=f"tool {s['name']!r}"))
-    return ebnf_of(calls_only(tags, parallel=parallel))
+    tools = [ToolSpec(s["name"], s.get("parameters") or {"type": "object"}, where=f"tool {s['name']!r}")
+             for s in chosen]
+    return ebnf_of(only_calls(tool_parser_class(tool_call_parser).name, tools, parallel=parallel))
+
+
+def open_think_block(prompt: str, reasoning_parser: str) -> str:
+    """The text that opens the think block after `prompt` ("" when the prompt has opened it)."""
+    from radixgen.common.parsers import reasoning_format
+
+    fmt = reasoning_format(reasoning_parser)
+    return "" if fmt.thinking_at_start(prompt) or prompt.rstrip().endswith(fmt.end) else fmt.start + "\n"
+
+
+def thinking_params(params: dict[str, Any], choices: str | None, reasoning_parser: str, prompt: str,
+                    budget: int | None) -> dict[str, Any]:
+    """Sampling fields of a gen with reasoning: its constraint (regex / json_schema / ebnf in `params`, or
+    `choices`) as one grammar that starts after the think block, the way the server composes a chat
+    request's (grammar/compose.after_thinking: the same request, the same batched step), and the budget."""
+    from radixgen.common.grammar.compose import after_thinking, constraint_grammar, ebnf_of
+    from radixgen.common.grammar.schema import ConstraintError
+    from radixgen.common.parsers import reasoning_format
+
+    fmt = reasoning_format(reasoning_parser)
+    out: dict[str, Any] = {}
+    if budget is not None:
+        out.update(max_thinking_tokens=budget, think_end=fmt.end)
+    given = [(k, params.pop(k)) for k in ("regex", "json_schema", "ebnf") if params.get(k) is not None]
+    if choices is not None:
+        given.append(("choices", choices))
+    if not given or prompt.rstrip().endswith(fmt.end):  # nothing to move, or the prompt closed the block
+        out.update(given)
+        return out
+    (kind, text), = given
+    try:
+        answer = constraint_grammar(kind, text)
+    except ConstraintError as e:
+        raise ValueError(f"gen.{kind}: {e}") from e
+    out["ebnf"] = ebnf_of(after_thinking(answer, fmt.start, fmt.end, opened=fmt.thinking_at_start(prompt)))
+    return out
 
 
 def split_output(text: str, specs: Sequence[dict] | None, tool_call_parser: str,

@@ -77,6 +77,7 @@ def gen(
     parallel_tool_calls: bool = True,
     reasoning: bool | str = False,
     reasoning_parser: str = "qwen3",
+    max_thinking_tokens: int | None = None,
 ) -> Node:
     """Generate text after the current state (stored in variable `name`). Arguments left None take
     the run's defaults (SGLang's names and order). `dtype` (int/float/str/bool: the output matches
@@ -86,8 +87,18 @@ def gen(
     Agents (lang/agent.py): with `tools` (OpenAI function dicts or annotated Python functions) the calls
     in the output go to variable `<name>_calls` (a list of agent.ToolCall) and `name` holds the rest;
     tool_choice "required" or a tool's name makes the model call (a grammar in the tool-call format).
-    `reasoning=True` (or a variable name) moves the think block to `<name>_reasoning` (or that name)."""
+    `reasoning=True` (or a variable name) moves the think block to `<name>_reasoning` (or that name); a
+    constraint (regex, json_schema, dtype, choices, tools) then starts after the think block, in the same
+    request, and `max_thinking_tokens` closes the block at that budget. `choices` with reasoning are sampled
+    under a grammar (a think block cannot be scored)."""
     given = dict(locals())  # every keyword, before anything below binds another name
+    sampled_choices = None  # with reasoning: the answer is sampled under a choices grammar
+    if choices is not None and reasoning:
+        if choices_method is not None:
+            raise ValueError("gen.choices_method: choices with reasoning are sampled, not scored")
+        if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("gen.choices: must be a non-empty list of non-empty strings")
+        sampled_choices, choices = json.dumps(list(choices)), None
     if choices is not None:
         return select(
             name,
@@ -113,7 +124,8 @@ def gen(
             raise ValueError(f"gen.dtype: must be int, float, str or bool (got {dtype!r})")
         dtype = _DTYPE_NAMES[dtype]
     given.update(dtype=dtype, tools=tools, reasoning=reasoning or None)
-    del given["choices"], given["choices_method"]
+    given["choices"] = sampled_choices
+    del given["choices_method"]
     return Gen(**{GEN_NAMES.get(k, k): v for k, v in given.items()})
 
 

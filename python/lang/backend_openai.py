@@ -84,6 +84,11 @@ class OpenAI(BaseBackend):
             extra["regex"] = p["regex"]
         if "ebnf" in p:  # SGLang's extra body (gen with tools and a tool_choice that forces a call)
             extra["ebnf"] = p["ebnf"]
+        if "max_thinking_tokens" in p:  # gen(reasoning=True, max_thinking_tokens=N): the server closes the block
+            if not self.is_chat_model:
+                raise ValueError("gen.max_thinking_tokens: an OpenAI completions endpoint takes no thinking budget "
+                                 "(a chat model's does)")
+            extra["max_thinking_tokens"] = p["max_thinking_tokens"]
         if "json_schema" in p:
             if self.is_chat_model:
                 schema = {"name": "output", "schema": json.loads(p["json_schema"])}

@@ -134,6 +134,8 @@ class Gen(Node):
     parallel_tool_calls: bool = True
     reasoning: str | None = None  # the variable that holds the think block (None: it stays in the answer)
     reasoning_parser: str = "qwen3"
+    max_thinking_tokens: int | None = None  # with reasoning: the think block is closed after this many tokens
+    choices: str | None = None  # with reasoning: a JSON list of strings the answer is one of (sampled, not scored)
     # ---- end of issue 29's fields
 
     def __post_init__(self) -> None:
@@ -144,6 +146,14 @@ class Gen(Node):
             raise ValueError("gen: a tool_choice other than auto is a constraint; no regex / json_schema / dtype too")
         if (self.tools is not None or self.reasoning is not None) and self.n not in (None, 1):
             raise ValueError("gen: tools / reasoning take n=1")
+        if self.reasoning is None and (self.max_thinking_tokens is not None or self.choices is not None):
+            raise ValueError("gen: max_thinking_tokens (and sampled choices) need reasoning=True")
+        if self.max_thinking_tokens is not None and (not isinstance(self.max_thinking_tokens, int)
+                                                     or isinstance(self.max_thinking_tokens, bool)
+                                                     or self.max_thinking_tokens < 0):
+            raise ValueError(f"gen.max_thinking_tokens: must be an integer >= 0 (got {self.max_thinking_tokens!r})")
+        if self.choices is not None and (self.regex or self.json_schema or self.dtype or self.tools):
+            raise ValueError("gen: choices are a constraint; no regex / json_schema / dtype / tools too")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:

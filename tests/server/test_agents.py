@@ -1,5 +1,5 @@
 """Reasoning and tool calls end to end: a real `radixgen serve` of the tiny random Qwen3 with a Qwen3-style
-chat template written here (it renders tools and a <think> block, so both formats are detected from it),
+chat template (tests/qwen3_chat.py: it renders tools and a <think> block, so both formats are detected from it),
 through the `openai` client. The random model's text is steered into a think block or a call by a regex
 (SGLang's extra-body constraint), so every assertion is about what the server makes of real output."""
 
@@ -7,51 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import openai
 import pytest
+from qwen3_chat import qwen3_chat_model
 from server_proc import start_server, stop_server
-from tiny_models import tiny_model_dir
 
 from radixgen.runtime.server.launch import ServerConfig
-
-QWEN3_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-
-For each function call, return a json object within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for m in messages %}{% if m.role == 'user' %}<|im_start|>user
-{{ m.content }}<|im_end|>
-{% elif m.role == 'assistant' %}<|im_start|>assistant
-{{ m.content }}{% for tc in m.tool_calls or [] %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% endif %}{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city", "strict": True,
@@ -69,9 +32,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
-    model = tmp_path_factory.mktemp("qwen3-chat") / "model"
-    shutil.copytree(tiny_model_dir("qwen3"), model)
-    (model / "chat_template.jinja").write_text(QWEN3_TEMPLATE)
+    model = qwen3_chat_model(tmp_path_factory.mktemp("qwen3-chat"))
     srv = start_server("--model", str(model), "--dtype", "float32", api_key=None)
     yield srv
     assert stop_server(srv) == 0, srv.log_tail()

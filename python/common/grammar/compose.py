@@ -28,6 +28,8 @@ class CallTag(NamedTuple):
     arguments: dict[str, Any]  # the parameters schema
     strict: bool = True  # a keyword the grammar cannot enforce is an error (else a warning)
     where: str = "tools"  # what an error names
+    content: dict | None = None  # a structural-tag format for what stands between begin and end (None: the
+    # arguments as a JSON object of the schema; the flattened formats spell it otherwise, grammar/tool_formats)
 
 
 def _structural(fmt: dict) -> xgr.Grammar:
@@ -64,8 +66,8 @@ def constraint_grammar(kind: str, text: str, *, whitespace: str = "compact", str
 
 def _call_tags(calls: Sequence[CallTag], whitespace: str) -> list[dict]:
     return [{"type": "tag", "begin": c.begin, "end": c.end,
-             "content": {"type": "grammar", "grammar": json_ebnf(c.arguments, c.where, whitespace=whitespace,
-                                                                  strict=c.strict)}}
+             "content": c.content or {"type": "grammar", "grammar": json_ebnf(c.arguments, c.where,
+                                                                             whitespace=whitespace, strict=c.strict)}}
             for c in calls]
 
 
@@ -76,10 +78,11 @@ def triggered_calls(calls: Sequence[CallTag], *, whitespace: str = "compact") ->
                         "at_least_one": False, "stop_after_first": False})
 
 
-def calls_only(calls: Sequence[CallTag], *, parallel: bool = True, whitespace: str = "compact") -> xgr.Grammar:
-    """One call (or several, one per line, when `parallel`) and nothing else."""
+def calls_only(calls: Sequence[CallTag], *, parallel: bool = True, whitespace: str = "compact",
+               separator: str = "\n") -> xgr.Grammar:
+    """One call (or several, `separator` between them, when `parallel`) and nothing else."""
     return _structural({"type": "tags_with_separator", "tags": _call_tags(calls, whitespace),
-                        "separator": "\n", "at_least_one": True, "stop_after_first": not parallel})
+                        "separator": separator, "at_least_one": True, "stop_after_first": not parallel})
 
 
 def calls_or(answer: xgr.Grammar, calls: Sequence[CallTag], *, parallel: bool = True,

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from radixgen.lang.agent import calls_grammar, split_output
+from radixgen.lang.agent import calls_grammar, open_think_block, split_output, thinking_params
 from radixgen.lang.backend_base import PREFILL_ONLY, ChatContext, GenRequest, ScoredChoices
 from radixgen.lang.chat import RoleFrame
 from radixgen.lang.choices import decide
@@ -176,6 +176,9 @@ def gen_request(core: StateCore, node: Gen) -> GenRequest:
                                 node.parallel_tool_calls)
         if grammar is not None:
             params["ebnf"] = grammar
+    if node.reasoning is not None:  # the constraint starts after the think block; the budget closes it
+        params.update(thinking_params(params, node.choices, node.reasoning_parser, core.text,
+                                      node.max_thinking_tokens))
     return_logprob = _pick(node.return_logprob, d.return_logprob, False)
     text_in_logprobs = _pick(node.return_text_in_logprobs, d.return_text_in_logprobs, False)
     chat = None
@@ -203,6 +206,8 @@ def _pick(*values: Any) -> Any:
 def execute_gen(core: StateCore, node: Gen) -> Generator[Any, Any, None]:
     """The variable holds the generated text (a list of n texts when n > 1), whatever the dtype:
     as in SGLang, a program converts it itself (`int(s["x"])`)."""
+    if node.max_thinking_tokens is not None:  # the budget counts from an open block: the prompt opens it
+        core.append(open_think_block(core.text, node.reasoning_parser))
     request = gen_request(core, node)
     tags = frozenset([node.name]) if node.name else frozenset()
     if core.stream and request.n == 1:

@@ -20,6 +20,7 @@ from radixgen.runtime.server.native_api import NativeServing, native_router
 from radixgen.runtime.server.native_protocol import AbortRequest
 from radixgen.runtime.server.openai_api import OpenAIServing
 from radixgen.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixgen.runtime.server.responses_input import ResponsesRequest
 from radixgen.runtime.server.serving import ClientGone, Dispatcher, KeyScopedEngine, new_rid
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -146,5 +147,14 @@ def create_app(
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         metrics.requests.inc(api="chat")
         return await openai.chat(req, request)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):
+        metrics.requests.inc(api="responses")
+        return await openai.responses_api.create(req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return JSONResponse(openai.responses_api.retrieve(response_id))
 
     return app

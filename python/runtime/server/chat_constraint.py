@@ -2,7 +2,7 @@
 ebnf / json_schema fields, and how it meets a reasoning model's think block:
 
 - tool_choice "auto" with strict tools: free text, and each call, once its marker is written, has arguments
-  valid under its tool's schema (the format's call as a structural tag, grammar/compose.py);
+  valid under its tool's schema (in every tool-call format: grammar/tool_formats.py);
 - tool_choice "auto" with a response_format (or another constraint): either valid calls or a valid answer;
 - "required" / a named function: the JSON that tools.tool_choice_schema describes;
 - a reasoning model whose prompt leaves the think block to the output: any constraint starts after the
@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from radixgen.common.grammar.compose import (
-    CallTag,
-    after_thinking,
-    calls_or,
-    constraint_grammar,
-    ebnf_of,
-    triggered_calls,
-)
+from radixgen.common.grammar.compose import after_thinking, constraint_grammar, ebnf_of
 from radixgen.common.grammar.schema import ConstraintError, analyze_schema, report_unenforced
+from radixgen.common.grammar.tool_formats import ToolSpec, auto_calls, calls_or_answer
 from radixgen.common.http_errors import bad_request
 from radixgen.runtime.server.protocol import ChatCompletionRequest
 from radixgen.runtime.server.tools import parameters_schema, tool_choice_schema
@@ -67,14 +61,14 @@ def chat_constraint(chat: ChatServing, req: ChatCompletionRequest, prompt: str, 
     base = api.constraint(req, response_format=_response_schema(req), tool_choice=tool_schema)
     grammar = None
     try:
-        auto_calls = bool(tools) and choice == "auto" and (bool(base) or any(t.function.strict for t in tools))
-        if auto_calls:
-            tags = _call_tags(chat, req)
+        enforce_calls = bool(tools) and choice == "auto" and (bool(base) or any(t.function.strict for t in tools))
+        if enforce_calls:
+            specs, fmt_name = _tool_specs(req), chat.tool_format.name
             if base:
                 answer = constraint_grammar(*next(iter(base.items())), whitespace=whitespace, strict=strict_json)
-                grammar = calls_or(answer, tags, parallel=req.parallel_calls, whitespace=whitespace)
+                grammar = calls_or_answer(fmt_name, answer, specs, parallel=req.parallel_calls, whitespace=whitespace)
             else:
-                grammar = triggered_calls(tags, whitespace=whitespace)
+                grammar = auto_calls(fmt_name, specs, whitespace=whitespace)
         fields: dict[str, Any] = {}
         fmt = chat.reasoning
         thinks = fmt is not None and not prompt.rstrip().endswith(fmt.end)  # not closed by the template
@@ -96,15 +90,6 @@ def chat_constraint(chat: ChatServing, req: ChatCompletionRequest, prompt: str, 
     return ChatConstraint(prompt, fields)
 
 
-def _call_tags(chat: ChatServing, req: ChatCompletionRequest) -> list[CallTag]:
-    tags = []
-    for i, t in enumerate(req.tools or []):
-        tag = chat.tool_format.call_tag(t.function.name)
-        if tag is None:
-            raise bad_request(f"tools: the {chat.tool_format.name} tool-call format has no grammar for its calls, "
-                              "which strict tools and tool_choice auto with a response_format need (formats with "
-                              "one: hermes, llama3_json, mistral)", "tools")
-        tags.append(CallTag(*tag, parameters_schema(t), strict=bool(t.function.strict),
-                            where=f"tools[{i}].function.parameters"))
-    return tags
-
+def _tool_specs(req: ChatCompletionRequest) -> list[ToolSpec]:
+    return [ToolSpec(t.function.name, parameters_schema(t), strict=bool(t.function.strict),
+                     where=f"tools[{i}].function.parameters") for i, t in enumerate(req.tools or [])]

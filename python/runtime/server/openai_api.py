@@ -1,5 +1,6 @@
-"""The OpenAI-compatible API: /v1/models here, with what /v1/completions (openai_completions.py) and
-/v1/chat/completions (openai_chat.py) share: request checks, tokenization, sampling parameters, jobs.
+"""The OpenAI-compatible API: /v1/models here, with what /v1/completions (openai_completions.py),
+/v1/chat/completions (openai_chat.py) and /v1/responses (openai_responses.py, on the chat path) share:
+request checks, tokenization, sampling parameters, jobs.
 
 Each (prompt, choice) pair is one engine request with n=1 (choice j of a seeded request gets seed + j),
 so streamed and non-streamed requests take the same path and give the same text."""
@@ -45,6 +46,7 @@ class OpenAIServing:
                  reasoning_parser: str | None = None, tool_call_parser: str | None = None):
         from radixgen.runtime.server.openai_chat import ChatServing
         from radixgen.runtime.server.openai_completions import CompletionServing
+        from radixgen.runtime.server.openai_responses import ResponsesServing
 
         self.engine = engine
         self.dispatcher = dispatcher
@@ -59,6 +61,7 @@ class OpenAIServing:
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.completion_api = CompletionServing(self)
         self.chat_api = ChatServing(self, reasoning_parser, tool_call_parser)
+        self.responses_api = ResponsesServing(self)  # /v1/responses, on chat_api
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

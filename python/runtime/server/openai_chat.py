@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -77,6 +77,12 @@ def check_tool_history(messages: list[ChatMessage]) -> None:
         if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in ids and None not in ids:
             raise bad_request(f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no earlier tool call",
                               "messages")
+
+
+class PreparedChat(NamedTuple):
+    jobs: list[Job]
+    spec: ChatOutput  # how each choice's text becomes message fields
+    rid: str
 
 
 class ChatServing:
@@ -174,8 +180,8 @@ class ChatServing:
 
     # ------------------------------------------------------------ the request
 
-    async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        arrived = time.perf_counter()
+    async def prepare(self, req: ChatCompletionRequest, rid_prefix: str = "chatcmpl-") -> PreparedChat:
+        """The engine jobs of a request and how their text becomes message fields (/v1/responses builds on it)."""
         api = self.api
         lora = api.admit(req)
         choice = req.effective_tool_choice
@@ -192,7 +198,7 @@ class ChatServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = api.sampling(req, api.budget(prompt_len, requested, param, "messages"), constraint)
-        rid = api.request_id(req, "chatcmpl-")
+        rid = api.request_id(req, rid_prefix)
         jobs = api.jobs(
             [ids],
             req,
@@ -204,7 +210,12 @@ class ChatServing:
             logprob_start_len=-1,
         )
         tools = tool_parser(req.tools or [], choice if with_tools else "none", self.tool_format)
-        spec = self.output(req, text, tools)
+        return PreparedChat(jobs, self.output(req, text, tools), rid)
+
+    async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        arrived = time.perf_counter()
+        api = self.api
+        jobs, spec, rid = await self.prepare(req)
         if req.stream:
             streams = await api.start_stream(jobs, rid, arrived)
             return EventStream(self.stream(req, jobs, streams, spec, rid), lambda: api.dispatcher.end_group(rid))

@@ -41,7 +41,7 @@ class TorchOps:
                 m.set_linear_method(linear_method(self.name, spec, m, self.kernels))
             elif isinstance(m, GroupedLinear):  # an expert block's experts
                 try:
-                    m.method = grouped_method(spec.method)
+                    m.method = grouped_method(spec.method, self.name, self.kernels, m)
                 except ValueError as e:
                     raise ValueError(f"{type(model).__name__} has expert blocks: {e}") from e
                 m.method.create_weights(m)

@@ -188,7 +188,7 @@ def open_gguf(path: Path):
     from radixgen.runtime.models import for_gguf, gguf_architectures
 
     arch = _gguf_field(reader, "general.architecture")
-    if for_gguf(arch) is None:
+    if for_gguf(arch, _has_experts(reader, arch)) is None:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} (supported: "
                              f"{', '.join(gguf_architectures())})")
 
@@ -198,11 +198,17 @@ def open_gguf(path: Path):
     return reader, arch, meta
 
 
-def gguf_mapping(arch: str):
-    """The declared weight mapping (models.weights.WeightMapping) of GGUF architecture `arch`."""
+def _has_experts(reader, arch: str) -> bool:
+    """Whether the file's blocks are expert blocks (llama.cpp writes Mixtral as "llama" with an expert count)."""
+    return int(_gguf_field(reader, f"{arch}.expert_count", 0) or 0) > 0
+
+
+def gguf_mapping(arch: str, reader=None):
+    """The declared weight mapping (models.weights.WeightMapping) of GGUF architecture `arch` (of the file `reader`
+    reads: with expert blocks or not)."""
     from radixgen.runtime.models import for_gguf
 
-    return for_gguf(arch)[1].weights
+    return for_gguf(arch, reader is not None and _has_experts(reader, arch))[1].weights
 
 
 def rope_heads(mapping, gguf_name: str, meta) -> int | None:
@@ -223,7 +229,7 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     reader, arch, meta = open_gguf(path)
-    mapping = gguf_mapping(arch)
+    mapping = gguf_mapping(arch, reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         hf_name = mapping.hf_name(t.name)
@@ -261,13 +267,13 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
     bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
     from radixgen.runtime.models import for_gguf
 
-    hf_arch, declared = for_gguf(arch)
+    hf_arch, declared = for_gguf(arch, _has_experts(reader, arch))
     config = {
         "architectures": [hf_arch],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
+        "intermediate_size": int(meta("feed_forward_length", meta("expert_feed_forward_length"))),
         "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
@@ -282,4 +288,27 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
         "hidden_act": "silu",
         "attention_bias": declared.attention.qkv_bias,
     }
+    if _has_experts(reader, arch):
+        config.update(_gguf_moe_config(reader, hf_arch, meta, int(meta("block_count"))))
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _gguf_moe_config(reader, hf_arch: str, meta, layers: int) -> dict:
+    """config.json's expert fields of a GGUF file with expert blocks (llama.cpp's keys; a block without a router
+    tensor has the dense MLP: Qwen's mlp_only_layers)."""
+    routed = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+    experts, top_k = int(meta("expert_count")), int(meta("expert_used_count"))
+    if hf_arch == "MixtralForCausalLM":  # the experts' width is the file's feed_forward_length
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    # llama.cpp renormalises Qwen3-MoE's top-k weights unless told otherwise, Qwen2-MoE's not
+    norm = meta("expert_weights_norm", hf_arch == "Qwen3MoeForCausalLM")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": bool(norm),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0)),
+            "mlp_only_layers": [i for i in range(layers) if i not in routed], "decoder_sparse_step": 1,
+            "qkv_bias": declared_bias(reader)}
+
+
+def declared_bias(reader) -> bool:
+    """Whether the file's attention has q / k / v biases."""
+    return any(t.name.endswith(".attn_q.bias") for t in reader.tensors)

@@ -108,6 +108,10 @@ class ModelRunner:
                 # the device's ops, chosen once
                 self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels, cfg.deterministic)
                 if cfg.deterministic:
+                    if mc.moe is not None:  # an expert's matmul sees however many rows the batch routed to it
+                        raise ValueError(f"deterministic mode does not run mixture-of-experts models "
+                                         f"({self.hf_config.get('architectures')}): their expert matmuls are not "
+                                         f"batch-invariant yet")
                     check_deterministic(self.quantization, self.dtype, self.ops, mc.head_dim)
                 self.ops.prepare(model, self.quantization)  # linear methods: the parameters the checkpoint fills
         finally:

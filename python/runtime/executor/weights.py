@@ -90,7 +90,7 @@ def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not path.is_file():
         raise ModelLoadError(f"the GGUF file of {folder} is gone: {path}")
     reader, arch, meta = open_gguf(path)
-    mapping = gguf_mapping(arch)
+    mapping = gguf_mapping(arch, reader)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         hf_name = mapping.hf_name(t.name)

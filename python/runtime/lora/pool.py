@@ -30,6 +30,17 @@ DEFAULT_MAX_RANK = 16  # the pool's rank when neither max_lora_rank nor a start 
 GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def check_moe_targets(what: str, targets) -> None:
+    """A mixture-of-experts model takes attention adapters only: its MLP slots are expert blocks (per-expert LoRA
+    weights are not implemented), so MLP targets are refused rather than applied to some layers."""
+    mlp = sorted(set(targets) - set(ATTENTION_TARGETS))
+    if mlp:
+        raise LoRAAdapterError(f"{what} targets {mlp}: this mixture-of-experts model takes attention-only LoRA "
+                               f"adapters ({' '.join(ATTENTION_TARGETS)}); adapters of its MLP / expert modules are "
+                               f"not supported")
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ class LoRAPool:
         self.num_slots, self.max_rank, self.dtype, self.device = num_slots, max_rank, dtype, device
         self.rank = r = max_rank + max_rank % 2  # R: ranks go in pairs
         self.num_layers = mc.num_layers
+        self.moe = mc.moe is not None
         self.shapes = group_shapes(mc)
         self.targets = frozenset(targets)
         self.groups = [g for g in GROUPS if self.targets & set(MEMBERS[g])]
@@ -167,8 +179,12 @@ class LoRAPool:
         rank = cfg.max_lora_rank or max((r for r, _ in peeks), default=DEFAULT_MAX_RANK)
         if "all" in cfg.lora_target_modules or not (cfg.lora_target_modules or peeks):
             targets = set(TARGETS)
+            if mc.moe is not None:  # "every module" of a mixture of experts: its attention's
+                targets = set(ATTENTION_TARGETS)
         else:
             targets = set(cfg.lora_target_modules) or {m for _, ms in peeks for m in ms}
+        if mc.moe is not None:
+            check_moe_targets("the LoRA pool", targets)
         return cls(mc, cfg.max_loras, rank, targets, dtype, device)
 
     @property
@@ -177,6 +193,8 @@ class LoRAPool:
 
     def check(self, adapter: LoRAAdapter) -> None:
         """LoRAAdapterError when the adapter does not fit this pool: rank above R, or modules it has no room for."""
+        if self.moe:
+            check_moe_targets(f"LoRA adapter {adapter.name!r}", adapter.target_modules)
         if adapter.rank > self.max_rank:
             raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} exceeds max_lora_rank "
                                    f"{self.max_rank}")

@@ -153,7 +153,7 @@ class MoEStepLayer:
                "gate_up (E, 2I, H) and down (E, H, I) must be one block's")
         expect(1 <= top_k <= num_experts and 0 <= first_expert and first_expert + len(gate_up) <= num_experts,
                f"top_k {top_k}, experts [{first_expert}, {first_expert + len(gate_up)}) of {num_experts}")
-        s = self.struct = MoELayerBF16(gate_up=gate_up.descs, down=down.descs, n_local=len(gate_up),
+        s = self.struct = MoELayerBF16(gate_up=gate_up.address, down=down.address, n_local=len(gate_up),
                                        first=first_expert, I=down.k, num_experts=num_experts, top_k=top_k,
                                        softmax_before_topk=int(softmax_before_topk),
                                        norm_topk_prob=int(norm_topk_prob), router=router.desc)

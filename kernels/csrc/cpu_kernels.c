@@ -276,7 +276,8 @@ int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, 
 
 /* ids (M,): the tokens, whose rows of embed (vocab rows of hidden) start the residual stream; positions (M,): theirs,
  * each request's context being its position + 1 (the token's own K/V included). out (M, hidden): the final
- * norm's output. x, res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
+ * norm's output (inter: the widest MLP activation of the layers, dense or expert). x, res_a, res_b (M, hidden),
+ * qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
  * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch, and so is `scratch`
  * (scratch_bytes, at least rg_decode_step_scratch_bytes_bf16 for the longest context: RG_ERR_SCRATCH
  * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. The matmul
@@ -361,11 +362,12 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
                 moe_team_bf16(ly->moe, hp, M, hidden, x, gu, ap, sx, par);
                 continue;
             }
+            const int64_t li = ly->gate_up.N / 2; /* this layer's intermediate size (inter: the widest layer's) */
             linear_team_bf16(&ly->gate_up, hp, M, NULL, gu, NULL, sx);
-            lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * inter, (const int64_t[]){inter, 2 * inter}, 2);
-            silu_mul_bf16(gu, ap, M, inter);
+            lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * li, (const int64_t[]){li, 2 * li}, 2);
+            silu_mul_bf16(gu, ap, M, li);
             linear_team_bf16(&ly->down, ap, M, NULL, x, NULL, sx);
-            lora_add_team(ly->lora, 3, ap, inter, x, hidden, (const int64_t[]){hidden}, 1);
+            lora_add_team(ly->lora, 3, ap, li, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
         }
         if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */

@@ -251,3 +251,15 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"counts {counts} must be {self.num_experts} non-negative counts summing to the "
                              f"{x.shape[0]} rows")
         return self.method.apply(self, x, counts)
+
+
+def convert(layer: GroupedLinear, method: GroupedLinearMethod) -> None:
+    """Lay a loaded layer's experts out again in `method`'s layout, from its current ones dequantized to the layer's
+    dtype: a bf16 checkpoint's experts quantized after loading (the benchmark's int4 experts, tests)."""
+    w = torch.stack([layer.method.dequantize(layer, e) for e in range(layer.num_experts)]).to(layer.dtype)
+    for name in ("q", "scales", "offsets"):
+        layer._buffers.pop(name, None)
+    layer.__dict__.pop("packed", None)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    layer.method = method
+    method.process_weights(layer)

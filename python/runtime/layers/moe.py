@@ -18,8 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixgen import kernels
 from radixgen.kernels import cpu_moe
-from radixgen.runtime.layers.quantization.experts import CpuGroupedLinear, GroupedLinear, group_by_expert
+from radixgen.runtime.layers.quantization.experts import (
+    CpuGroupedLinear,
+    DenseGroupedLinear,
+    GroupedLinear,
+    group_by_expert,
+)
 
 
 @dataclass(frozen=True)
@@ -104,4 +110,8 @@ def _fused_experts(x, topk_weights, topk_ids, gate_up: GroupedLinear, down: Grou
             and x.dtype in (torch.bfloat16, torch.float32):
         return cpu_moe._moe_experts(gate_up.method.kl, x.contiguous(), topk_weights.float().contiguous(),
                                     topk_ids.to(torch.int32).contiguous(), gate_up.packed, down.packed, first_expert)
+    if x.is_cuda and all(isinstance(g.method, DenseGroupedLinear) and g.weight.dtype == x.dtype
+                         for g in (gate_up, down)):
+        return kernels.fused_moe(x.contiguous(), gate_up.weight, down.weight, topk_weights.float().contiguous(),
+                                 topk_ids.to(torch.int32).contiguous(), first_expert)
     return None

@@ -24,7 +24,7 @@ def _rounded(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
 @triton.jit
 def _moe_gate_up_kernel(
     X, W, Places, BlockExpert, A,
-    H, I, top_k,
+    H, N_I, top_k,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDEN_DOT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     """A (blocks BM, I) = silu(x W_gate^T) * (x W_up^T) for the BM (token, j) places of block program_id(0), all of
@@ -38,9 +38,9 @@ def _moe_gate_up_kernel(
     valid = places >= 0
     tokens = tl.where(valid, places // top_k, 0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mn = rn < I
-    w_gate = W + e.to(tl.int64) * 2 * I * H + rn[None, :] * H
-    w_up = w_gate + I * H
+    mn = rn < N_I
+    w_gate = W + e.to(tl.int64) * 2 * N_I * H + rn[None, :] * H
+    w_up = w_gate + N_I * H
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, H, BK):
@@ -57,13 +57,13 @@ def _moe_gate_up_kernel(
     u = _rounded(acc_u, dtype, RNE_BF16)
     s = _rounded(g / (1.0 + tl.exp(-g)), dtype, RNE_BF16)
     a = _rounded(s * u, dtype, RNE_BF16)
-    tl.store(A + rows[:, None] * I + rn[None, :], a.to(dtype), mask=valid[:, None] & mn[None, :])
+    tl.store(A + rows[:, None] * N_I + rn[None, :], a.to(dtype), mask=valid[:, None] & mn[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
     A, W, Places, BlockExpert, TopkWeights, Terms,
-    H, I,
+    H, N_I,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDEN_DOT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     """Terms (T k, H) float32 at each place p of block program_id(0): weight[p] * (a_p W_down^T) rounded to the
@@ -78,12 +78,12 @@ def _moe_down_kernel(
     valid = places >= 0
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = rn < H
-    w_down = W + e.to(tl.int64) * H * I + rn[None, :] * I
+    w_down = W + e.to(tl.int64) * H * N_I + rn[None, :] * N_I
     acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, I, BK):
+    for k0 in range(0, N_I, BK):
         rk = k0 + tl.arange(0, BK)
-        mk = rk < I
-        a = tl.load(A + rows[:, None] * I + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+        mk = rk < N_I
+        a = tl.load(A + rows[:, None] * N_I + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
         w = tl.load(w_down + rk[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
         acc += _dot(a, w, "ieee", WIDEN_DOT)
     weight = tl.load(TopkWeights + places, mask=valid, other=0.0)

@@ -82,12 +82,12 @@ class StageIO(NamedTuple):
 class DecodeStepWeights:
     """The weights of a Llama-family decoder stack as `decode_step` reads them: norm weights (optionally per-head
     q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights (or, for an expert block, a
-    cpu_moe.MoEStepLayer "moe" in place of gate_up and down; `intermediate` is then the widest activation), the LM head (vocab, hidden) and
-    the embedding table (vocab rows of hidden; the LM head's own weight when they are tied) as PackedWeights (by
-    descriptor, not copied), the KV buffers (bf16, or an 8-bit pool's codes and scales) by address. All of them
-    must stay alive and in place as long as this object is used (the model's layers and pool hold them). A
-    pipeline stage before the last has no final norm (None); a rank whose step starts from embedded rows or a
-    previous stage's output has no embedding table (None)."""
+    cpu_moe.MoEStepLayer "moe" in place of gate_up and down; `intermediate` is then the widest activation), the LM
+    head (vocab, hidden) and the embedding table (vocab rows of hidden; the LM head's own weight when they are tied)
+    as PackedWeights (by descriptor, not copied), the KV buffers (bf16, or an 8-bit pool's codes and scales) by
+    address. All of them must stay alive and in place as long as this object is used (the model's layers and pool
+    hold them). A pipeline stage before the last has no final norm (None); a rank whose step starts from embedded
+    rows or a previous stage's output has no embedding table (None)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 

@@ -22,7 +22,7 @@ from radixgen.runtime.layers.quantization.experts import (
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels did not build")
 
-E, H, I = 6, 64, 32
+E, H, IW = 6, 64, 32
 
 
 def packed_experts(kind: str, n: int, k: int, gen) -> cpu_moe.PackedExperts:
@@ -49,7 +49,7 @@ def routed(t: int, k: int, case: str, gen) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("case", ["random", "one_expert_takes_all", "idle_experts"])
 def test_grouped_experts_match_reference(kind, dtype, case):
     gen = torch.Generator().manual_seed(0)
-    gate_up, down = packed_experts(kind, 2 * I, H, gen), packed_experts(kind, H, I, gen)
+    gate_up, down = packed_experts(kind, 2 * IW, H, gen), packed_experts(kind, H, IW, gen)
     for t in (1, 4, 19):  # a decode row, a decode batch, a prefill
         w, ids = routed(t, 2, case, gen)
         x = torch.randn(t, H, generator=gen).to(dtype)
@@ -63,7 +63,7 @@ def test_expert_parallel_shards_sum_to_the_block():
     """Experts [0, 3) and [3, 6) on two 'ranks' (first_expert) add up to all six; a token routed to none of a
     shard's experts gets zeros there."""
     gen = torch.Generator().manual_seed(1)
-    gate_up, down = packed_experts("bf16", 2 * I, H, gen), packed_experts("bf16", H, I, gen)
+    gate_up, down = packed_experts("bf16", 2 * IW, H, gen), packed_experts("bf16", H, IW, gen)
     w, ids = routed(7, 2, "random", gen)
     x = torch.randn(7, H, generator=gen)
     whole = cpu_moe.moe_experts(x, w, ids, gate_up, down)
@@ -111,7 +111,7 @@ def layers(method_of, dtype):
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        gate_up, down = GroupedLinear(E, H, 2 * I), GroupedLinear(E, I, H)
+        gate_up, down = GroupedLinear(E, H, 2 * IW), GroupedLinear(E, IW, H)
     finally:
         torch.set_default_dtype(default)
     for g in (gate_up, down):

@@ -11,13 +11,13 @@ from kernel_testutil import DEVICE, TOL, rel_err
 from radixgen.kernels import fused_moe, fused_moe_ref
 from radixgen.kernels.fused_moe import sort_places
 
-E, H, I = 6, 64, 48  # I: no whole column tile
+E, H, IW = 6, 64, 48  # IW (expert width): no whole column tile
 
 
 def case(t, k, dtype, gen, how="random"):
     x = torch.randn(t, H, generator=gen).to(dtype)
-    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * 0.2).to(dtype)
-    down = (torch.randn(E, H, I, generator=gen) * 0.2).to(dtype)
+    gate_up = (torch.randn(E, 2 * IW, H, generator=gen) * 0.2).to(dtype)
+    down = (torch.randn(E, H, IW, generator=gen) * 0.2).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
     if how == "one_expert_takes_all":
         ids[:, 0] = 2

@@ -118,8 +118,8 @@ class DecodeStepWeights:
                 if name in ("gate_up", "down"):
                     if moe is not None:
                         continue
-                    li = ly["down"].k if isinstance(ly.get("down"), PackedWeight) else 0  # the layer's own width
-                    expect(0 < li <= intermediate, f"layer {i}: intermediate {li} exceeds the step's {intermediate}")
+                    li = ly["down"].k if isinstance(ly.get("down"), PackedWeight) else intermediate
+                    li = li if 0 < li <= intermediate else intermediate  # the layer's own width, at most the step's
                     shape = (2 * li, hidden) if name == "gate_up" else (hidden, li)
                 _check_packed(f"layer {i} {name}", ly.get(name), shape)
                 setattr(arr[i], name, ly[name].desc)

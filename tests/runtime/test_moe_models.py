@@ -144,11 +144,25 @@ def test_int8_experts_match_their_dequantized_reference():
                           atol=1e-5)
 
 
+def test_bf16_on_the_cpu_kernels_stays_near_float32(pair):
+    """The attention, norms and shared expert on the C kernels / packed bf16 weights, the experts in bf16."""
+    runner, ref = pair
+    bf16 = ModelRunner(RuntimeConfig(model=str(runner.model_path), dtype="bfloat16", max_total_tokens=512,
+                                     max_running_requests=2))
+    p = prompts(1, [13], seed=1)[0]
+    got, want = Driver(bf16).step({"a": p})["a"].float(), ref_logits(ref, p)
+    assert rel_err(got, want) < 0.03 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
 def test_int8_experts_through_the_model():
     folder = tiny_model_dir("qwen2_moe")
     plain, q8 = runner_of(folder), runner_of(folder, quantization="int8")
     block = next(m for m in q8.model.modules() if isinstance(m, SparseMoEBlock))
     assert block.experts.gate_up.method.name.startswith("int8")
+    from radixgen.runtime.layers.quantization import weight_bytes
+
+    dense_experts = next(m for m in plain.model.modules() if isinstance(m, SparseMoEBlock)).experts
+    assert 0 < weight_bytes(block.experts) < 0.3 * weight_bytes(dense_experts)  # int8 values and scales, counted
     ps = prompts(1, [12], seed=2)
     a, b = Driver(plain).step({"a": ps[0]})["a"], Driver(q8).step({"a": ps[0]})["a"]
     assert rel_err(b, a) < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
@@ -220,6 +234,8 @@ def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path):
 
 
 def test_combinations_refused_at_start_name_the_problem():
+    with pytest.raises(ValueError, match="ep_size=2 splits expert blocks, and llama has none"):
+        runner_of(tiny_model_dir("llama"), tp_size=2, ep_size=2)
     folder = tiny_model_dir("qwen3_moe")
     with pytest.raises(ValueError, match="deterministic mode does not run mixture-of-experts"):
         ModelRunner(RuntimeConfig(model=str(folder), dtype="bfloat16", deterministic=True, max_total_tokens=256))

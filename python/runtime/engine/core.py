@@ -343,6 +343,6 @@ class Engine:
         info = self._client.control("server_info")
         info["model_path"] = self.model_info["model_path"]
         c = self.config
-        info["parallel"] = {"tp_size": c.tp_size, "pp_size": c.pp_size, "nnodes": c.nnodes,
+        info["parallel"] = {"tp_size": c.tp_size, "pp_size": c.pp_size, "ep_size": c.ep_size, "nnodes": c.nnodes,
                             "rank_pids": self._client.rank_pids}  # this node's rank processes
         return info

@@ -107,6 +107,9 @@ class ModelRunner:
                 model = model_class(mc.architecture)(mc, par)
                 # the device's ops, chosen once
                 self.ops = ops or ops_for(self.device, cfg.disable_cpu_kernels, cfg.deterministic)
+                if cfg.ep_size > 1 and mc.moe is None:
+                    raise ValueError(f"ep_size={cfg.ep_size} splits expert blocks, and {mc.architecture} has none: "
+                                     f"use ep_size=1")
                 if cfg.deterministic:
                     if mc.moe is not None:  # an expert's matmul sees however many rows the batch routed to it
                         raise ValueError(f"deterministic mode does not run mixture-of-experts models "

@@ -116,10 +116,11 @@ def weight_bytes(model: nn.Module) -> int:
     """The bytes a loaded model's weights take, each in the one layout its layer holds (tables derived from the
     config, such as the rotary one, are not weights)."""
     from radixgen.runtime.layers.linear import LinearBase
+    from radixgen.runtime.layers.quantization.experts import GroupedLinear
 
     total = 0
     for m in model.modules():
-        if isinstance(m, LinearBase):
+        if isinstance(m, (LinearBase, GroupedLinear)):  # (an expert block's experts: their method's layout)
             total += m.method.nbytes(m)
         else:
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))

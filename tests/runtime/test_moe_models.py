@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import kv_of
 from safetensors.torch import load_file, save_file
 from test_model_forward import Driver, prompts, ref_logits, rel_err
 from tiny_models import hf_config, tiny_model_dir
@@ -144,11 +145,15 @@ def test_int8_experts_match_their_dequantized_reference():
                           atol=1e-5)
 
 
-def test_bf16_on_the_cpu_kernels_stays_near_float32(pair):
-    """The attention, norms and shared expert on the C kernels / packed bf16 weights, the experts in bf16."""
-    runner, ref = pair
+def test_bf16_on_the_cpu_kernels_matches_transformers_bf16(pair):
+    """The attention, norms and shared expert on the C kernels / packed bf16 weights, the experts in bf16, against
+    transformers in bf16 (not float32: bf16 rounding flips near-tied routing choices, the reference's too)."""
+    import transformers as tf
+
+    runner, _ = pair
     bf16 = ModelRunner(RuntimeConfig(model=str(runner.model_path), dtype="bfloat16", max_total_tokens=512,
                                      max_running_requests=2))
+    ref = tf.AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=torch.bfloat16).eval()
     p = prompts(1, [13], seed=1)[0]
     got, want = Driver(bf16).step({"a": p})["a"].float(), ref_logits(ref, p)
     assert rel_err(got, want) < 0.03 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
@@ -260,3 +265,29 @@ def grouped_or_refused(method: str) -> None:
 
     mc = ModelConfig.from_hf(read_hf_config(tiny_model_dir("qwen3_moe")))
     TorchOps().prepare(model_class(mc.architecture)(mc), QuantSpec(method))
+
+
+def test_attention_lora_adapters_match_peft_and_expert_adapters_are_refused(tmp_path):
+    from lora_helpers import make_adapter
+
+    from radixgen.runtime.executor.model_runner import ForwardInput
+    from radixgen.runtime.lora.adapter import load_lora_adapter
+
+    peft_model = make_adapter("qwen2_moe", tmp_path / "attn", targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    r = runner_of(tiny_model_dir("qwen2_moe"), enable_lora=True, max_loras=2, max_lora_rank=8)
+    r.lora_pool.write(0, r.lora_pool.stage(load_lora_adapter("attn", tmp_path / "attn")))
+    p = prompts(1, [9], seed=6)[0]
+    kv = kv_of(r)
+    row = kv.table.allocate()
+    slots = kv.allocator.allocate(len(p))
+    kv.table.write(row, 0, slots)
+    got = r.forward(ForwardInput(torch.tensor(p), torch.arange(len(p)), slots, torch.tensor([row]), [0], [len(p)],
+                                 torch.arange(len(p)), lora_slots=[0]))
+    with torch.no_grad():
+        want = peft_model(torch.tensor([p])).logits[0]
+        with peft_model.disable_adapter():
+            base = peft_model(torch.tensor([p])).logits[0]
+    assert rel_err(got, want) < TOL and rel_err(want, base) > 1e-3  # the adapter shows
+    make_adapter("qwen2_moe", tmp_path / "mlp", targets=("q_proj", "gate_proj"))  # the shared expert's and layer 1's
+    with pytest.raises(LoRAAdapterError, match=r"targets \['gate_proj'\].*attention-only"):
+        runner_of(tiny_model_dir("qwen2_moe"), lora_paths=(f"mlp={tmp_path / 'mlp'}",))

@@ -33,6 +33,10 @@ def test_fused_moe_step_matches_layer_by_layer(arch):
     assert fused.fused_decode is not None and fused.fused_decode.weights.moe
     experts = [m for m in fused.model.modules() if isinstance(m, GroupedLinear)]
     assert experts and all(isinstance(m.method, CpuGroupedLinear) for m in experts)
+    arena = experts[0].packed.weights[0].data.untyped_storage().data_ptr()
+    for m in experts:  # moved into the ops' weight arena (cpu_linear.gather), the descriptors following
+        assert all(m.packed.descs[i].data == w.data.data_ptr() for i, w in enumerate(m.packed.weights))
+        assert all(w.data.untyped_storage().data_ptr() == arena for w in m.packed.weights)
     plain.fused_decode = None
     calls = []
     real = cpu_fused.decode_step

@@ -50,10 +50,10 @@ class MoEConfig:
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if arch == "mixtral":  # every layer; softmax, top-k, renormalised
             return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, tuple(layers))
-        if arch not in ("qwen2_moe", "qwen3_moe"):
+        if arch not in ("qwen2_moe", "qwen3_moe") or not experts:  # num_experts 0: every layer dense
             return None
         step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
-        sparse = tuple(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+        sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
         shared = hf.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
         return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
                    bool(hf.get("norm_topk_prob", False)), sparse, int(shared or 0))
@@ -200,7 +200,7 @@ class RuntimeConfig:
     ep_size: int = option(1, "expert parallelism (mixture-of-experts models): the tensor-parallel ranks of a stage "
                           "form ep_size groups, each holding 1/ep_size of every expert block's experts (and splitting "
                           "their MLP columns over its tp_size / ep_size ranks); must divide tp_size, as SGLang's",
-                          flags=("--ep-size", "--expert-parallel-size"))
+                          flags=("--ep-size", "--expert-parallel-size", "--ep"))
     nnodes: int = option(1, "machines the tp_size * pp_size ranks are spread over, as many on each")
     node_rank: int = option(0, "this machine's index: node 0 serves; the others run only their ranks")
     dist_init_addr: str | None = option(None, "host:port where node 0 meets the other ranks (needed with "

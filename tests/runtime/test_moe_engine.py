@@ -1,6 +1,7 @@
 """A mixture of experts with the rest of the runtime: through the Engine (scheduler, paged KV, radix cache) with
-ngram speculation, and the scheduler with a draft model (the MoE itself drafting), greedy tokens equal
-transformers'; over an 8-bit KV cache the logits stay near the float pool's."""
+ngram speculation, the scheduler with a draft model (the MoE itself drafting) and with shared prefixes and
+chunked prefill (Qwen2-MoE), greedy tokens equal transformers'; over an 8-bit KV cache the logits stay near the
+float pool's."""
 
 from __future__ import annotations
 
@@ -57,6 +58,32 @@ def test_the_moe_as_its_own_draft_model_gives_transformers_greedy_tokens(referen
     got = run(sched, [GenerateRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
     assert [got[f"r{i}"]["ids"] for i in range(len(ps))] == want
     assert spec(sched)[0] > 0 and spec(sched)[1] > 0
+
+
+def test_qwen2_moe_through_the_scheduler_gives_transformers_greedy_tokens():
+    """Shared prefixes (radix-cache hits), chunked prefill and batched decode over the shared expert's model."""
+    import transformers as tf
+    from test_scheduler import make_scheduler
+
+    from radixgen.common.sampling_params import SamplingParams
+    from radixgen.runtime.loader import load_tokenizer
+    from radixgen.runtime.scheduler.request import GenerateRequest
+
+    folder = tiny_model_dir("qwen2_moe")
+    gen = torch.Generator().manual_seed(31)
+    head = torch.randint(3, 49152, (20,), generator=gen).tolist()
+    ps = [head + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (2, 9, 5)]
+    sched = make_scheduler(folder, load_tokenizer(str(folder)), chunked_prefill_size=16, max_total_tokens=1024,
+                           max_running_requests=4)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    first = run(sched, [GenerateRequest("r0", ps[0], params)])
+    rest = run(sched, [GenerateRequest(f"r{i}", p, params) for i, p in enumerate(ps) if i])
+    ref = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for i, p in enumerate(ps):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0]
+        assert ({**first, **rest}[f"r{i}"]["ids"]) == want[len(p):].tolist()
+    assert all(rest[f"r{i}"]["cached"] >= 20 for i in (1, 2))
 
 
 def test_an_8bit_kv_cache_stays_near_the_float_pool():

@@ -103,7 +103,7 @@ def write_moe_gguf(arch: str, folder, path) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_gguf_experts_round_trip(arch, tmp_path, monkeypatch):
     import transformers as tf
 
@@ -113,7 +113,8 @@ def test_gguf_experts_round_trip(arch, tmp_path, monkeypatch):
     write_moe_gguf(arch, folder, path)
     runner = ModelRunner(RuntimeConfig(model=str(path), dtype="float32", max_total_tokens=1024,
                                        max_running_requests=4))
-    assert type(runner.model).__name__ == {"qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
+    assert type(runner.model).__name__ == {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                           "mixtral": "MixtralForCausalLM"}[arch]
     assert runner.model_config.moe == ModelConfig.from_hf(read_hf_config(folder)).moe
     ref = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ps = prompts(2, [11, 4], seed=4)

@@ -209,6 +209,7 @@ def test_expert_parallel_shards_sum_to_the_whole_block(tp, ep):
     assert torch.allclose(sum(parts), want, atol=1e-5)
     with pytest.raises(ValueError, match="ep_size=3 must divide tp_size=2"):
         RuntimeConfig(tp_size=2, ep_size=3)
+    assert RuntimeConfig.from_kwargs(tensor_parallel_size=4, expert_parallel_size=2).ep_size == 2
 
 
 def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path):
@@ -291,3 +292,17 @@ def test_attention_lora_adapters_match_peft_and_expert_adapters_are_refused(tmp_
     make_adapter("qwen2_moe", tmp_path / "mlp", targets=("q_proj", "gate_proj"))  # the shared expert's and layer 1's
     with pytest.raises(LoRAAdapterError, match=r"targets \['gate_proj'\].*attention-only"):
         runner_of(tiny_model_dir("qwen2_moe"), lora_paths=(f"mlp={tmp_path / 'mlp'}",))
+
+
+def test_which_layers_have_expert_blocks():
+    """Qwen's decoder_sparse_step and mlp_only_layers, as transformers' decoder layers read them."""
+    from radixgen.runtime.config import MoEConfig
+
+    hf = {"num_hidden_layers": 6, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+          "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert MoEConfig.from_hf("qwen3_moe", hf).sparse_layers == (1, 5)
+    assert MoEConfig.from_hf("qwen2_moe", {**hf, "decoder_sparse_step": 1}).sparse_layers == (0, 1, 2, 4, 5)
+    assert MoEConfig.from_hf("qwen3_moe", {**hf, "num_experts": 0}) is None  # every layer dense
+    assert MoEConfig.from_hf("llama", hf) is None
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 must be in"):
+        MoEConfig.from_hf("qwen3_moe", {**hf, "num_experts_per_tok": 5})

@@ -2,7 +2,8 @@
 groups, one thread per rank, against one process on the same weights and steps (parallel_helpers.drive): tp 2 x
 ep 2 (each rank 4 of the 8 experts), tp 2 x ep 1 (every rank half of each expert's columns), and tp 2 x ep 2 x
 pp 2 (four ranks), float32 logits within rounding and the same argmax everywhere; then the Engine (scheduler,
-paged KV, radix cache) at tp 2 x ep 2 gives transformers' greedy tokens."""
+paged KV, radix cache, ngram speculation's verification steps) at tp 2 x ep 2 gives transformers' greedy
+tokens."""
 
 from __future__ import annotations
 
@@ -45,11 +46,15 @@ def test_engine_ep2_greedy_equals_transformers():
     prompts = [shared + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (3, 8)]
     params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
     with Engine(model=str(folder), dtype="float32", tp_size=2, ep_size=2, num_threads=1, max_total_tokens=1024,
-                max_running_requests=4) as e:
-        assert e.get_server_info()["parallel"]["rank_pids"].keys() == {"0", "1"}
+                max_running_requests=4, speculative_algorithm="ngram") as e:
+        info = e.get_server_info()
+        assert info["parallel"]["rank_pids"].keys() == {"0", "1"} and info["parallel"]["ep_size"] == 2
         first = e.generate(input_ids=prompts[0], sampling_params=params)
         second = e.generate(input_ids=prompts[1], sampling_params=params)  # its first 12 tokens from the tree
+        again = e.generate(input_ids=prompts[0], sampling_params=params)  # drafted from the first's output
+        spec = e.get_server_info()["speculative"]
     assert second["meta_info"]["cached_tokens"] >= 12
+    assert again["output_ids"] == first["output_ids"] and spec["accepted_tokens"] > 0  # verification steps ran
     ref = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for p, out in zip(prompts, (first, second), strict=True):
         with torch.no_grad():

@@ -155,8 +155,9 @@ class SparseMoEBlock(MLPPart):
 
 def moe_mlp(cfg: ModelConfig, par: ParallelContext, layer_id: int) -> MLPPart:
     """The MLP part of a layer of an MoE config: an expert block where cfg.moe.sparse_layers has the layer (its
-    index in the model: layer_id counts this pipeline stage's layers), else the dense gated MLP."""
+    index in the model: layer_id counts this pipeline stage's layers), else (and with no experts at all) the dense
+    gated MLP."""
     start, _ = layer_range(cfg.num_layers, par.pp_size, par.pp_rank)
-    if start + layer_id in cfg.moe.sparse_layers:
+    if cfg.moe is not None and start + layer_id in cfg.moe.sparse_layers:
         return SparseMoEBlock(cfg, par, layer_id)
     return GatedMLP(cfg, par, layer_id)

@@ -88,7 +88,7 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("weights", "float *")]),
     "rg_moe_step_bytes": ("int64_t", [
         ("M", "int64_t"), ("H", "int64_t"), ("E", "int64_t"), ("k", "int64_t"), ("n_local", "int64_t"),
-        ("thread_bytes", "int64_t *")]),
+        ("I", "int64_t"), ("thread_bytes", "int64_t *")]),
     "rg_weight_rows_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "T *")]),
     **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},

@@ -178,7 +178,7 @@ class MoEStepLayer:
         """(shared, per-thread) scratch bytes of a step of m rows."""
         per_thread = ctypes.c_int64()
         shared = kl.fn("rg_moe_step_bytes")(M=m, H=self.hidden, E=self.num_experts, k=self.top_k, n_local=self.n_local,
-                                           thread_bytes=ctypes.addressof(per_thread))
+                                           I=self.struct.I, thread_bytes=ctypes.addressof(per_thread))
         return int(shared), int(per_thread.value)
 
     def set_scratch(self, shared: torch.Tensor, per_thread: torch.Tensor, thread_bytes: int) -> None:

@@ -9,8 +9,9 @@
  * a token's k terms summed in order j = 0 .. k-1, rounded once. */
 
 /* One expert block as the fused decode step reads it (rg_layer_bf16.moe); the unfused entry point takes the
- * same expert arrays as arguments. Scratch is the runtime's (set before each step): shared (one for the team)
- * and per thread (thread t's at thread_scratch + t * thread_bytes); rg_moe_step_bytes says how much. */
+ * same expert arrays as arguments. Scratch is the runtime's (set before each step): one region for the team
+ * (moe_scratch below), and per thread thread_scratch + t * thread_bytes, which rg_moe_step_bytes sizes (no
+ * bytes today). */
 typedef struct rg_moe_layer {
     const rg_weight *gate_up, *down; /* n_local descriptors each: (2I, H) gate rows first, (H, I) */
     int64_t n_local, first, I;       /* experts [first, first + n_local) of num_experts are these */
@@ -137,17 +138,46 @@ rg_status rg_moe_route(const float *logits, int64_t n_tok, int64_t E, int64_t k,
     return RG_OK;
 }
 
-/* Shared scratch of a block for M rows: logits (M, E) bf16 and their float32 copy, ids and weights (M, k), the
- * group starts (2 n_local + 1) and order (M k), y and the shared expert's output (M, H) bf16, terms (M k, H)
- * float32. Per thread: the gathered rows (M, H) bf16. */
-static inline size_t moe_shared_bytes(int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local) {
-    return rg_span(M * E, 2) + rg_span(M * E, 4) + rg_span(M * k, 4) + rg_span(M * k, 4) +
-           rg_span(2 * n_local + 1 + M * k, 8) + 2 * rg_span(M * H, 2) + rg_span(M * k * H, 4);
+/* The fused step's scratch of a block for M rows (one region, shared by the team): logits (M, E) bf16 and their
+ * float32 copy, ids and weights (M, k), the group starts (2 n_local + 1), order and each place's grouped row
+ * (M k each), the experts with rows (n_local + 1), then per grouped row: the gathered input (H), gate|up (2I),
+ * the activation (I) and the expert's output (H), bf16; the last also holds the shared expert's (M, H) output. */
+typedef struct {
+    uint16_t *logits;
+    float *lf;
+    int32_t *ids;
+    float *w;
+    int64_t *start, *order, *pos, *active, *n_active;
+    uint16_t *xs, *gu, *act, *y;
+} moe_scratch;
+
+static inline moe_scratch moe_scratch_at(void *base, int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local,
+                                         int64_t I) {
+    const int64_t P = M * k;
+    char *p = (char *)base;
+    moe_scratch s;
+    s.logits = (uint16_t *)p, p += rg_span(M * E, 2);
+    s.lf = (float *)p, p += rg_span(M * E, 4);
+    s.ids = (int32_t *)p, p += rg_span(P, 4);
+    s.w = (float *)p, p += rg_span(P, 4);
+    s.start = (int64_t *)p, p += rg_span(2 * n_local + 1, 8);
+    s.order = (int64_t *)p, p += rg_span(P, 8);
+    s.pos = (int64_t *)p, p += rg_span(P, 8);
+    s.active = (int64_t *)p, p += rg_span(n_local + 1, 8);
+    s.n_active = s.active + n_local;
+    s.xs = (uint16_t *)p, p += rg_span(P * H, 2);
+    s.gu = (uint16_t *)p, p += rg_span(P * 2 * I, 2);
+    s.act = (uint16_t *)p, p += rg_span(P * I, 2);
+    s.y = (uint16_t *)p; /* P H, at least M H */
+    return s;
 }
 
-/* The fused step's scratch of a block (the shared bytes returned, the per-thread ones in *thread_bytes). */
-int64_t rg_moe_step_bytes(int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local, int64_t *thread_bytes) {
-    *thread_bytes = (int64_t)rg_span(M * H, 2);
-    return (int64_t)moe_shared_bytes(M, H, E, k, n_local);
+/* The fused step's scratch bytes of a block of M rows (one shared region; *thread_bytes: none per thread). */
+int64_t rg_moe_step_bytes(int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local, int64_t I,
+                          int64_t *thread_bytes) {
+    const int64_t P = M * k;
+    *thread_bytes = 0;
+    return (int64_t)(rg_span(M * E, 2) + rg_span(M * E, 4) + 2 * rg_span(P, 4) + rg_span(2 * n_local + 1, 8) +
+                     2 * rg_span(P, 8) + rg_span(n_local + 1, 8) + rg_span(P * H, 2) + rg_span(P * 2 * I, 2) +
+                     rg_span(P * I, 2) + rg_span(P * H, 2));
 }
-

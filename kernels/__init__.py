@@ -6,6 +6,7 @@ work without it. Kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET
 """
 
 from .attention import decode_attention, decode_attention_ref, extend_attention, extend_attention_ref
+from .fused_moe import fused_moe, fused_moe_ref
 from .lora import lora_expand_, lora_expand_ref_, lora_shrink, lora_shrink_ref
 from .norm import AddNormResult, fused_add_rmsnorm, fused_add_rmsnorm_ref
 from .quant_matmul import (
@@ -47,6 +48,8 @@ __all__ = [
     "extend_attention_ref",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_ref",
+    "fused_moe",
+    "fused_moe_ref",
     "lora_expand_",
     "lora_expand_ref_",
     "lora_shrink",

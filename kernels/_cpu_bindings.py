@@ -77,6 +77,18 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
     "rg_linear_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("x", "const T *"), ("M", "int64_t"), ("bias", "const T *"), ("y", "T *"),
         ("yf", "float *")]),
+    # expert blocks (csrc/cpu_moe.h), every build: the grouped experts over weight descriptors, the routing
+    "rg_moe_experts_{T}": ("rg_status", [
+        ("gate_up", "const rg_weight *"), ("down", "const rg_weight *"), ("n_local", "int64_t"), ("first", "int64_t"),
+        ("x", "const T *"), ("n_tok", "int64_t"), ("H", "int64_t"), ("I", "int64_t"), ("ids", "const int32_t *"),
+        ("weights", "const float *"), ("k", "int64_t"), ("out", "T *")]),
+    "rg_moe_route": ("rg_status", [
+        ("logits", "const float *"), ("n_tok", "int64_t"), ("E", "int64_t"), ("k", "int64_t"),
+        ("softmax_before_topk", "int64_t"), ("norm_topk_prob", "int64_t"), ("ids", "int32_t *"),
+        ("weights", "float *")]),
+    "rg_moe_step_bytes": ("int64_t", [
+        ("M", "int64_t"), ("H", "int64_t"), ("E", "int64_t"), ("k", "int64_t"), ("n_local", "int64_t"),
+        ("I", "int64_t"), ("thread_bytes", "int64_t *")]),
     "rg_weight_rows_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "T *")]),
     **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},
@@ -150,7 +162,19 @@ class LayerBF16(ctypes.Structure):
                 *((name, WeightDesc) for name in ("qkv", "o", "gate_up", "down")),
                 *((name, ctypes.c_void_p) for name in ("k_buf", "v_buf", "q_norm", "k_norm", "k_scale", "v_scale")),
                 ("kv_format", ctypes.c_int64),  # csrc/cpu_kv_quant.h's KV_PLAIN, KV_INT8, KV_FP8
-                ("lora", ctypes.c_void_p)]
+                ("lora", ctypes.c_void_p),
+                ("moe", ctypes.c_void_p)]  # a MoELayerBF16's address, or None
+
+
+class MoELayerBF16(ctypes.Structure):
+    """csrc/cpu_moe.h's rg_moe_layer: one expert block of the fused decode step (expert arrays by address)."""
+
+    _fields_ = [("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                *((name, ctypes.c_int64) for name in ("n_local", "first", "I", "num_experts", "top_k",
+                                                        "softmax_before_topk", "norm_topk_prob")),
+                ("router", WeightDesc), ("shared_gate_up", WeightDesc), ("shared_down", WeightDesc),
+                ("shared_I", ctypes.c_int64), ("shared_gate", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+                ("thread_scratch", ctypes.c_void_p), ("thread_bytes", ctypes.c_int64)]
 
 
 LORA_MAX_ROWS, LORA_MATMULS = 64, 4  # csrc/cpu_lora.h's RG_LORA_MAX_ROWS, RG_LORA_MATMULS

@@ -81,12 +81,13 @@ class StageIO(NamedTuple):
 
 class DecodeStepWeights:
     """The weights of a Llama-family decoder stack as `decode_step` reads them: norm weights (optionally per-head
-    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights, the LM head (vocab, hidden) and
-    the embedding table (vocab rows of hidden; the LM head's own weight when they are tied) as PackedWeights (by
-    descriptor, not copied), the KV buffers (bf16, or an 8-bit pool's codes and scales) by address. All of them
-    must stay alive and in place as long as this object is used (the model's layers and pool hold them). A
-    pipeline stage before the last has no final norm (None); a rank whose step starts from embedded rows or a
-    previous stage's output has no embedding table (None)."""
+    q/k norms, Qwen3) and the qkv bias as given (bf16), the four matmul weights (or, for an expert block, a
+    cpu_moe.MoEStepLayer "moe" in place of gate_up and down; `intermediate` is then the widest activation), the LM
+    head (vocab, hidden) and the embedding table (vocab rows of hidden; the LM head's own weight when they are tied)
+    as PackedWeights (by descriptor, not copied), the KV buffers (bf16, or an 8-bit pool's codes and scales) by
+    address. All of them must stay alive and in place as long as this object is used (the model's layers and pool
+    hold them). A pipeline stage before the last has no final norm (None); a rank whose step starts from embedded
+    rows or a previous stage's output has no embedding table (None)."""
 
     MATMULS = ("qkv", "o", "gate_up", "down")
 
@@ -112,9 +113,20 @@ class DecodeStepWeights:
                 expect(t is not None and tuple(t.shape) == (n,) and t.dtype == torch.bfloat16 and t.is_contiguous()
                        and t.is_cpu, f"layer {i} {name}: expected a contiguous CPU bfloat16 tensor of shape ({n},)")
                 setattr(arr[i], name, t.data_ptr())
+            moe = ly.get("moe")  # a cpu_moe.MoEStepLayer in place of the gated MLP, or None
             for name, shape in matmuls.items():
+                if name in ("gate_up", "down"):
+                    if moe is not None:
+                        continue
+                    li = ly["down"].k if isinstance(ly.get("down"), PackedWeight) else intermediate
+                    li = li if 0 < li <= intermediate else intermediate  # the layer's own width, at most the step's
+                    shape = (2 * li, hidden) if name == "gate_up" else (hidden, li)
                 _check_packed(f"layer {i} {name}", ly.get(name), shape)
                 setattr(arr[i], name, ly[name].desc)
+            if moe is not None:
+                expect(moe.hidden == hidden and moe.intermediate <= intermediate,
+                       f"layer {i}'s expert block: hidden {moe.hidden}, intermediate {moe.intermediate}")
+                arr[i].moe = moe.address
             self._set_pool(arr[i], i, ly, num_kv_heads, head_dim)
             arr[i].lora = ly.get("lora")  # a LoRAStepWeights.address, or None
         if embed is not None:
@@ -127,6 +139,9 @@ class DecodeStepWeights:
         self.keep = (layers, final_norm)
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
         self.intermediate, self.eps = intermediate, float(eps)
+        self.moe = [ly["moe"] for ly in layers if ly.get("moe") is not None]
+        self._moe_scratch: dict[tuple[int, int], tuple] = {}
+        self._moe_key: tuple[int, int] | None = None
         self._scratch: dict[tuple[int, int], tuple] = {}
         self._thread_scratch = torch.empty(0, dtype=torch.uint8)
 
@@ -166,6 +181,24 @@ class DecodeStepWeights:
                 torch.empty(m * hkv * splits * (h // hkv) * (d + 2), dtype=torch.float32),
                 None if self.lm_head is None else torch.empty((m, self.vocab), dtype=torch.float32))
         return self._scratch[key]
+
+    def set_moe_scratch(self, kl: CKernels, m: int, threads: int) -> None:
+        """Point the expert blocks at their scratch for m rows and `threads` threads (one set for all: the layers
+        run one after another), kept from one step to the next."""
+        key = (m, threads)
+        if not self.moe or key == self._moe_key:
+            return
+        if key not in self._moe_scratch:
+            if len(self._moe_scratch) >= 8:
+                self._moe_scratch.clear()
+            sizes = [b.scratch_bytes(kl, m) for b in self.moe]
+            shared, per_thread = max(s for s, _ in sizes), max(t for _, t in sizes)
+            self._moe_scratch[key] = (torch.empty(shared, dtype=torch.uint8),
+                                      torch.empty(per_thread * threads, dtype=torch.uint8), per_thread)
+        shared, mine, per_thread = self._moe_scratch[key]
+        for b in self.moe:
+            b.set_scratch(shared, mine, per_thread)
+        self._moe_key = key
 
     def thread_scratch(self, nbytes: int) -> torch.Tensor:
         """decode_step's per-thread scratch, at least `nbytes`: kept and grown (doubling) as contexts get longer,
@@ -259,6 +292,7 @@ def decode_step(kl: CKernels, w: DecodeStepWeights, ids: torch.Tensor, positions
                                                         max_piece=piece or -(-max_len // splits), threads=threads)
     scratch = w.thread_scratch(nbytes)
     par = None if io.plain else _parallel(io, x, res_a)
+    w.set_moe_scratch(kl, m, threads)
     kl.fn("rg_decode_step_bf16")(
         layers=w.layers, n_layers=len(w.layers), final_norm=_ptr(w.final_norm),
         lm_head=None if w.lm_head is None else w.lm_head.ref, logits=_ptr(logits),

@@ -144,6 +144,7 @@ int rg_d_max(void) { return D_MAX; }
 
 #include "cpu_lora.h" /* LoRA deltas of the fused decode step */
 #include "cpu_linear.h" /* rg_weight and the matmuls over it */
+#include "cpu_moe.h" /* expert blocks: routing and the grouped experts (rg_moe_layer) */
 
 typedef struct { /* one decoder layer: bf16 norm weights and bias, the four matmuls' weights, KV buffers */
     const uint16_t *input_norm, *qkv_bias, *post_norm;
@@ -153,6 +154,7 @@ typedef struct { /* one decoder layer: bf16 norm weights and bias, the four matm
     uint16_t *k_scale, *v_scale; /* (slots, Hkv) bf16 scales of an 8-bit pool, else NULL */
     int64_t kv_format; /* KV_PLAIN, KV_INT8 or KV_FP8 (cpu_kv_quant.h) */
     const rg_lora_layer_bf16 *lora;  /* the adapters' weights for this layer (cpu_lora.h), or NULL */
+    const rg_moe_layer *moe; /* an expert block in place of the gated MLP (cpu_moe.h; gate_up, down unused), or NULL */
 } rg_layer_bf16;
 
 #include "cpu_parallel.h" /* rg_parallel: the fused decode step on one rank of a tensor / pipeline parallel group */
@@ -224,6 +226,8 @@ rg_status rg_silu_and_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int
     return RG_OK;
 }
 
+#include "cpu_moe_step.h" /* the expert block in the team */
+
 /* The group sums an int4 matmul reads, per thread: M rows x (widest input) / 32 (the smallest int4 group). */
 static inline size_t step_sums_bytes(int64_t M, int64_t hidden, int64_t H, int64_t D, int64_t inter) {
     const int64_t widest = hidden > inter ? (hidden > H * D ? hidden : H * D) : (inter > H * D ? inter : H * D);
@@ -272,7 +276,8 @@ int64_t rg_decode_step_scratch_bytes_bf16(int64_t M, int64_t hidden, int64_t H, 
 
 /* ids (M,): the tokens, whose rows of embed (vocab rows of hidden) start the residual stream; positions (M,): theirs,
  * each request's context being its position + 1 (the token's own K/V included). out (M, hidden): the final
- * norm's output. x, res_a, res_b (M, hidden), qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
+ * norm's output (inter: the widest MLP activation of the layers, dense or expert). x, res_a, res_b (M, hidden),
+ * qkv (M, (H + 2 Hkv) D), attn (M, H D), gu (M, 2 inter) and
  * part (the attention pieces, M * Hkv * splits * (H / Hkv) * (D + 2) floats) are scratch, and so is `scratch`
  * (scratch_bytes, at least rg_decode_step_scratch_bytes_bf16 for the longest context: RG_ERR_SCRATCH
  * otherwise, before anything is written), for a team of at most `threads`: nothing is allocated here. The matmul
@@ -353,11 +358,16 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
+            if (ly->moe) {
+                moe_team_bf16(ly->moe, hp, M, hidden, x, gu, ap, sx, par);
+                continue;
+            }
+            const int64_t li = ly->gate_up.N / 2; /* this layer's intermediate size (inter: the widest layer's) */
             linear_team_bf16(&ly->gate_up, hp, M, NULL, gu, NULL, sx);
-            lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * inter, (const int64_t[]){inter, 2 * inter}, 2);
-            silu_mul_bf16(gu, ap, M, inter);
+            lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * li, (const int64_t[]){li, 2 * li}, 2);
+            silu_mul_bf16(gu, ap, M, li);
             linear_team_bf16(&ly->down, ap, M, NULL, x, NULL, sx);
-            lora_add_team(ly->lora, 3, ap, inter, x, hidden, (const int64_t[]){hidden}, 1);
+            lora_add_team(ly->lora, 3, ap, li, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
         }
         if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */

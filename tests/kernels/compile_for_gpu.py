@@ -17,6 +17,7 @@ from triton.runtime.jit import JITFunction
 import radixgen.kernels as K
 from radixgen.kernels import (
     _attention_triton,
+    _fused_moe_triton,
     _norm_triton,
     _rotary_triton,
     _store_kv_triton,
@@ -64,7 +65,7 @@ class CompileInsteadOfLaunch:
 
 def intercept_launches() -> None:
     assert not _triton_env.INTERPRET, "run with TRITON_INTERPRET unset"
-    for module in (_attention_triton, _norm_triton, _rotary_triton, _store_kv_triton):
+    for module in (_attention_triton, _fused_moe_triton, _norm_triton, _rotary_triton, _store_kv_triton):
         module.check_launchable = lambda *args: None  # CPU tensors only carry dtypes and strides here
         for name, obj in vars(module).copy().items():
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
@@ -86,6 +87,10 @@ def main() -> None:
             x = torch.zeros(2, hidden, dtype=dtype)
             K.fused_add_rmsnorm(x, x[0], 1e-6, x)
             K.fused_add_rmsnorm(x, x[0], 1e-6)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # a Qwen3-30B-A3B-shaped expert block
+        e, h, i, t, k = 128, 2048, 768, 4, 8
+        K.fused_moe(torch.zeros(t, h, dtype=dtype), torch.zeros(e, 2 * i, h, dtype=dtype),
+                    torch.zeros(e, h, i, dtype=dtype), torch.zeros(t, k), torch.zeros(t, k, dtype=torch.int32))
     print(f"compiled {len(seen)} kernel variants for sm_90")
 
 

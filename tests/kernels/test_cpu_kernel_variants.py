@@ -201,6 +201,26 @@ def test_linear_layouts(kl, dtype, gen):
             assert rel_err(cpu_linear.linear(pw, x, bias, kl=kl), cpu_linear.linear_ref(pw, x, bias)) < CTOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_experts(kl, dtype, gen):
+    """The grouped expert forward and the routing exist in every build (over each build's matmuls)."""
+    from radixgen.kernels import cpu_moe
+
+    def experts(n, k, fmt):
+        ws = [torch.randn(n, k, generator=gen) * 0.2 for _ in range(4)]
+        return cpu_moe.PackedExperts([cpu_linear.pack_bf16(w) if fmt is None else fmt.quantize(w).pack() for w in ws])
+
+    from radixgen.runtime.layers.quantization.experts import INT4_EXPERTS, INT8_EXPERTS
+
+    for fmt in (None, INT8_EXPERTS, INT4_EXPERTS):
+        gate_up, down = experts(64, 64, fmt), experts(64, 32, fmt)
+        x = torch.randn(9, 64, generator=gen).to(dtype)
+        w, ids = cpu_moe.moe_route(torch.randn(9, 4, generator=gen), 2, kl=kl)
+        got, want = cpu_moe.moe_experts(x, w, ids, gate_up, down, kl=kl), cpu_moe.moe_experts_ref(x, w, ids, gate_up,
+                                                                                                  down)
+        assert rel_err(got, want) < CTOL[dtype] * 4
+
+
 def test_stubs_refuse(kl):
     """Without AVX512-BF16 every bf16-only entry point exists with its real signature and reports that it is
     not supported: an exception, never a silent no-op."""

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from radixgen.kernels import cpu_fused, cpu_linear
+from radixgen.kernels import cpu_fused, cpu_linear, cpu_moe
 from radixgen.kernels.cpu import CKernels
+from radixgen.runtime.layers.quantization.experts import CpuGroupedLinear
 from radixgen.runtime.models.decoder import StageHidden
-from radixgen.runtime.models.parts import DENSE_GATED_SILU, ROPE, LayerStructure
+from radixgen.runtime.models.parts import DENSE_GATED_SILU, MOE_GATED_SILU, ROPE, LayerStructure
 
 MAX_BATCH = 64  # measured: faster than the unfused path up to 64 requests, even at 96, slower at 128
 # rows of one request in a verification step (its last token and its draft tokens): the step stores every row's
@@ -49,8 +50,10 @@ class FusedDecode:
         it can: every layer the dense gated MLP, rotate-half rotary, bf16 CPU norms, heads of at most d_max."""
         for i, layer in enumerate(layers):
             a = layer.attention
-            if layer.mlp.kind != DENSE_GATED_SILU:
-                return f"layer {i}'s MLP part is {layer.mlp.kind!r} (the fused step runs {DENSE_GATED_SILU!r})"
+            if layer.mlp.kind not in (DENSE_GATED_SILU, MOE_GATED_SILU) or (
+                    layer.mlp.kind == MOE_GATED_SILU and layer.mlp.moe is None):
+                return (f"layer {i}'s MLP part is {layer.mlp.kind!r} (the fused step runs {DENSE_GATED_SILU!r} "
+                        f"and {MOE_GATED_SILU!r})")
             if a.rotary.kind != ROPE:
                 return f"layer {i}'s rotary is {a.rotary.kind!r} (the fused step runs {ROPE!r})"
             if layer.input_norm.dtype != torch.bfloat16 or not layer.input_norm.is_cpu:
@@ -79,14 +82,21 @@ class FusedDecode:
         layers = []
         for i, layer in enumerate(mine):
             a, mlp = layer.attention, layer.mlp.linears
-            matmuls = {"qkv": packed(a.qkv), "o": packed(a.o), "gate_up": packed(mlp["gate_up"]),
-                       "down": packed(mlp["down"])}
+            matmuls = {"qkv": packed(a.qkv), "o": packed(a.o)}
+            moe = None
+            if layer.mlp.kind == MOE_GATED_SILU:
+                moe = moe_step_layer(layer.mlp.moe, model.parallel.tp.size)
+                if moe is None:
+                    return None
+            else:
+                matmuls.update(gate_up=packed(mlp["gate_up"]), down=packed(mlp["down"]))
             if any(w is None for w in matmuls.values()):
                 return None
             layers.append({"input_norm": layer.input_norm, "qkv_bias": a.qkv_bias, **matmuls,
                            "post_norm": layer.post_norm, "q_norm": a.q_norm, "k_norm": a.k_norm,
                            **_pool_of(kv_pool, i),
-                           "lora": lora.address(model.start_layer + i) if lora is not None else None})
+                           "lora": lora.address(model.start_layer + i) if lora is not None else None,
+                           "moe": moe})
         last = model.is_last_stage
         embed = None  # a rank whose step starts from embedded rows or a previous stage's output reads no table
         if model.is_first_stage and model.parallel.tp.size == 1:
@@ -100,7 +110,7 @@ class FusedDecode:
         first = mine[0].attention
         weights = cpu_fused.DecodeStepWeights(
             kl, layers, model.norm.weight if last else None, num_heads=first.num_heads,
-            num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=mine[0].mlp.intermediate,
+            num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=_intermediate(layers, mine),
             eps=mine[0].eps, embed=embed, lm_head=lm_head)
         return cls(kl, weights, model, first.rotary.cos_sin_cache, first.scale, lora, piece)
 
@@ -154,3 +164,32 @@ def _pool_of(kv_pool, i: int) -> dict:
     """Layer i's KV tensors for DecodeStepWeights: buffers, and an 8-bit pool's scales."""
     kv = kv_pool.layer(i)
     return {"k_buf": kv.k, "v_buf": kv.v, "k_scale": kv.k_scales, "v_scale": kv.v_scales}
+
+
+def moe_step_layer(moe, tp_size: int) -> cpu_moe.MoEStepLayer | None:
+    """An expert block (models.parts.MoEStructure) as the fused step runs it, or None where it cannot: experts not
+    packed for the C matmuls (CpuGroupedLinear), tensor / expert parallelism (the step's one all-reduce hook does
+    not cover the block's two partial sums), a shared expert whose linears are not packed."""
+    gu, down = moe.gate_up, moe.down
+    if tp_size != 1 or not all(isinstance(g.method, CpuGroupedLinear) for g in (gu, down)):
+        return None
+    if moe.router.dtype != torch.bfloat16 or moe.router.shape[1] % 2:
+        return None
+    shared = None
+    if moe.shared is not None:
+        shared = tuple(lin.method.packed_weight(lin) for lin in moe.shared)
+        if any(w is None for w in shared):
+            return None
+    gate = None if moe.shared_gate is None else moe.shared_gate.detach().reshape(-1).contiguous()
+    r = moe.routing
+    return cpu_moe.MoEStepLayer(cpu_linear.pack_bf16(moe.router.detach()), gu.packed, down.packed,
+                                num_experts=r.num_experts, top_k=r.top_k, first_expert=moe.first_expert,
+                                softmax_before_topk=r.softmax_before_topk, norm_topk_prob=r.norm_topk_prob,
+                                shared=shared, shared_gate=gate)
+
+
+def _intermediate(layers: list[dict], mine: list[LayerStructure]) -> int:
+    """The widest MLP activation of the step's layers (its buffers are sized by it): dense layers', experts' and
+    shared experts' intermediate sizes."""
+    return max(ly["moe"].intermediate if ly["moe"] is not None else s.mlp.intermediate
+               for ly, s in zip(layers, mine, strict=True))

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixgen.runtime.layers.quantization.experts import GroupedLinear, group_by_expert
+from radixgen import kernels
+from radixgen.kernels import cpu_moe
+from radixgen.runtime.layers.quantization.experts import (
+    CpuGroupedLinear,
+    DenseGroupedLinear,
+    GroupedLinear,
+    group_by_expert,
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,9 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     if down.num_experts != n_local or gate_up.out_features != 2 * down.in_features:
         raise ValueError(f"experts_forward: gate_up {gate_up.num_experts}x{gate_up.out_features} and down "
                          f"{down.num_experts}x{down.in_features} are not one block's (E, 2I) and (E, I)")
+    fused = _fused_experts(x, topk_weights, topk_ids, gate_up, down, first_expert)
+    if fused is not None:
+        return fused
     local = topk_ids.reshape(-1).to(torch.int64) - first_expert  # (T*k,) this rank's expert index
     mine = ((local >= 0) & (local < n_local)).nonzero().squeeze(-1)  # (N,) the (token, j) places routed here
     terms = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # (T*k, H)
@@ -88,3 +98,20 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     for j in range(1, k):  # the k terms of a token added in order
         out += terms[:, j]
     return out.to(x.dtype)
+
+
+def _fused_experts(x, topk_weights, topk_ids, gate_up: GroupedLinear, down: GroupedLinear,
+                   first_expert: int) -> torch.Tensor | None:
+    """The whole expert forward in one kernel where one takes these experts, else None (the torch body above):
+    on the CPU, both layers packed for the C matmuls (CpuGroupedLinear), one C call that groups the rows by expert
+    and runs gate_up, the gated SiLU and down per expert (radixgen.kernels.cpu_moe); on CUDA, the dense experts in
+    one Triton launch per matmul (radixgen.kernels.fused_moe)."""
+    if x.is_cpu and isinstance(gate_up.method, CpuGroupedLinear) and isinstance(down.method, CpuGroupedLinear) \
+            and x.dtype in (torch.bfloat16, torch.float32):
+        return cpu_moe._moe_experts(gate_up.method.kl, x.contiguous(), topk_weights.float().contiguous(),
+                                    topk_ids.to(torch.int32).contiguous(), gate_up.packed, down.packed, first_expert)
+    if x.is_cuda and all(isinstance(g.method, DenseGroupedLinear) and g.weight.dtype == x.dtype
+                         for g in (gate_up, down)):
+        return kernels.fused_moe(x.contiguous(), gate_up.weight, down.weight, topk_weights.float().contiguous(),
+                                 topk_ids.to(torch.int32).contiguous(), first_expert)
+    return None

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
-from radixgen.kernels import cpu_linear, cpu_lora
+from radixgen.kernels import cpu_linear, cpu_lora, cpu_moe
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
@@ -41,7 +41,7 @@ class TorchOps:
                 m.set_linear_method(linear_method(self.name, spec, m, self.kernels))
             elif isinstance(m, GroupedLinear):  # an expert block's experts
                 try:
-                    m.method = grouped_method(spec.method)
+                    m.method = grouped_method(spec.method, self.name, self.kernels, m)
                 except ValueError as e:
                     raise ValueError(f"{type(model).__name__} has expert blocks: {e}") from e
                 m.method.create_weights(m)
@@ -134,9 +134,17 @@ class CpuOps(TorchOps):
         """As TorchOps.install; then the C matmuls' packed weights move into one arena in the order a decode step
         streams them (cpu_linear.gather)."""
         super().install(model)
-        packed = [m.packed for m in model.modules()
-                  if isinstance(m, LinearBase) and isinstance(m.packed, cpu_linear.PackedWeight)]
+        packed, experts = [], []  # in module order; an expert block's experts (grouped C layout) among them
+        for m in model.modules():
+            p = getattr(m, "packed", None)
+            if isinstance(m, LinearBase) and isinstance(p, cpu_linear.PackedWeight):
+                packed.append(p)
+            elif isinstance(p, cpu_moe.PackedExperts):
+                packed += p.weights
+                experts.append(p)
         cpu_linear.gather(packed)
+        for e in experts:
+            e.refresh()  # their descriptor arrays point at the moved weights
 
     def _c_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the C RMSNorm takes x: (T, N) rows of unit stride, float32 or bfloat16, weight alike."""

@@ -2,10 +2,11 @@
 its method creates, and applied to rows grouped by expert (the first counts[0] rows are expert 0's, the next
 counts[1] expert 1's, ...), the form an expert block's dispatch hands them over in (`group_by_expert`).
 
-The methods here are the torch references: bf16 / float weights as loaded (`DenseGroupedLinear`), and a weight
-format's values and scales stacked over the experts (`QuantizedGroupedLinear` over an `ExpertFormat`: int8 now;
-int4 or GGUF blocks are another format whose `quantize` gives a QuantizedWeight of 4 bits, stacked the same
-way). A grouped C or Triton kernel would be another method over the same layer. No model builds one yet.
+The torch references: bf16 / float weights as loaded (`DenseGroupedLinear`), and a weight format's values and
+scales stacked over the experts (`QuantizedGroupedLinear` over an `ExpertFormat`: int8 per channel, int4 per group
+of 64 or 32 input columns). On the CPU with the C kernels, `CpuGroupedLinear` packs each expert once into a layout
+of radixgen.kernels.cpu_linear (bf16 K pairs, int8, int4) which the grouped C expert forward
+(radixgen.kernels.cpu_moe, dispatched by layers.moe.experts_forward) and the fused decode step read.
 """
 
 from __future__ import annotations
@@ -97,6 +98,30 @@ class Int8Experts(ExpertFormat):
 INT8_EXPERTS = Int8Experts()
 
 
+class Int4Experts(ExpertFormat):
+    """int4 per group of `group` input columns (64, or 32 where the input size is no multiple of 64), asymmetric:
+    w = scale * q + offset, q in 0..15, scale = (max - min) / 15 and offset = min of the group, both held as fp16
+    values (the C layout stores them so; q is computed against the rounded ones)."""
+
+    name = "int4"
+
+    def quantize(self, w):
+        w = w.float()
+        k = w.shape[1]
+        group = 64 if k % 64 == 0 else 32
+        if k % group:
+            raise ValueError(f"int4 experts need an input size that is a multiple of 32, got {k}")
+        g = w.view(w.shape[0], k // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = ((hi - lo) / 15).clamp_min(1e-6).half().float()  # (n, groups)
+        offsets = lo.half().float()
+        q = torch.round((g - offsets[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
+        return QuantizedWeight(4, q.view_as(w), scales, group, offsets, zero_points=False)
+
+
+INT4_EXPERTS = Int4Experts()
+
+
 class QuantizedGroupedLinear(GroupedLinearMethod):
     """A format's values and scales of every expert stacked: q (E, out, in), scales and offsets (E, out, groups);
     each expert with rows dequantized to x's dtype at the call and applied by F.linear (the reference)."""
@@ -133,18 +158,67 @@ class QuantizedGroupedLinear(GroupedLinearMethod):
         return self.expert(layer, expert).dequantize()
 
 
+class CpuGroupedLinear(GroupedLinearMethod):
+    """Each expert packed once into a layout of the C matmuls (fmt None: bf16 K pairs of the weight as loaded; else
+    the format's values): `layer.packed`, a cpu_moe.PackedExperts. apply: one C matmul per expert with rows; the
+    expert block's whole forward is one C call (layers.moe.experts_forward dispatches to cpu_moe)."""
+
+    def __init__(self, kl, fmt: ExpertFormat | None = None) -> None:
+        self.kl, self.fmt = kl, fmt
+        self.name = f"{'bf16 K pairs' if fmt is None else fmt.name} (grouped, C)"
+
+    def process_weights(self, layer):
+        from radixgen.kernels import cpu_linear, cpu_moe
+
+        ws = layer.weight.detach()
+        packed = [cpu_linear.pack_bf16(ws[e]) if self.fmt is None else self.fmt.quantize(ws[e]).pack()
+                  for e in range(layer.num_experts)]
+        layer.weight = None
+        layer.packed = cpu_moe.PackedExperts(packed)
+
+    def apply(self, layer, x, counts):
+        from radixgen.kernels import cpu_linear
+
+        out = x.new_empty((x.shape[0], layer.out_features))
+        for e, s, t in _groups(x, counts):
+            out[s:t] = cpu_linear._linear(self.kl, layer.packed.weights[e], x[s:t].contiguous(), None)
+        return out
+
+    def dequantize(self, layer, expert):
+        from radixgen.kernels import cpu_linear
+
+        return cpu_linear.unpack(layer.packed.weights[expert])
+
+    def nbytes(self, layer):
+        return layer.packed.nbytes + super().nbytes(layer)
+
+
 DENSE_GROUPED = DenseGroupedLinear()
-_FORMATS = {"int8": INT8_EXPERTS}
+_FORMATS = {"int8": INT8_EXPERTS, "int4": INT4_EXPERTS}
 
 
-def grouped_method(quantization: str) -> GroupedLinearMethod:
-    """The grouped-expert method of weight format `quantization` (a QuantSpec's method name)."""
-    if quantization == "none":
-        return DENSE_GROUPED
-    if quantization in _FORMATS:
-        return QuantizedGroupedLinear(_FORMATS[quantization])
-    raise ValueError(f"quantization {quantization!r} has no grouped-expert form yet (supported for experts: none, "
-                     f"{', '.join(_FORMATS)})")
+def grouped_method(quantization: str, ops: str = "torch", kl=None, layer: GroupedLinear | None = None
+                   ) -> GroupedLinearMethod:
+    """The grouped-expert method of weight format `quantization` (a QuantSpec's method name, or "int4" for experts
+    quantized at load) under the ops set named `ops` (kl: its C kernels, or None): the C one on the CPU where the
+    kernels take it (quantized experts; bf16 ones on AVX512-BF16 builds: float32 keeps its exact torch reference),
+    else the torch reference."""
+    if quantization != "none" and quantization not in _FORMATS:
+        raise ValueError(f"quantization {quantization!r} has no grouped-expert form yet (supported for experts: "
+                         f"none, {', '.join(_FORMATS)})")
+    fmt = _FORMATS.get(quantization)
+    if ops == "cpu" and kl is not None and layer is not None and _c_takes(layer, fmt, kl):
+        return CpuGroupedLinear(kl, fmt)
+    return DENSE_GROUPED if fmt is None else QuantizedGroupedLinear(fmt)
+
+
+def _c_takes(layer: GroupedLinear, fmt: ExpertFormat | None, kl) -> bool:
+    """Whether the C layouts hold `layer`'s experts: bf16 K pairs need an even input size (and bf16 weights on a
+    build with AVX512-BF16), int8 a multiple of 16, int4 of 32."""
+    k = layer.in_features
+    if fmt is None:
+        return layer.dtype == torch.bfloat16 and kl.has_decode_step and k % 2 == 0
+    return k % (16 if fmt is INT8_EXPERTS else 32) == 0
 
 
 class GroupedLinear(nn.Module):
@@ -177,3 +251,15 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"counts {counts} must be {self.num_experts} non-negative counts summing to the "
                              f"{x.shape[0]} rows")
         return self.method.apply(self, x, counts)
+
+
+def convert(layer: GroupedLinear, method: GroupedLinearMethod) -> None:
+    """Lay a loaded layer's experts out again in `method`'s layout, from its current ones dequantized to the layer's
+    dtype: a bf16 checkpoint's experts quantized after loading (the benchmark's int4 experts, tests)."""
+    w = torch.stack([layer.method.dequantize(layer, e) for e in range(layer.num_experts)]).to(layer.dtype)
+    for name in ("q", "scales", "offsets"):
+        layer._buffers.pop(name, None)
+    layer.__dict__.pop("packed", None)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    layer.method = method
+    method.process_weights(layer)

@@ -24,10 +24,10 @@ import torch
 _REFUSED = (
     (lambda c: c.device != "cpu", "device={device}: the Triton kernels have no batch-invariant variant yet (their "
      "decode split follows the batch); use device='cpu'"),
-    (lambda c: c.tp_size > 1, "tp_size={tp_size}: the ranks' partial sums of o_proj / down_proj round apart from "
-     "tp_size=1's single sums; use tp_size=1"),
-    (lambda c: c.pp_size > 1, "pp_size={pp_size}: pipeline stages are not covered by the mode's tests; use "
-     "pp_size=1"),
+    (lambda c: c.tp_size not in (1, 2), "tp_size={tp_size}: the row-parallel sums run in tp 2's fixed segments "
+     "(layers/fixed_order.py), which a larger group would cut further; use tp_size 1 or 2"),
+    (lambda c: c.tp_size > 1 and c.pp_size > 1, "tp_size={tp_size} and pp_size={pp_size} together: not covered by "
+     "the mode's tests (each alone is); use one of them"),
     (lambda c: c.disable_cpu_kernels, "disable_cpu_kernels: the plain torch matmuls and attention pick their "
      "blocking by the row count"),
     (lambda c: c.lora_enabled, "LoRA adapters: the segmented LoRA deltas are not covered by the mode's tests"),

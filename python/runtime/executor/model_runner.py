@@ -18,7 +18,7 @@ from radixgen.runtime.executor.forward_context import ForwardContext, forward_co
 from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
 from radixgen.runtime.executor.step_messages import KVCopyQueue
 from radixgen.runtime.executor.weights import load_weights
-from radixgen.runtime.layers import quantization
+from radixgen.runtime.layers import fixed_order, quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
 from radixgen.runtime.loader import is_gguf_native, read_hf_config, resolve_model_path
 from radixgen.runtime.lora.layer import attach as attach_lora
@@ -114,6 +114,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed, quantized=self.quantization.method)
         self.ops.install(model)  # each linear layer re-lays out its weight (one copy), before mallopt below
+        if cfg.deterministic:  # row-parallel sums in tp 2's fixed segments, at tp 1 and 2 alike
+            fixed_order.install(model, self.ops.kl)
         self.model = model.eval()
         if self.device.type == "cpu":
             keep_freed_host_memory()

@@ -2,7 +2,7 @@
 logprobs (determinism_helpers.group_workload: cached prefixes of several lengths, then the probes beside random
 other requests of other lengths) are the same bits with tp 2 (spawned ranks over gloo, one thread each: the
 row-parallel sums in tp 2's fixed segments, layers/fixed_order.py; prefill on the layer-by-layer path, decode on
-the fused C step) and with pp 2 as in one process. The sizes the mode does not run are refused by name."""
+the fused C step) and with pp 2 as in one process. (The sizes it does not run are refused: test_deterministic.py.)"""
 
 from __future__ import annotations
 
@@ -46,12 +46,3 @@ def test_probes_keep_their_bits_across_layouts(model_path, reference, layout):
     got = run_group(model_path, workload="determinism", **CONFIG, **layout)
     assert got["fused"]
     assert mismatches(got["logits"], reference) == []
-
-
-@pytest.mark.parametrize(("kw", "named"), [
-    (dict(tp_size=4), "tp_size=4"),
-    (dict(tp_size=2, pp_size=2), "tp_size=2 and pp_size=2"),
-])
-def test_layouts_the_mode_does_not_run_are_refused(kw, named):
-    with pytest.raises(ValueError, match=f"deterministic mode does not run with {named}"):
-        RuntimeConfig(deterministic=True, **kw)

@@ -109,7 +109,8 @@ class FusedDecode:
             kl, layers, model.norm.weight if last else None, num_heads=first.num_heads,
             num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=mine[0].mlp.intermediate,
             eps=mine[0].eps, embed=embed, lm_head=lm_head)
-        return cls(kl, weights, model, first.rotary.cos_sin_cache, first.scale, lora, piece, getattr(first.o, "ordered_sum", None))
+        ordered = getattr(first.o, "ordered_sum", None)  # the deterministic mode at tp 2 (layers/fixed_order.py)
+        return cls(kl, weights, model, first.rotary.cos_sin_cache, first.scale, lora, piece, ordered)
 
     def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
         """Whether a step with these per-request new-token counts is one the fused path takes: a decode step, or

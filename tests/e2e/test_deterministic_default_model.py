@@ -55,6 +55,19 @@ def test_probes_keep_their_bits(model, reference, name, kw, n_others):
     assert sum(o["cached"] for rid, o in res.items() if rid.startswith("probe")) > 0
 
 
+def test_probes_keep_their_bits_under_draft_speculation_and_retraction(model, reference):
+    """A draft model (the default model drafting for itself: forced to draft) and a pool small enough that decode
+    retracts requests, in one run."""
+    d, tok = model
+    sched = scheduler(d, tok, speculative_algorithm="draft", speculative_draft_model=str(d), max_total_tokens=800,
+                      max_running_requests=16)
+    sched.spec.drafter.forward_cost = 0.0  # a draft as large as its target never pays: make it draft anyway
+    ps = _probes()
+    res = run(sched, others(8, VOCAB, 6, ps) + ps)
+    assert sched.stats["spec_draft_tokens"] > 0 and sched.stats["retractions"] > 0
+    assert mismatches(probe_results(res), reference) == []
+
+
 def test_offline_llm_takes_the_mode():
     from radixgen.offline import LLM, SamplingParams
 

@@ -3,13 +3,14 @@
 What it promises (docs/architecture.md, "The deterministic mode"): on the CPU path with bf16 weights, a request's
 output ids and logprobs are the same bits whatever else is in its batches, however its prompt is chunked, whatever
 part of it comes from the radix cache, with or without speculation, through the fused decode step or the
-layer-by-layer path, and after a retraction. The mode's choices are made once, when the ops set is built
-(`ops_for(..., deterministic=True)`): decode attention sums every context over fixed pieces
-(kernels.cpu.FIXED_PIECE) and every query of a prefill runs as a decode query at its own position, so a token's
-attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16 matmuls
-need no change: the streaming gemv (up to 16 rows) and the blocked GEMM both give each output one vdpbf16ps
-accumulator fed the input pairs in order, so a row's dot products are the same at 1 row and at 200
-(tests/kernels/test_deterministic_kernels.py holds them to it).
+layer-by-layer path, after a retraction, and at tp 1 or 2, pp 1 or 2. The mode's choices are made once, when the
+model is built: the ops set (`ops_for(..., deterministic=True)`) has decode attention sum every context over fixed
+pieces (kernels.cpu.FIXED_PIECE) and every query of a prefill run as a decode query at its own position, so a
+token's attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16
+matmuls give each output one vdpbf16ps accumulator fed the input pairs in order, so a row's dot products are the
+same at 1 row and at 200 (tests/kernels/test_deterministic_kernels.py holds them to it), and whatever output rows
+a tensor-parallel rank holds; the row-parallel ones sum tp 2's cut of their inputs as two fixed segments at tp 1
+and tp 2 alike (layers/fixed_order.py), so that the two layouts round the same.
 
 Everything the mode cannot keep is refused at start with the combination named, never served with a weaker
 promise: this module's two checks, the config's (`check_config`, from RuntimeConfig) and the runner's, once the

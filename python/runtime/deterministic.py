@@ -14,7 +14,7 @@ and tp 2 alike (layers/fixed_order.py), so that the two layouts round the same.
 
 Everything the mode cannot keep is refused at start with the combination named, never served with a weaker
 promise: this module's two checks, the config's (`check_config`, from RuntimeConfig) and the runner's, once the
-weight format and the kernels are known (`check_deterministic`).
+weight format and the kernels are known (`check_deterministic`), and per layer, layers/fixed_order.install's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The kernel-level facts the deterministic mode rests on (runtime/deterministic.py): a bf16 matmul row's bits do
 not depend on how many rows the call has (the gemv up to 16 rows, the blocked GEMM beyond), and decode attention
 over fixed pieces gives a request the same bits alone, in any batch and under any thread count, while the default
-split (which follows the batch) does not."""
+split (which follows the batch) does not; a row-parallel matmul split at tp 2's cut (k_split) gives the bits of
+two ranks' unrounded partial sums added in rank order (layers/fixed_order.py)."""
 
 from __future__ import annotations
 

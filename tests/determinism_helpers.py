@@ -113,7 +113,7 @@ def group_workload(runner: ModelRunner, n_others: int = 7) -> dict[str, tuple[li
 
     cfg = runner.runtime_config
     sched = (PipelineScheduler if cfg.pp_size > 1 else Scheduler)(cfg, runner, load_tokenizer(runner.model_path))
-    vocab = 1000
+    vocab = 49152  # prompts reading both halves of a vocabulary-parallel embedding
     ps = probes(vocab)
     run(sched, prefix_holders(ps, vocab=vocab))
     res = run(sched, others(n_others, vocab, 11, ps) + ps)

@@ -137,3 +137,15 @@ def test_the_runner_refuses_a_layer_off_the_c_matmuls():
     with pytest.raises(ValueError, match="every linear layer on the C bf16 matmuls; .*down_proj runs onednn"):
         ModelRunner(RuntimeConfig(model=str(tiny_model_dir("llama-odd")), dtype="bfloat16", deterministic=True,
                                   max_total_tokens=256, max_running_requests=2))
+
+
+def test_the_runner_refuses_an_mlp_part_it_does_not_cover(monkeypatch):
+    """A layer whose MLP part is not the dense gated MLP (an expert block says so of itself) is refused by kind."""
+    from radixgen.runtime.executor.model_runner import ModelRunner
+    from radixgen.runtime.models import parts
+
+    dense = parts.GatedMLP.structure
+    monkeypatch.setattr(parts.GatedMLP, "structure", lambda self: dense(self)._replace(kind="experts"))
+    with pytest.raises(ValueError, match="deterministic mode does not run layer 0's MLP part 'experts'"):
+        ModelRunner(RuntimeConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16", deterministic=True,
+                                  max_total_tokens=256, max_running_requests=2))

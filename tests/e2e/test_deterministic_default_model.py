@@ -69,9 +69,9 @@ def test_probes_keep_their_bits_under_draft_speculation(model, reference):
 def test_probes_keep_their_bits_after_retraction(model, reference):
     """A pool small enough that decode retracts requests, which come back and recompute or reuse their KV."""
     d, tok = model
-    sched = scheduler(d, tok, max_total_tokens=500, max_running_requests=16)
+    sched = scheduler(d, tok, max_total_tokens=400, max_running_requests=16)
     ps = _probes()
-    res = run(sched, others(8, VOCAB, 6, ps) + ps)
+    res = run(sched, others(4, VOCAB, 6, ps) + ps)
     assert sched.stats["retractions"] > 0
     assert mismatches(probe_results(res), reference) == []
 

@@ -89,6 +89,9 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
     "rg_moe_step_bytes": ("int64_t", [
         ("M", "int64_t"), ("H", "int64_t"), ("E", "int64_t"), ("k", "int64_t"), ("n_local", "int64_t"),
         ("I", "int64_t"), ("thread_bytes", "int64_t *")]),
+    "rg_sum_partials_bf16": ("rg_status", [  # AVX512-BF16 (elsewhere it refuses)
+        ("parts", "const float *"), ("S", "int64_t"), ("M", "int64_t"), ("N", "int64_t"), ("bias", "const uint16_t *"),
+        ("out", "uint16_t *")]),
     "rg_weight_rows_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "T *")]),
     **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},
@@ -147,10 +150,11 @@ class CKernelError(RuntimeError):
 
 
 class WeightDesc(ctypes.Structure):
-    """One weight in a layout of csrc/cpu_linear.h (its rg_weight): kind, rows, columns, group, zero points, data."""
+    """One weight in a layout of csrc/cpu_linear.h (its rg_weight): kind, rows, columns, group, zero points, data;
+    the deterministic mode's k_split and partial (0 otherwise)."""
 
     _fields_ = [*((name, ctypes.c_int64) for name in ("kind", "N", "K", "group", "zero_points")),
-                ("data", ctypes.c_void_p)]
+                ("data", ctypes.c_void_p), ("k_split", ctypes.c_int64), ("partial", ctypes.c_int64)]
 
 
 class LayerBF16(ctypes.Structure):
@@ -203,7 +207,7 @@ class ParallelBF16(ctypes.Structure):
     """The fused decode step on one rank of a parallel group (csrc/cpu_parallel.h's rg_parallel)."""
 
     _fields_ = [("all_reduce", ALL_REDUCE_FN), ("ctx", ctypes.c_void_p), ("input", ctypes.c_int64),
-                ("output", ctypes.c_int64)]
+                ("output", ctypes.c_int64), ("partials", ctypes.c_void_p)]
 
 
 _STRUCTS = {"rg_layer_bf16": LayerBF16, "rg_weight": WeightDesc}

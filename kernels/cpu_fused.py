@@ -38,13 +38,25 @@ class TensorParallelHook:
     """The all-reduce the fused step calls after each row-parallel matmul (attention output, MLP down): `reduce`
     sums a bf16 tensor over the tensor-parallel ranks in place (torch.distributed in the runtime). C calls
     back into Python from one thread of its team; an exception there cannot cross the C frames, so it is kept,
-    later calls of the step return at once, and `decode_step` raises it when the C call has returned."""
+    later calls of the step return at once, and `decode_step` raises it when the C call has returned.
 
-    def __init__(self, reduce: Callable[[torch.Tensor], object]) -> None:
-        self.reduce = reduce
+    The deterministic mode's hook has `sum_partials` instead ((M, hidden) float32 partial sums, x) -> None: the
+    row-parallel matmuls (`partial` weights) write their unrounded sums into `partials` (float32, kept per row
+    count), which it gathers and adds in rank order into x (layers/fixed_order.py)."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor], object] | None,
+                 sum_partials: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> None:
+        self.reduce, self.sum_partials = reduce, sum_partials
         self.target: torch.Tensor | None = None  # the step's x buffer, the only one C passes
+        self.partials: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.callback = ALL_REDUCE_FN(self._on_reduce)  # kept alive as long as the hook
+
+    def partials_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 buffer of x's shape the step's partial sums go to."""
+        if self.partials is None or self.partials.shape != x.shape:
+            self.partials = torch.empty(x.shape, dtype=torch.float32)
+        return self.partials
 
     def _on_reduce(self, ctx, ptr, n) -> None:
         if self.error is not None:
@@ -53,7 +65,10 @@ class TensorParallelHook:
             t = self.target
             if t is None or t.data_ptr() != ptr or t.numel() != n:
                 raise RuntimeError("the fused step asked for an all-reduce of a buffer it was not given")
-            self.reduce(t)
+            if self.sum_partials is not None:
+                self.sum_partials(self.partials, t)
+            else:
+                self.reduce(t)
         except BaseException as e:  # noqa: BLE001 - raised by decode_step once C has returned
             self.error = e
 
@@ -324,6 +339,8 @@ def _parallel(io: StageIO, x: torch.Tensor, res_a: torch.Tensor) -> ParallelBF16
     if io.hook is not None:
         io.hook.target = x
         par.all_reduce = io.hook.callback
+        if io.hook.sum_partials is not None:
+            par.partials = io.hook.partials_for(x).data_ptr()
     return par
 
 

@@ -40,6 +40,16 @@ class PackedWeight:
     def __post_init__(self) -> None:
         self.desc = WeightDesc(self.kind, self.n, self.k, self.group, int(self.zero_points), self.data.data_ptr())
 
+    def fix_order(self, k_split: int = 0, partial: bool = False) -> None:
+        """The deterministic mode's row-parallel matmul (csrc/cpu_linear.h's k_split and partial; bf16 K pairs on
+        AVX512-BF16 only): with k_split, input columns [0, k_split) and [k_split, k) summed apart and added before
+        the one rounding, as two tensor-parallel ranks holding them give; partial: this is such a rank's share, and
+        float32 outputs are its unrounded partial sums (no bias), which `sum_partials` adds."""
+        expect(self.kind == KIND_BF16, f"a fixed summation order needs bf16 K pairs, got {self!r}")
+        expect(k_split == 0 or (0 < k_split < self.k and k_split % 2 == 0),
+               f"k_split must be an even column inside (0, {self.k}), got {k_split}")
+        self.desc.k_split, self.desc.partial = k_split, int(partial)
+
     @property
     def ref(self):
         """The descriptor by reference, as the C functions take it."""
@@ -181,6 +191,26 @@ def _linear(kl: CKernels, pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor 
     kl.fn("linear", SUFFIX[x.dtype])(w=pw.ref, x=x.data_ptr(), M=m, bias=None if bias is None else bias.data_ptr(),
                                      y=None if float_out else y.data_ptr(), yf=y.data_ptr() if float_out else None)
     return y
+
+
+def sum_partials(kl: CKernels, parts: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """(S, M, N) float32 partial sums of S ranks (`fix_order(partial=True)` weights, in rank order) -> (M, N) bf16:
+    added in that order, plus bias (N,) bf16, rounded once, with the instructions of a k_split matmul (into `out`
+    when given, contiguous)."""
+    check_tensor("parts", parts, 3, (torch.float32,))
+    check_contiguous("parts", parts)
+    s, m, n = parts.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+    expect(out.dtype == torch.bfloat16 and out.is_contiguous() and out.numel() == m * n,
+           f"out: expected a contiguous bf16 tensor of {m} x {n} values")
+    if bias is not None:
+        check_tensor("bias", bias, 1, (torch.bfloat16,))
+        expect(bias.shape[0] == n and bias.is_contiguous(), f"bias must be {n} contiguous values")
+    kl.fn("rg_sum_partials_bf16")(parts=parts.data_ptr(), S=s, M=m, N=n,
+                                  bias=None if bias is None else bias.data_ptr(), out=out.data_ptr())
+    return out
 
 
 def rows(pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,

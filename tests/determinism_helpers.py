@@ -102,3 +102,20 @@ def mismatches(got: dict, want: dict) -> list[str]:
         if g_ids != ids or not torch.equal(torch.tensor(g_lps).view(torch.int32), torch.tensor(lps).view(torch.int32)):
             bad.append(rid)
     return bad
+
+
+def group_workload(runner: ModelRunner, n_others: int = 7) -> dict[str, tuple[list[int], list[float]]]:
+    """The probes' results on `runner` (rank 0 of a parallel group, parallel_helpers.run_group(workload=
+    "determinism"), or one process): cached prefixes of several lengths first, then the probes beside random other
+    requests (some sharing their prefixes), under the runner's config."""
+    from radixgen.runtime.loader import load_tokenizer
+    from radixgen.runtime.scheduler.pipeline import PipelineScheduler
+
+    cfg = runner.runtime_config
+    sched = (PipelineScheduler if cfg.pp_size > 1 else Scheduler)(cfg, runner, load_tokenizer(runner.model_path))
+    vocab = 49152  # prompts reading both halves of a vocabulary-parallel embedding
+    ps = probes(vocab)
+    run(sched, prefix_holders(ps, vocab=vocab))
+    res = run(sched, others(n_others, vocab, 11, ps) + ps)
+    assert sum(o["cached"] for rid, o in res.items() if rid.startswith("probe")) > 0, "no probe hit the cache"
+    return probe_results(res)

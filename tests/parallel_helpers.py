@@ -81,7 +81,13 @@ def drive_copy(runner: ModelRunner, copy: bool = True) -> torch.Tensor:
                                        [1, 1], torch.arange(2)))
 
 
-WORKLOADS = {"drive": drive, "drive_copy": drive_copy}
+def drive_determinism(runner: ModelRunner) -> dict:
+    from determinism_helpers import group_workload
+
+    return group_workload(runner)
+
+
+WORKLOADS = {"drive": drive, "drive_copy": drive_copy, "determinism": drive_determinism}
 
 
 def _rank_main(cfg: RuntimeConfig, model_path: str, rank: int, addr: tuple[str, int], out: str,

@@ -351,7 +351,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             }
             layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
                                              scale, splits, piece, part, qf, sc);
-            linear_team_bf16(&ly->o, attn, M, NULL, x, NULL, sx);
+            linear_team_bf16(&ly->o, attn, M, NULL, x, par_partials(par), sx);
             lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
             memcpy(rp, res[cur], row_bytes);
@@ -366,7 +366,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             linear_team_bf16(&ly->gate_up, hp, M, NULL, gu, NULL, sx);
             lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * li, (const int64_t[]){li, 2 * li}, 2);
             silu_mul_bf16(gu, ap, M, li);
-            linear_team_bf16(&ly->down, ap, M, NULL, x, NULL, sx);
+            linear_team_bf16(&ly->down, ap, M, NULL, x, par_partials(par), sx);
             lora_add_team(ly->lora, 3, ap, li, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
         }

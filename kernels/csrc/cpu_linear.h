@@ -37,6 +37,13 @@ typedef struct {
     int64_t group;       /* int8 / int4: input columns per scale, a divisor of K */
     int64_t zero_points; /* int4: the offsets are zero points */
     const void *data;
+    /* The deterministic mode's row-parallel matmuls (AVX512-BF16 builds, bf16 weights; 0 elsewhere): k_split > 0
+     * (even, < K) sums input columns [0, k_split) and [k_split, K) as two accumulators, added in float32 before
+     * the one rounding, which is what two tensor-parallel ranks holding those columns give (their partial sums
+     * added by rg_sum_partials_bf16); `partial`: float32 outputs (yf) are such a rank's unrounded sums, no bias.
+     * Either sends the matmul to the *_fixed tiles, so the default ones stay as they are. */
+    int64_t k_split;
+    int64_t partial;
 } rg_weight;
 
 static inline int64_t rg_w_group_bytes(const rg_weight *w) {
@@ -52,6 +59,13 @@ static inline int64_t rg_w_block_bytes(const rg_weight *w) {
 /* whether the kernels take w (as a matmul weight when `matmul`, else for rows only) */
 static int rg_w_valid(const rg_weight *w, int matmul) {
     if (!w || !w->data || w->N < 1 || w->K < 1) return 0;
+    if (w->k_split || w->partial) { /* the fixed bf16 tiles only */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        if (w->kind != RG_W_BF16 || w->k_split < 0 || w->k_split % 2 || w->k_split >= w->K) return 0;
+#else
+        return 0;
+#endif
+    }
     switch (w->kind) {
     case RG_W_ROWS_BF16: return !matmul;
     case RG_W_BF16: return w->K % 2 == 0;
@@ -275,6 +289,77 @@ static inline __attribute__((always_inline)) void gemv_tile_bf16(const rg_weight
             store16(acc[b][i], bias, y, yf, (m0 + i) * N + (blk0 + b) * 16, (blk0 + b) * 16, N - (blk0 + b) * 16);
 }
 
+/* acc[i][b] += rows [m0, m0+MB) of x times NB blocks of pw (pw_stride values apart) over K pairs [p0, p1). */
+static inline __attribute__((always_inline)) void fixed_pairs_bf16(__m512 acc[8][4], const uint16_t *x, int64_t K,
+                                                                  const uint16_t *pw, int64_t pw_stride, int64_t m0,
+                                                                  int64_t p0, int64_t p1, const int MB, const int NB) {
+    for (int64_t p = p0; p < p1; ++p) {
+        __m512bh wv[4];
+        for (int b = 0; b < NB; ++b) {
+            _mm_prefetch((const char *)(pw + b * pw_stride + p * 32) + GEMV_PREFETCH, GEMV_HINT);
+            wv[b] = (__m512bh)_mm512_loadu_si512(pw + b * pw_stride + p * 32);
+        }
+        for (int i = 0; i < MB; ++i) {
+            const __m512bh xb = bcast_pair(x + (m0 + i) * K + 2 * p);
+            for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], xb, wv[b]);
+        }
+    }
+}
+
+/* The deterministic mode's bf16 tile (w->k_split or w->partial): the chains of gemv_tile_bf16 and gemm_tile_bf16
+ * (one accumulator per output, the input pairs in order), input columns [0, k_split) and [k_split, K) in two
+ * accumulators added at the end; a partial weight's results unrounded into yf. */
+static inline __attribute__((always_inline)) void fixed_tile_bf16(const rg_weight *w, const uint16_t *x,
+                                                                 const uint16_t *pw, int64_t pw_stride,
+                                                                 const uint16_t *bias, uint16_t *y, float *yf,
+                                                                 int64_t n0, int64_t m0, const int MB, const int NB) {
+    const int64_t K = w->K, N = w->N, pairs = K / 2, split = w->k_split / 2;
+    __m512 acc[8][4], rest[8][4];
+    for (int i = 0; i < MB; ++i)
+        for (int b = 0; b < NB; ++b) acc[i][b] = rest[i][b] = _mm512_setzero_ps();
+    fixed_pairs_bf16(acc, x, K, pw, pw_stride, m0, 0, split ? split : pairs, MB, NB);
+    if (split) fixed_pairs_bf16(rest, x, K, pw, pw_stride, m0, split, pairs, MB, NB);
+    for (int b = 0; b < NB && n0 + b * 16 < N; ++b)
+        for (int i = 0; i < MB; ++i) {
+            const __m512 v = split ? _mm512_add_ps(acc[i][b], rest[i][b]) : acc[i][b];
+            const int64_t at = (m0 + i) * N + n0 + b * 16, n = N - n0 - b * 16;
+            if (w->partial && yf)
+                _mm512_mask_storeu_ps(yf + at, n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), v);
+            else
+                store16(v, bias, y, yf, at, n0 + b * 16, n);
+        }
+}
+
+/* Every row of x through NB (1 to 4) blocks of a K-pair weight (consecutive blocks pw_stride values apart, the
+ * first at output column n0) on the fixed tiles: the deterministic mode's gemv and GEMM alike (a row's bits do
+ * not depend on the tile that computed it). Out of line, so that the default tiles compile as they did. */
+static __attribute__((noinline)) void fixed_rows_bf16(const rg_weight *w, const uint16_t *x, int64_t M,
+                                                     const uint16_t *pw, int64_t pw_stride, const uint16_t *bias,
+                                                     uint16_t *y, float *yf, int64_t n0, int NB) {
+#define FIXED(MB, NBC, B) fixed_tile_bf16(w, x, pw + (B) * pw_stride, pw_stride, bias, y, yf, n0 + (B) * 16, m0, MB, NBC)
+#define FIXED_ALL(MB)                       \
+    switch (NB) {                           \
+    case 1: FIXED(MB, 1, 0); break;         \
+    case 2: FIXED(MB, 2, 0); break;         \
+    case 3: FIXED(MB, 3, 0); break;         \
+    default: FIXED(MB, 4, 0); break;        \
+    }
+    int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8)
+        for (int b = 0; b < NB; ++b) FIXED(8, 1, b);
+    for (; m0 + 4 <= M; m0 += 4)
+        for (int b = 0; b < NB; b += 2) {
+            if (NB - b >= 2)
+                FIXED(4, 2, b);
+            else
+                FIXED(4, 1, b);
+        }
+    for (; m0 + 2 <= M; m0 += 2) FIXED_ALL(2)
+    for (; m0 < M; ++m0) FIXED_ALL(1)
+#undef FIXED_ALL
+#undef FIXED
+}
+
 /* The same for int8 / int4 weights: per group, vdpbf16ps sums of the dequantized slices, then scaled into the
  * result; sx (M x K/group) holds each input row's group sums (int4 only). Prefetches: with `near`, GEMV_PREFETCH
  * bytes ahead in each block's stream; and the first `far` blocks of the tile four blocks on (the caller's next)
@@ -382,6 +467,10 @@ static inline __attribute__((always_inline)) void gemv_blocks(const rg_weight *w
                                                              int far) {
     const int H = NB < 2 ? NB : 2; /* the wide row tiles take two blocks at a time */
     int64_t m0 = 0;
+    if (w->kind == RG_W_BF16 && (w->k_split || w->partial)) {
+        fixed_rows_bf16(w, x, M, (const uint16_t *)w->data + blk0 * w->K * 16, w->K * 16, bias, y, yf, blk0 * 16, NB);
+        return;
+    }
     if (w->kind == RG_W_BF16) {
         for (; m0 + 8 <= M; m0 += 8) {
             gemv_tile_bf16(w, x, bias, y, yf, blk0, m0, 8, H);
@@ -529,6 +618,11 @@ static void gemm_team_bf16(const rg_weight *w, const uint16_t *x, int64_t M, con
             pw = buf;
         }
         int64_t b = 0;
+        if (w->k_split || w->partial) { /* bf16 only (rg_w_valid) */
+            for (; b < nb; b += 4)
+                fixed_rows_bf16(w, x, M, pw + b * K * 16, K * 16, bias, y, yf, (blk0 + b) * 16, nb - b < 4 ? (int)(nb - b) : 4);
+            continue;
+        }
         for (; b + 3 <= nb; b += 3) gemm_rows_bf16(x, M, K, pw + b * K * 16, bias, y, yf, N, (blk0 + b) * 16, 3);
         for (; b < nb; ++b) gemm_rows_bf16(x, M, K, pw + b * K * 16, bias, y, yf, N, (blk0 + b) * 16, 1);
     }
@@ -558,7 +652,7 @@ rg_status rg_linear_f32(const rg_weight *w, const float *x, int64_t M, const flo
  * non-NULL, the rounded results go there widened to float32 instead of into y (logits). */
 rg_status rg_linear_bf16(const rg_weight *w, const uint16_t *x, int64_t M, const uint16_t *bias, uint16_t *y,
                          float *yf) {
-    if (!rg_w_valid(w, 1)) return RG_ERR_UNSUPPORTED;
+    if (!rg_w_valid(w, 1) || (w->partial && bias)) return RG_ERR_UNSUPPORTED;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     const int64_t K = w->K;
     const int gemm = M > GEMV_MAX_M;
@@ -589,6 +683,31 @@ rg_status rg_linear_bf16(const rg_weight *w, const uint16_t *x, int64_t M, const
     free(xf);
     free(bf);
     return st;
+#endif
+}
+
+/* out (M, N) = bf16((parts[0] + parts[1] + ... + parts[S-1]) + bias), added in that order and rounded once: S
+ * tensor-parallel ranks' partial sums of a row-parallel matmul (`partial` weights), gathered in rank order, with
+ * the instructions of fixed_tile_bf16 (the same bits as one rank's k_split sums: the deterministic mode).
+ * parts (S, M, N) float32, contiguous; bias (N,) or NULL. AVX512-BF16 builds only. */
+rg_status rg_sum_partials_bf16(const float *parts, int64_t S, int64_t M, int64_t N, const uint16_t *bias,
+                               uint16_t *out) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (S < 1 || M < 0 || N < 1) return RG_ERR_UNSUPPORTED;
+    const int64_t n = M * N;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < N; c += 16) {
+            const int64_t at = m * N + c;
+            const __mmask16 mk = N - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - c)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(mk, parts + at);
+            for (int64_t s = 1; s < S; ++s) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, parts + s * n + at));
+            store16(v, bias, out, NULL, at, c, N - c);
+        }
+    return RG_OK;
+#else
+    (void)parts, (void)S, (void)M, (void)N, (void)bias, (void)out;
+    return RG_ERR_UNSUPPORTED;
 #endif
 }
 

@@ -12,6 +12,10 @@ typedef struct {
     int64_t input;  /* where the residual stream starts: one of RG_STAGE_* */
     int64_t output; /* 0: the final norm (and LM head) as at pp 1; 1 (a stage before the last): stop after the
                      * last layer, x and res_a holding its output and the residual stream for the next stage */
+    /* The deterministic mode (NULL otherwise): the row-parallel matmuls (`partial` weights) write their unrounded
+     * float32 partial sums (M, hidden) here instead of bf16 into x, and all_reduce sums the ranks' in rank order
+     * into x (rg_sum_partials_bf16), so that tp 2 rounds as tp 1 does. */
+    float *partials;
 } rg_parallel;
 
 enum {
@@ -22,6 +26,7 @@ enum {
 
 static inline int par_input(const rg_parallel *par) { return par ? (int)par->input : RG_STAGE_IDS; }
 static inline int par_final(const rg_parallel *par) { return !par || !par->output; }
+static inline float *par_partials(const rg_parallel *par) { return par ? par->partials : NULL; }
 
 /* Inside the team, every thread calls it: the partial sums in x summed over the ranks by one thread, the
  * others waiting at the single's barrier. */

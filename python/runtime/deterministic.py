@@ -3,17 +3,18 @@
 What it promises (docs/architecture.md, "The deterministic mode"): on the CPU path with bf16 weights, a request's
 output ids and logprobs are the same bits whatever else is in its batches, however its prompt is chunked, whatever
 part of it comes from the radix cache, with or without speculation, through the fused decode step or the
-layer-by-layer path, and after a retraction. The mode's choices are made once, when the ops set is built
-(`ops_for(..., deterministic=True)`): decode attention sums every context over fixed pieces
-(kernels.cpu.FIXED_PIECE) and every query of a prefill runs as a decode query at its own position, so a token's
-attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16 matmuls
-need no change: the streaming gemv (up to 16 rows) and the blocked GEMM both give each output one vdpbf16ps
-accumulator fed the input pairs in order, so a row's dot products are the same at 1 row and at 200
-(tests/kernels/test_deterministic_kernels.py holds them to it).
+layer-by-layer path, after a retraction, and at tp 1 or 2, pp 1 or 2. The mode's choices are made once, when the
+model is built: the ops set (`ops_for(..., deterministic=True)`) has decode attention sum every context over fixed
+pieces (kernels.cpu.FIXED_PIECE) and every query of a prefill run as a decode query at its own position, so a
+token's attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16
+matmuls give each output one vdpbf16ps accumulator fed the input pairs in order, so a row's dot products are the
+same at 1 row and at 200 (tests/kernels/test_deterministic_kernels.py holds them to it), and whatever output rows
+a tensor-parallel rank holds; the row-parallel ones sum tp 2's cut of their inputs as two fixed segments at tp 1
+and tp 2 alike (layers/fixed_order.py), so that the two layouts round the same.
 
 Everything the mode cannot keep is refused at start with the combination named, never served with a weaker
 promise: this module's two checks, the config's (`check_config`, from RuntimeConfig) and the runner's, once the
-weight format and the kernels are known (`check_deterministic`).
+weight format and the kernels are known (`check_deterministic`), and per layer, layers/fixed_order.install's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 _REFUSED = (
     (lambda c: c.device != "cpu", "device={device}: the Triton kernels have no batch-invariant variant yet (their "
      "decode split follows the batch); use device='cpu'"),
-    (lambda c: c.tp_size > 1, "tp_size={tp_size}: the ranks' partial sums of o_proj / down_proj round apart from "
-     "tp_size=1's single sums; use tp_size=1"),
-    (lambda c: c.pp_size > 1, "pp_size={pp_size}: pipeline stages are not covered by the mode's tests; use "
-     "pp_size=1"),
+    (lambda c: c.tp_size not in (1, 2), "tp_size={tp_size}: the row-parallel sums run in tp 2's fixed segments "
+     "(layers/fixed_order.py), which a larger group would cut further; use tp_size 1 or 2"),
+    (lambda c: c.tp_size > 1 and c.pp_size > 1, "tp_size={tp_size} and pp_size={pp_size} together: not covered by "
+     "the mode's tests (each alone is); use one of them"),
     (lambda c: c.disable_cpu_kernels, "disable_cpu_kernels: the plain torch matmuls and attention pick their "
      "blocking by the row count"),
     (lambda c: c.lora_enabled, "LoRA adapters: the segmented LoRA deltas are not covered by the mode's tests"),

@@ -1,7 +1,7 @@
 """The deterministic mode on the bundled default model in bf16 (30 layers, head size 64: the bf16 dot products
 of the attention kernel), in-process: each probe's output ids and logprobs are the bits it gets alone, beside 7
-and 63 random other requests (some sharing its prefix), after cached prefixes, under chunked prefill, n-gram
-speculation and on the layer-by-layer path; the offline API takes the mode too."""
+and 63 random other requests (some sharing its prefix), after cached prefixes, under chunked prefill, n-gram and
+draft-model speculation, after retractions and on the layer-by-layer path; the offline API takes the mode too."""
 
 from __future__ import annotations
 
@@ -53,6 +53,27 @@ def test_probes_keep_their_bits(model, reference, name, kw, n_others):
     res = run(sched, others(n_others, VOCAB, 5, ps) + ps)
     assert mismatches(probe_results(res), reference) == []
     assert sum(o["cached"] for rid, o in res.items() if rid.startswith("probe")) > 0
+
+
+def test_probes_keep_their_bits_under_draft_speculation(model, reference):
+    """A draft model: the default model drafting for itself (forced to draft)."""
+    d, tok = model
+    sched = scheduler(d, tok, speculative_algorithm="draft", speculative_draft_model=str(d))
+    sched.spec.drafter.forward_cost = 0.0  # a draft as large as its target never pays: make it draft anyway
+    ps = _probes()
+    res = run(sched, others(3, VOCAB, 6, ps) + ps)
+    assert sched.stats["spec_draft_tokens"] > 0
+    assert mismatches(probe_results(res), reference) == []
+
+
+def test_probes_keep_their_bits_after_retraction(model, reference):
+    """A pool small enough that decode retracts requests, which come back and recompute or reuse their KV."""
+    d, tok = model
+    sched = scheduler(d, tok, max_total_tokens=400, max_running_requests=16)
+    ps = _probes()
+    res = run(sched, others(4, VOCAB, 6, ps) + ps)
+    assert sched.stats["retractions"] > 0
+    assert mismatches(probe_results(res), reference) == []
 
 
 def test_offline_llm_takes_the_mode():

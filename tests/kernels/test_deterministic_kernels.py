@@ -1,7 +1,8 @@
 """The kernel-level facts the deterministic mode rests on (runtime/deterministic.py): a bf16 matmul row's bits do
 not depend on how many rows the call has (the gemv up to 16 rows, the blocked GEMM beyond), and decode attention
 over fixed pieces gives a request the same bits alone, in any batch and under any thread count, while the default
-split (which follows the batch) does not."""
+split (which follows the batch) does not; a row-parallel matmul split at tp 2's cut (k_split) gives the bits of
+two ranks' unrounded partial sums added in rank order (layers/fixed_order.py)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,47 @@ def test_pieces_must_cover_the_contexts(gen):
             rows=pool.req_indices.data_ptr(), seq_lens=torch.tensor([300]).data_ptr(),
             out=torch.empty_like(q).data_ptr(),
             B=1, H=6, Hkv=2, D=64, scale=0.125, splits=2, piece=128, part=part.data_ptr())
+
+
+@pytest.mark.parametrize(("n", "k", "cut", "bias"),
+                         [(576, 1536, 768, False), (576, 576, 384, True), (45, 96, 32, False)])
+def test_a_split_matmul_is_two_ranks_partial_sums_added(n, k, cut, bias, gen):
+    """The deterministic mode's row-parallel matmul (layers/fixed_order.py): tp 1's weight with k_split gives the
+    bits of two ranks holding columns [0, cut) and [cut, k), each writing its unrounded partial sums, added in rank
+    order by sum_partials, at every row count (the gemv tiles and the GEMM's); rounding each rank's sum first, as
+    the default all-reduce does, rounds apart."""
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    whole = cpu_linear.pack_bf16(w)
+    whole.fix_order(k_split=cut)
+    ranks = [cpu_linear.pack_bf16(w[:, :cut]), cpu_linear.pack_bf16(w[:, cut:])]
+    for r in ranks:
+        r.fix_order(partial=True)
+    x = torch.randn(200, k, generator=gen).to(torch.bfloat16)
+    y = cpu_linear.linear(whole, x, b)
+    assert rel_err(y, cpu_linear.linear_ref(cpu_linear.pack_bf16(w), x, b)) < TOL[torch.bfloat16]
+    parts = [cpu_linear.linear(r, x[:, cols].contiguous(), float_out=True)
+             for r, cols in zip(ranks, (slice(0, cut), slice(cut, k)), strict=True)]
+    exact = x[:, :cut].float() @ w[:, :cut].float().t()
+    assert (parts[0] - exact).abs().max() < 1e-3 * exact.abs().max()  # float32, not rounded to bf16
+    assert torch.equal(cpu_linear.sum_partials(KL, torch.stack(parts), b), y)
+    start = 0
+    for rows in (1, 2, 3, 8, 15, 16, 17, 64, 74):
+        assert torch.equal(cpu_linear.linear(whole, x[start:start + rows], b), y[start:start + rows]), rows
+        start += rows
+    rounded = sum(p.to(torch.bfloat16) for p in parts)
+    assert not torch.equal(rounded if b is None else rounded + b, y)
+
+
+def test_a_fixed_order_is_for_bf16_weights_on_even_cuts(gen):
+    q = torch.randint(-8, 8, (32, 64), generator=gen, dtype=torch.int8)
+    with pytest.raises(ValueError, match="bf16 K pairs"):
+        cpu_linear.pack_int8(q, torch.ones(32, 2), 32).fix_order(k_split=32)
+    pw = cpu_linear.pack_bf16(torch.randn(32, 64, generator=gen))
+    for cut in (3, 64, -2):
+        with pytest.raises(ValueError, match="k_split"):
+            pw.fix_order(k_split=cut)
+    pw.fix_order(partial=True)
+    with pytest.raises(cpu.CKernelError, match="not supported"):  # a rank's partial sums carry no bias
+        cpu_linear.linear(pw, torch.randn(2, 64, generator=gen).to(torch.bfloat16),
+                          torch.zeros(32, dtype=torch.bfloat16))

@@ -101,8 +101,8 @@ def test_without_the_mode_some_probes_round_apart(model):
 
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(device="cuda"), "device=cuda"),
-    (dict(tp_size=2), "tp_size=2"),
-    (dict(pp_size=2), "pp_size=2"),
+    (dict(tp_size=4), "tp_size=4"),
+    (dict(tp_size=2, pp_size=2), "tp_size=2 and pp_size=2"),
     (dict(disable_cpu_kernels=True), "disable_cpu_kernels"),
     (dict(dtype="float32"), "dtype=float32"),
     (dict(quantization="int8"), "quantization=int8"),
@@ -127,3 +127,25 @@ def test_the_runner_refuses_a_quantized_checkpoint_or_missing_kernels():
         deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops, KL.d_max + 8)
     with pytest.raises(ValueError, match="must be a bool"):
         RuntimeConfig(deterministic="yes")
+
+
+def test_the_runner_refuses_a_layer_off_the_c_matmuls():
+    """An odd input size (129 MLP columns) keeps down_proj off the bf16 K-pair matmuls, whose blocking alone the
+    mode holds to the row count: refused by the layer's name."""
+    from radixgen.runtime.executor.model_runner import ModelRunner
+
+    with pytest.raises(ValueError, match="every linear layer on the C bf16 matmuls; .*down_proj runs onednn"):
+        ModelRunner(RuntimeConfig(model=str(tiny_model_dir("llama-odd")), dtype="bfloat16", deterministic=True,
+                                  max_total_tokens=256, max_running_requests=2))
+
+
+def test_the_runner_refuses_an_mlp_part_it_does_not_cover(monkeypatch):
+    """A layer whose MLP part is not the dense gated MLP (an expert block says so of itself) is refused by kind."""
+    from radixgen.runtime.executor.model_runner import ModelRunner
+    from radixgen.runtime.models import parts
+
+    dense = parts.GatedMLP.structure
+    monkeypatch.setattr(parts.GatedMLP, "structure", lambda self: dense(self)._replace(kind="experts"))
+    with pytest.raises(ValueError, match="deterministic mode does not run layer 0's MLP part 'experts'"):
+        ModelRunner(RuntimeConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16", deterministic=True,
+                                  max_total_tokens=256, max_running_requests=2))

@@ -37,12 +37,19 @@ class FusedDecode:
     and LM head around it)."""
 
     def __init__(self, kl: CKernels, weights: cpu_fused.DecodeStepWeights, model, cos_sin_cache: torch.Tensor,
-                 scale: float, lora: cpu_fused.LoRAStepWeights | None = None, piece: int = 0) -> None:
+                 scale: float, lora: cpu_fused.LoRAStepWeights | None = None, piece: int = 0,
+                 ordered_sum=None) -> None:
+        """ordered_sum: the deterministic mode's sum of the ranks' partial sums (layers/fixed_order.OrderedSum) in
+        place of the all-reduce, at tp > 1."""
         self.kl, self.weights, self.model, self.cos_sin_cache, self.scale = kl, weights, model, cos_sin_cache, scale
         self.lora = lora
         self.piece = piece  # > 0: attention over fixed pieces of the contexts (the deterministic mode)
         tp = model.parallel.tp
-        self.hook = cpu_fused.TensorParallelHook(tp.all_reduce) if tp.size > 1 else None
+        self.hook = None
+        if ordered_sum is not None:
+            self.hook = cpu_fused.TensorParallelHook(None, lambda partials, x: ordered_sum(partials, out=x))
+        elif tp.size > 1:
+            self.hook = cpu_fused.TensorParallelHook(tp.all_reduce)
 
     @staticmethod
     def supports(layers: list[LayerStructure], d_max: int) -> str | None:
@@ -112,7 +119,8 @@ class FusedDecode:
             kl, layers, model.norm.weight if last else None, num_heads=first.num_heads,
             num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=_intermediate(layers, mine),
             eps=mine[0].eps, embed=embed, lm_head=lm_head)
-        return cls(kl, weights, model, first.rotary.cos_sin_cache, first.scale, lora, piece)
+        ordered = getattr(first.o, "ordered_sum", None)  # the deterministic mode at tp 2 (layers/fixed_order.py)
+        return cls(kl, weights, model, first.rotary.cos_sin_cache, first.scale, lora, piece, ordered)
 
     def applies(self, extend_lens: list[int], verify: bool = False) -> bool:
         """Whether a step with these per-request new-token counts is one the fused path takes: a decode step, or

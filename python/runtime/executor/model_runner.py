@@ -19,13 +19,14 @@ from radixgen.runtime.executor.forward_context import ForwardContext, forward_co
 from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
 from radixgen.runtime.executor.step_messages import KVCopyQueue
 from radixgen.runtime.executor.weights import load_weights
-from radixgen.runtime.layers import quantization
+from radixgen.runtime.layers import fixed_order, quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
 from radixgen.runtime.loader import is_gguf_native, read_hf_config, resolve_model_path
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
 from radixgen.runtime.models.multimodal import MediaEmbeds, StepMedia, VisionLanguageLM
+from radixgen.runtime.models.parts import DENSE_GATED_SILU
 from radixgen.runtime.parallel_context import ParallelContext
 from radixgen.runtime.scheduler.batch import ForwardInput
 
@@ -138,6 +139,12 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed, quantized=self.quantization.method)
         self.ops.install(model)  # each linear layer re-lays out its weight (one copy), before mallopt below
+        if cfg.deterministic:  # row-parallel sums in tp 2's fixed segments, at tp 1 and 2 alike
+            for i, layer in enumerate(model.decoder_structure() if hasattr(model, "decoder_structure") else ()):
+                if layer.mlp.kind != DENSE_GATED_SILU:  # an expert block's kernels: not held to the row count
+                    raise ValueError(f"deterministic mode does not run layer {i}'s MLP part {layer.mlp.kind!r}: "
+                                     f"not covered by the mode's tests")
+            fixed_order.install(model, self.ops.kl)
         self.model = model.eval()
         # a vision-language model: image embeddings by content hash, reused across requests (encoder_cache.py)
         self.encoder_cache = None

@@ -45,10 +45,11 @@ class VocabParallelEmbedding(nn.Module):
         table = self.table
         if self.shard == self.vocab_size:
             return table.method.embed(table, ids)
-        # ids [start, start + valid) are this rank's; the others read row 0 and are zeroed, then summed
+        # ids [start, start + valid) are this rank's; the others read row 0 and are set to -0.0, then summed: x + -0.0
+        # is x for every x (+0.0 would turn a -0.0 into +0.0), so the sum is the one rank's row, bit for bit
         mine = (ids >= self.start) & (ids < self.start + self.valid)
         out = table.method.embed(table, (ids - self.start) * mine)
-        return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+        return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), -0.0))
 
 
 class ParallelLMHead(ColumnParallelLinear):

@@ -13,6 +13,7 @@ weight is its `LinearMethod` (the quantization package has one per format).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -232,12 +233,19 @@ class ColumnParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features [in_start, in_start + in_features) of the full layer (default: this rank's share, or
     `in_range` = (start, size)); the partial outputs are summed over the tensor-parallel ranks. A bias is added
-    once: rank 0 holds it, the others a zero one."""
+    once: rank 0 holds it, the others a zero one.
+
+    `shares` (tp_size, tp_rank) -> (start, size): how a group of any size would cut the input features (default:
+    split_range; a layer given only `in_range` does not say). The deterministic mode sums tp 2's cut as fixed
+    segments whatever the group (layers/fixed_order.py, which sets `ordered_sum` at tp > 1)."""
+
+    ordered_sum = None  # the deterministic mode at tp > 1: its fixed_order.OrderedSum replaces the all-reduce
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 in_range: tuple[int, int] | None = None, *, tp: ParallelAxis = SINGLE.tp) -> None:
+                 in_range: tuple[int, int] | None = None, *, tp: ParallelAxis = SINGLE.tp, shares=None) -> None:
         self.full_in, self.tp = in_features, tp
-        self.in_start, size = in_range or split_range(in_features, tp.size, tp.rank)
+        self.shares = shares or (None if in_range else partial(split_range, in_features))
+        self.in_start, size = in_range or self.shares(tp.size, tp.rank)
         super().__init__(size, out_features, bias)
 
     @property
@@ -253,6 +261,8 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ordered_sum is not None:
+            return self.ordered_sum.linear(self, x)
         return self.tp.all_reduce(super().forward(x))
 
 

@@ -10,12 +10,14 @@ its layers (nothing reads a global while built).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from radixgen.runtime.config import ModelConfig
+from radixgen.runtime.executor.distributed import head_shard
 from radixgen.runtime.layers.activation import SiluAndMul
 from radixgen.runtime.layers.attention import Attention
 from radixgen.runtime.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -105,6 +107,12 @@ class AttentionSpec:
     rotary: object = rope  # (cfg) -> the rotary module
 
 
+def _head_features(cfg: ModelConfig, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """o_proj's input features on a rank of `tp_size`: its query heads' (start, size)."""
+    heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp_size, tp_rank)
+    return heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim
+
+
 class DecoderAttention(nn.Module):
     """Grouped-query attention over this rank's heads: qkv_proj, [q_norm, k_norm], rotary, paged attention, o_proj."""
 
@@ -117,9 +125,8 @@ class DecoderAttention(nn.Module):
                                           bias=spec.qkv_bias or cfg.attention_bias, tp=tp)
         heads = self.qkv_proj.heads  # this tensor-parallel rank's query heads and the KV heads they read
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        in_range=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim),
-                                        tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp,
+                                        shares=partial(_head_features, cfg))
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
         self.q_norm = self.k_norm = None

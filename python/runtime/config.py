@@ -44,6 +44,11 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen2-VL's M-RoPE: the rotary frequencies' split over temporal / height / width position ids (None: plain)
+    mrope_section: tuple[int, ...] | None = None
+    # a vision-language checkpoint's vision tower config (config.json's vision_config) and image placeholder id
+    vision_config: dict | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +62,9 @@ class ModelConfig:
         from radixgen.runtime.architectures import architecture_of
 
         arch = architecture_of(hf)
+        top = hf
+        if isinstance(hf.get("text_config"), dict):  # a multimodal config: its language model's fields nested
+            hf = {**hf, **hf["text_config"]}
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
@@ -69,8 +77,11 @@ class ModelConfig:
             rope_theta = params.get("rope_theta", 10000.0)
         if rope_scaling is None and params.get("rope_type", "default") != "default":
             rope_scaling = params
+        mrope = (rope_scaling or params).get("mrope_section")
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind == "mrope" or mrope is not None:  # Qwen2-VL's config names its M-RoPE a rope type
+                kind = "default"
             if kind not in ("default", "llama3"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
             if kind == "default":
@@ -98,6 +109,9 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            mrope_section=tuple(mrope) if mrope is not None else None,
+            vision_config=top.get("vision_config"),
+            image_token_id=top.get("image_token_id"),
         )
 
 

@@ -5,6 +5,7 @@ vision start / end tokens are ids in the padded vocabulary rows past the tokeniz
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +25,8 @@ VISION = {
     "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=14,
                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
 }
+PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "patch_size": 14, "temporal_patch_size": 2,
+                "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}
 
 
 def hf_vl_model(arch: str):
@@ -56,19 +59,17 @@ def tiny_vl_dir(arch: str = "qwen2_vl", root: str | os.PathLike | None = None) -
     tmp = root / f"{arch}.tmp{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     hf_vl_model(arch).save_pretrained(tmp)
+    # small images (at most 64 merged patch blocks, 256 patches): fast tests
+    (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     for f in resolve_model_path(None).iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, tmp / f.name)
     return _publish(tmp, out)
 
 
-def image_patches(seed: int, height: int, width: int, max_pixels: int = 28 * 28 * 64):
-    """(pixel rows, grid) of a random RGB image through transformers' Qwen2-VL image processor (PIL backend)."""
+def random_image(seed: int, height: int, width: int):
     import numpy as np
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    out = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels)(images=[img], return_tensors="pt")
-    return out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0])
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

@@ -37,23 +37,33 @@ class TokenSegment:
 
 @dataclass(frozen=True)
 class MediaSegment:
-    """One media input: `content_hash` identifies its content (two equal hashes share KV), `payload` is an
-    opaque reference the model's processor reads (a path, bytes, a handle); never hashed or compared here."""
+    """One media input. `payload`: the source the model's processor reads (for an image: a path, bytes, base64, a
+    data URL, a PIL image; common/media.py). `content_hash` identifies its content (two equal hashes share KV):
+    leave it empty and the Engine sets the item's hash from the processed pixels and the processing options
+    (runtime/media/processor.py), the usual case; a caller that gives one vouches that equal hashes mean equal
+    content after processing."""
 
     kind: str
-    content_hash: str
     payload: Any = None
+    content_hash: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in MEDIA_KINDS:
             raise ValueError(f"MediaSegment.kind: must be one of {MEDIA_KINDS} (got {self.kind!r})")
-        if not isinstance(self.content_hash, str) or not self.content_hash:
-            raise ValueError("MediaSegment.content_hash: must be a non-empty string")
+        if not isinstance(self.content_hash, str):
+            raise ValueError("MediaSegment.content_hash: must be a string (empty: hashed from the processed pixels)")
+        if self.payload is None:
+            raise ValueError("MediaSegment.payload: the media source is missing")
+
+    @classmethod
+    def image(cls, source: Any) -> MediaSegment:
+        """An image segment from any source common.media.load_image reads."""
+        return cls("image", source)
 
     @classmethod
     def of_bytes(cls, kind: str, data: bytes, payload: Any = None) -> MediaSegment:
-        """A segment whose hash is that of its bytes (sha256)."""
-        return cls(kind, hashlib.sha256(data).hexdigest(), payload)
+        """A segment whose hash is that of its bytes (sha256), its payload the bytes unless given."""
+        return cls(kind, data if payload is None else payload, hashlib.sha256(data).hexdigest())
 
 
 Segment = TextSegment | TokenSegment | MediaSegment

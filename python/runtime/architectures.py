@@ -10,6 +10,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", "llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "qwen3", "Qwen3ForCausalLM"),
+    # vision-language models (models/multimodal.py; their image processors: runtime/media/)
+    "LlavaForConditionalGeneration": ("llava", "llava", "LlavaForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }

@@ -23,6 +23,25 @@ SPECULATIVE_ALIASES = {"standalone": "draft", "draft_model": "draft"}
 MAX_SPECULATIVE_TOKENS = 16
 
 
+def _text_model_type(text: dict) -> str:
+    """The architecture key of a vision-language model's language model, from its text config's model_type."""
+    kind = text.get("model_type", "llama")
+    keys = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+    if kind not in keys:
+        raise ValueError(f"unsupported language model {kind!r} in a vision-language model (supported: "
+                         f"{sorted(keys)})")
+    return keys[kind]
+
+
+def _qwen2(text: dict) -> str:
+    """Qwen2-VL's language model: the Qwen2 decoder, with M-RoPE (ModelConfig.mrope_section)."""
+    return "qwen2"
+
+
+# multimodal architecture key -> (text config -> the language model's architecture key)
+MULTIMODAL_ARCHITECTURES = {"llava": _text_model_type, "qwen2_vl": _qwen2, "qwen2_5_vl": _qwen2}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs of a Hugging Face config.json."""
@@ -44,11 +63,12 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # a vision-language model (models/multimodal.py): the language model's architecture key, and the whole
+    # Hugging Face config (vision_config, projector, image token); None for a text model
+    text_architecture: str | None = None
+    multimodal: dict | None = None
     # Qwen2-VL's M-RoPE: the rotary frequencies' split over temporal / height / width position ids (None: plain)
     mrope_section: tuple[int, ...] | None = None
-    # a vision-language checkpoint's vision tower config (config.json's vision_config) and image placeholder id
-    vision_config: dict | None = None
-    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -62,9 +82,14 @@ class ModelConfig:
         from radixgen.runtime.architectures import architecture_of
 
         arch = architecture_of(hf)
-        top = hf
-        if isinstance(hf.get("text_config"), dict):  # a multimodal config: its language model's fields nested
-            hf = {**hf, **hf["text_config"]}
+        full, text_arch = None, None
+        if arch in MULTIMODAL_ARCHITECTURES:  # the text fields are the language model's (text_config)
+            full, text = hf, {**hf, **(hf.get("text_config") or {})}
+            text_arch = MULTIMODAL_ARCHITECTURES[arch](text)
+            for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+                if key in hf and key not in (hf.get("text_config") or {}):
+                    text[key] = hf[key]
+            hf = text
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
@@ -109,9 +134,9 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            text_architecture=text_arch,
+            multimodal=full,
             mrope_section=tuple(mrope) if mrope is not None else None,
-            vision_config=top.get("vision_config"),
-            image_token_id=top.get("image_token_id"),
         )
 
 
@@ -205,6 +230,16 @@ class RuntimeConfig:
         f"1..{MAX_SPECULATIVE_TOKENS}; at most 7 where the fused CPU decode step verifies)",
         flags=("--speculative-num-draft-tokens", "--num-speculative-tokens"))
 
+    # ---- image input (runtime/media/, models/multimodal.py)
+    max_image_pixels: int = option(16_777_216, "an image whose width * height (decoded) is larger is refused (400)")
+    max_images_per_request: int = option(16, "a prompt with more images is refused (400)")
+    allow_remote_media: bool = option(False, "fetch http(s) image URLs (OpenAI image_url, image_data); off: only "
+                                      "data URLs, base64, paths and bytes")
+    max_media_bytes: int = option(20 << 20, "largest image file read or fetched, in bytes")
+    media_fetch_timeout_s: float = option(10.0, "seconds: an http(s) image fetch that takes longer fails its request")
+    encoder_cache_tokens: int = option(32768, "encoder outputs kept for reuse (LRU, by image content hash), in "
+                                       "image tokens; 0: none kept")
+
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
         check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -217,11 +252,17 @@ class RuntimeConfig:
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_total_tokens", "context_length", "num_threads", "max_queue_wait_steps"):
+        for name in ("max_total_tokens", "context_length", "num_threads", "max_queue_wait_steps",
+                     "encoder_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.max_kv_memory_gb > 0:
             raise ValueError(f"max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
+        for name in ("max_image_pixels", "max_images_per_request", "max_media_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValueError(f"media_fetch_timeout_s must be > 0, got {self.media_fetch_timeout_s}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         self._check_parallel()

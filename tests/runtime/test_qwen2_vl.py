@@ -1,18 +1,23 @@
 """Qwen2-VL / Qwen2.5-VL: our vision tower and our M-RoPE decoder over the paged KV pool against transformers'
 own model on the same tiny random weights (float32): the vision tower's output, the prompt's logits (in one
-extend, and in chunks that cut through the image), and decode steps after the image."""
+extend, and in chunks that cut through the image), decode steps after the image; the model's side of the image
+contract (models/multimodal.py) driven directly: encode, the positions hook, the media rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kv_helpers import kv_of
-from tiny_vl_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_model, image_patches, tiny_vl_dir
+from tiny_vl_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_model, random_image, tiny_vl_dir
 
+from radixgen.common.prompt import MediaItem
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
 from radixgen.runtime.executor.model_runner import ModelRunner
-from radixgen.runtime.models.qwen2_vl import mrope_positions
+from radixgen.runtime.loader import read_hf_config
+from radixgen.runtime.media import processor_for
+from radixgen.runtime.models.multimodal import MediaEmbeds, StepMedia
+from radixgen.runtime.models.qwen2_vl import ImageSpan, mrope_positions
 from radixgen.runtime.models.vision.qwen2_vit import Qwen2VisionTransformer, VisionSpec
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl"]
@@ -32,55 +37,55 @@ def pair(request):
                                        max_running_requests=4))
     cls = {"qwen2_vl": tf.Qwen2VLForConditionalGeneration,
            "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration}[request.param]
-    return runner, cls.from_pretrained(folder, dtype=torch.float32).eval()
+    proc = processor_for(request.param, read_hf_config(folder), folder)
+    return runner, cls.from_pretrained(folder, dtype=torch.float32).eval(), proc
 
 
-def image_prompt(grid, before: int = 5, after: int = 7, seed: int = 0) -> list[int]:
+def image_prompt(proc, image, before: int = 5, after: int = 7, seed: int = 0) -> tuple[list[int], MediaItem]:
     gen = torch.Generator().manual_seed(seed)
     text = torch.randint(3, 49152, (before + after,), generator=gen).tolist()
-    n = grid[0] * grid[1] * grid[2] // 4
-    return text[:before] + [VISION_START] + [IMAGE_TOKEN] * n + [VISION_END] + text[before:]
+    px = proc.process(image)
+    toks = proc.tokens(px)
+    item = MediaItem("image", proc.content_hash(px), before + toks.start, before + toks.end, payload=px)
+    return text[:before] + toks.ids + text[before:], item
 
 
-def hf_logits(ref, ids, pixels, grid) -> torch.Tensor:
+def hf_logits(ref, ids, item) -> torch.Tensor:
     t = torch.tensor([ids])
     with torch.no_grad():
-        return ref(input_ids=t, pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
-                   mm_token_type_ids=(t == IMAGE_TOKEN).int()).logits[0]
+        out = ref(input_ids=t, pixel_values=item.payload.pixel_values, image_grid_thw=torch.tensor([item.payload.grid]),
+                  mm_token_type_ids=(t == IMAGE_TOKEN).int())
+    return out.logits[0]
 
 
 class VLDriver:
-    """One request's steps straight through the runner's model: M-RoPE positions, the image's rows in place."""
+    """One request's steps straight through the runner's model, as the contract has the runner do them."""
 
-    def __init__(self, runner, ids, pixels, grid) -> None:
-        self.runner, self.model = runner, runner.model
-        self.ids = list(ids)
-        self.rope = mrope_positions(ids, [grid], IMAGE_TOKEN, 2)
-        self.image = self.model.encode([pixels], [grid])[0]  # (n, hidden)
-        self.image_at = ids.index(IMAGE_TOKEN)
+    def __init__(self, runner, item: MediaItem) -> None:
+        self.runner, self.model, self.item = runner, runner.model, item
+        self.embedding = self.model.encode([item.payload])[0]  # (n, hidden)
         self.kv = kv_of(runner)
         self.row, self.len, self.slots = self.kv.table.allocate(), 0, []
+        self.last_positions = None
 
     def step(self, ids: list[int]) -> torch.Tensor:
         start, n = self.len, len(ids)
         slots = self.kv.allocator.allocate(n)
         self.slots.append(slots)
         self.kv.table.write(self.row, start, slots)
-        prompt = self.rope.positions.shape[1]
-        if start + n <= prompt:
-            positions = self.rope.positions[:, start:start + n].contiguous()
-        else:  # after the prompt: index + delta, the plain rotary
-            positions = torch.arange(start, start + n) + self.rope.delta
-        idx = torch.arange(start, start + n)
-        in_image = (idx >= self.image_at) & (idx < self.image_at + self.image.shape[0])
-        rows = in_image.nonzero().flatten()
+        media = StepMedia([start], [n], ((self.item,),))
+        positions = self.last_positions = self.model.positions(torch.arange(start, start + n), media)
+        pieces = list(media.pieces())
+        embeds = None
+        if pieces:
+            rows = torch.cat([torch.arange(p.row, p.row + p.hi - p.lo) for p in pieces])
+            embeds = MediaEmbeds(rows, torch.cat([self.embedding[p.lo:p.hi] for p in pieces]))
         ctx = ForwardContext(is_decode=n == 1, kv_pool=self.runner.kv_pool, out_slots=slots,
                              req_to_slot=self.runner.req_to_slot, req_indices=torch.tensor([self.row]),
                              prefix_lens=[start], extend_lens=[n], backend=self.runner.ops.attention)
         self.runner.ops.attention.prepare(ctx)
         with torch.inference_mode(), forward_context(ctx):
-            hidden = self.model(torch.tensor(ids), positions, embed_rows=rows if rows.numel() else None,
-                                embeds=self.image[idx[rows] - self.image_at] if rows.numel() else None)
+            hidden = self.model(torch.tensor(ids), positions, media=embeds)
         self.len += n
         return self.model.compute_logits(hidden)
 
@@ -105,48 +110,55 @@ def test_vision_tower_equals_transformers(arch):
 
 
 def test_mrope_positions_follow_the_grid():
-    # 2 text, a 1 x 4 x 6 patch image (2 x 3 merged), 3 text
-    ids = [7, 8] + [IMAGE_TOKEN] * 6 + [9, 10, 11]
-    pos, delta = mrope_positions(ids, [(1, 4, 6)], IMAGE_TOKEN, 2)
-    assert pos.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7],
-                            [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 7],
-                            [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7]]
-    assert delta == 8 - 11
-    with pytest.raises(ValueError, match="consecutive placeholder"):
-        mrope_positions(ids[:5], [(1, 4, 6)], IMAGE_TOKEN, 2)
-    with pytest.raises(ValueError, match="without their placeholder"):
-        mrope_positions([1, 2], [(1, 4, 6)], IMAGE_TOKEN, 2)
+    # 2 text, a 2 x 3 merged image, 3 text, a 1 x 2 image, 1 text
+    spans = [ImageSpan(2, 8, 1, 2, 3), ImageSpan(11, 13, 1, 1, 2)]
+    pos, inside = mrope_positions(torch.arange(14), spans)
+    assert inside
+    assert pos.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7, 8, 8, 10],
+                            [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 7, 8, 8, 10],
+                            [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    later, inside = mrope_positions(torch.tensor([14, 15]), spans)  # decode rows: index + delta, all equal
+    assert not inside and later.tolist() == [[11, 12]] * 3
+
+
+def test_processor_tokens_and_hash(pair):
+    _, _, proc = pair
+    a, b = proc.process(random_image(0, 100, 150)), proc.process(random_image(1, 100, 150))
+    assert a.grid == (1, 8, 10) and a.num_tokens == 20 and tuple(a.pixel_values.shape) == (80, 1176)
+    toks = proc.tokens(a)
+    assert toks.ids == [VISION_START] + [IMAGE_TOKEN] * 20 + [VISION_END] and (toks.start, toks.end) == (1, 21)
+    assert proc.content_hash(a) == proc.content_hash(proc.process(random_image(0, 100, 150)))
+    assert proc.content_hash(a) != proc.content_hash(b)
+    big = proc.process(random_image(2, 1000, 700))  # resized under max_pixels (64 merged blocks), aspect kept
+    assert big.num_tokens <= 64 and big.grid[1] > big.grid[2]
 
 
 @pytest.mark.parametrize("cut", [None, 9, 14])
 def test_prompt_logits_equal_transformers(pair, cut):
     """The whole prompt in one extend, or two chunks whose border falls inside the image's tokens."""
-    runner, ref = pair
-    pixels, grid = image_patches(0, 100, 150)  # 8 x 10 patches: 20 image tokens from row 6
-    ids = image_prompt(grid)
-    want = hf_logits(ref, ids, pixels, grid)
-    d = VLDriver(runner, ids, pixels, grid)
+    runner, ref, proc = pair
+    ids, item = image_prompt(proc, random_image(0, 100, 150))  # 20 image tokens at [6, 26)
+    want = hf_logits(ref, ids, item)
+    d = VLDriver(runner, item)
     try:
-        if cut is None:
-            got = d.step(ids)
-        else:
-            got = torch.cat([d.step(ids[:cut]), d.step(ids[cut:])])
+        got = d.step(ids) if cut is None else torch.cat([d.step(ids[:cut]), d.step(ids[cut:])])
+        assert d.last_positions.dim() == 2  # the last step has image rows (or text after one: still (3, T))
     finally:
         d.close()
     assert rel_err(got, want) < TOL
 
 
 def test_decode_after_the_image_equals_transformers(pair):
-    runner, ref = pair
-    pixels, grid = image_patches(1, 90, 60)
-    ids = image_prompt(grid, seed=3)
-    d = VLDriver(runner, ids, pixels, grid)
+    runner, ref, proc = pair
+    ids, item = image_prompt(proc, random_image(1, 90, 60), seed=3)
+    d = VLDriver(runner, item)
     seq = list(ids)
     try:
         last = d.step(ids)[-1]
         for _ in range(6):
             seq.append(int(last.argmax()))
             last = d.step(seq[-1:])[-1]
-            assert rel_err(last, hf_logits(ref, seq, pixels, grid)[-1]) < TOL
+            assert d.last_positions.dim() == 1  # the plain rotary at index + delta
+            assert rel_err(last, hf_logits(ref, seq, item)[-1]) < TOL
     finally:
         d.close()

@@ -1,12 +1,13 @@
-"""Qwen2-VL and Qwen2.5-VL: the Qwen2 decoder with M-RoPE positions, behind a dynamic-resolution vision
-transformer (models/vision/qwen2_vit.py) whose merged patch rows replace the image's placeholder tokens.
+"""Qwen2-VL and Qwen2.5-VL: a dynamic-resolution vision transformer (models/vision/qwen2_vit.py) whose merged
+patch rows replace each image's placeholder tokens, over the Qwen2 decoder with M-RoPE positions. The front end
+(the image processor, the placeholder ids) is runtime/media/qwen2_vl.py.
 
-M-RoPE: a token has three position ids (temporal, height, width). Text tokens have three equal ids that count
-up by one; an image's tokens, starting at the next id s, have (s + frame, s + row, s + column) over its merged
-grid, and the text after the image goes on from one past the largest id the image used. So a request's
-positions are its sequence indices plus a per-request offset `delta` (<= 0) from its last image on: every
-token generated after the prompt is at index + delta, three equal ids, which rotate as the plain rotary does
-(layers/rotary.MRotaryEmbedding).
+M-RoPE: a token has three position ids (temporal, height, width). Text tokens have three equal ids counting up
+by one; an image's tokens, whose span starts where the next id would be s, are (s + frame, s + row, s + column)
+over its merged grid, and the text after it goes on from s + max(rows, columns), one past the largest id the
+image used. A row's ids are thus its sequence index plus the shifts of the images before it: every token after
+a request's last image, each generated one included, is at index + delta with three equal ids, which rotate as
+the plain rotary does (layers/rotary.MRotaryEmbedding), so decode steps keep the fused CPU step and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,132 +18,119 @@ from typing import NamedTuple
 import torch
 
 from radixgen.runtime.config import ModelConfig
-from radixgen.runtime.layers.rotary import MRotaryEmbedding
-from radixgen.runtime.models.decoder import Architecture, CausalLM, StageHidden
-from radixgen.runtime.models.parts import AttentionSpec, GatedMLP
+from radixgen.runtime.models.multimodal import StepMedia, VisionLanguageLM
 from radixgen.runtime.models.vision.qwen2_vit import Qwen2VisionTransformer, VisionSpec
-from radixgen.runtime.models.weights import ATTENTION_WEIGHTS, DECODER_WEIGHTS, GATED_MLP_WEIGHTS, QKV_BIAS_WEIGHTS
 from radixgen.runtime.parallel_context import SINGLE, ParallelContext
 
 
-def mrope(cfg: ModelConfig) -> MRotaryEmbedding:
-    if cfg.mrope_section is None:
-        raise ValueError("a Qwen2-VL config without rope_scaling.mrope_section")
-    return MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.mrope_section)
+class ImageSpan(NamedTuple):
+    """An image's placeholder span [start, end) in its prompt and its merged grid (frames, rows, columns)."""
+
+    start: int
+    end: int
+    frames: int
+    rows: int
+    cols: int
+
+    @property
+    def shift(self) -> int:
+        """How much later tokens' ids fall behind their index: the ids the image used minus its tokens."""
+        return max(self.rows, self.cols) - (self.end - self.start)
 
 
-QWEN2_VL = Architecture(
-    "qwen2_vl", AttentionSpec(qkv_bias=True, rotary=mrope), mlp=GatedMLP,
-    weights=DECODER_WEIGHTS + ATTENTION_WEIGHTS + QKV_BIAS_WEIGHTS + GATED_MLP_WEIGHTS)
+def mrope_positions(index: torch.Tensor, spans: Sequence[ImageSpan]) -> tuple[torch.Tensor, bool]:
+    """The (3, T) M-RoPE ids of one request's rows at sequence indices `index` (T,), given its images' spans (in
+    order); and whether some row is inside an image (else the three rows are equal)."""
+    out = index.to(torch.int64).unsqueeze(0).repeat(3, 1)
+    shift, spatial = 0, False
+    for s in spans:
+        inside = (index >= s.start) & (index < s.end)
+        if bool(inside.any()):
+            j = index[inside] - s.start  # the token's place in the span: frame-, then row-major over the grid
+            base = s.start + shift
+            area = s.rows * s.cols
+            out[0, inside] = base + j // area
+            out[1, inside] = base + (j % area) // s.cols
+            out[2, inside] = base + j % s.cols
+            spatial = True
+        out[:, index >= s.end] += s.shift
+        shift += s.shift
+    return out, spatial
 
 
-class MRopePositions(NamedTuple):
-    """A prompt's M-RoPE position ids (3, L) and the offset of every later token: position = index + delta."""
+class Qwen2VLForConditionalGeneration(VisionLanguageLM):
+    """`language_model`: a Qwen2ForCausalLM with M-RoPE (its config's mrope_section); `visual`: the vision tower."""
 
-    positions: torch.Tensor
-    delta: int
-
-
-def mrope_positions(token_ids: Sequence[int], grids: Sequence[tuple[int, int, int]], image_token_id: int,
-                    merge_size: int) -> MRopePositions:
-    """The M-RoPE positions of a prompt whose images (grids (t, h, w) in patches, in order) each stand as
-    t * h * w / merge^2 consecutive `image_token_id` tokens."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    out = torch.empty(3, ids.numel(), dtype=torch.int64)
-    is_image = (ids == image_token_id).tolist()
-    next_id, i, pending = 0, 0, list(grids)
-    n = len(is_image)
-    while i < n:
-        if not is_image[i]:
-            j = i
-            while j < n and not is_image[j]:
-                j += 1
-            out[:, i:j] = torch.arange(next_id, next_id + j - i)
-            next_id += j - i
-            i = j
-            continue
-        if not pending:
-            raise ValueError("more image placeholder tokens in the prompt than its images' grids account for")
-        t, h, w = pending.pop(0)
-        gh, gw = h // merge_size, w // merge_size
-        count = t * gh * gw
-        if i + count > n or not all(is_image[i:i + count]):
-            raise ValueError(f"an image of grid {(t, h, w)} needs {count} consecutive placeholder tokens")
-        frame = torch.arange(t).view(t, 1, 1).expand(t, gh, gw)
-        row = torch.arange(gh).view(1, gh, 1).expand(t, gh, gw)
-        col = torch.arange(gw).view(1, 1, gw).expand(t, gh, gw)
-        out[:, i:i + count] = torch.stack([frame, row, col]).reshape(3, count) + next_id
-        next_id += max(t, gh, gw)
-        i += count
-    if pending:
-        raise ValueError(f"{len(pending)} image(s) without their placeholder tokens in the prompt")
-    return MRopePositions(out, next_id - n)
-
-
-class Qwen2VLForConditionalGeneration(CausalLM):
-    """The language model (a CausalLM over the M-RoPE decoder) and, on the first pipeline stage, the vision
-    tower (`visual`), replicated on every tensor-parallel rank."""
-
-    architecture = QWEN2_VL
     qwen2_5 = False
 
     def __init__(self, cfg: ModelConfig, par: ParallelContext = SINGLE) -> None:
         super().__init__(cfg, par)
-        if cfg.vision_config is None:
-            raise ValueError(f"{type(self).__name__}: the config has no vision_config")
-        self.vision_spec = VisionSpec.from_hf(cfg.vision_config, self.qwen2_5)
+        if cfg.mrope_section is None:
+            raise ValueError(f"{cfg.architecture}: the config has no rope_scaling.mrope_section (M-RoPE)")
+        hf = self.hf_config
+        self.vision_spec = VisionSpec.from_hf(hf["vision_config"], self.qwen2_5)
         if self.vision_spec.out_dim != cfg.hidden_size:
             raise ValueError(f"the vision tower's output size {self.vision_spec.out_dim} is not the language "
                              f"model's hidden size {cfg.hidden_size}")
-        self.visual = Qwen2VisionTransformer(self.vision_spec) if self.is_first_stage else None
+        self.visual = Qwen2VisionTransformer(self.vision_spec)
 
-    def tokens_per_image(self, grid: tuple[int, int, int]) -> int:
-        t, h, w = grid
-        return t * h * w // self.vision_spec.merge_size ** 2
+    def span(self, item) -> ImageSpan:
+        """A MediaItem's ImageSpan (its payload a ProcessedImage of grid (t, h, w) in patches)."""
+        if item.kind != "image":
+            raise ValueError(f"{self.config.architecture}: media of kind {item.kind!r} are not supported (images)")
+        t, h, w = item.payload.grid
+        m = self.vision_spec.merge_size
+        s = ImageSpan(item.start, item.end, t, h // m, w // m)
+        if s.frames * s.rows * s.cols != item.end - item.start:
+            raise ValueError(f"an image of grid {(t, h, w)} spans {item.end - item.start} placeholder tokens, "
+                             f"not {s.frames * s.rows * s.cols}")
+        return s
 
-    def positions(self, token_ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> MRopePositions:
-        return mrope_positions(token_ids, grids, self.config.image_token_id, self.vision_spec.merge_size)
+    def positions(self, positions: torch.Tensor, step: StepMedia) -> torch.Tensor:
+        """(3, T) M-RoPE ids where some row of the step is inside an image; otherwise (T,) ids offset by each
+        request's delta (text after its images: decode steps, and chunks past the images)."""
+        index = positions.to("cpu", torch.int64)
+        out = index.unsqueeze(0).repeat(3, 1)
+        spatial, row = False, 0
+        for e, items in zip(step.extend_lens, step.items, strict=True):
+            if items:
+                spans = sorted((self.span(it) for it in items), key=lambda s: s.start)
+                out[:, row:row + e], inside = mrope_positions(index[row:row + e], spans)
+                spatial |= inside
+            row += e
+        return (out if spatial else out[0].contiguous()).to(positions.device)
 
-    def encode(self, patches: Sequence[torch.Tensor], grids: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Images' patch rows (each (t h w, C T P P)) -> their language-model rows (each (t h w / merge^2, hidden)),
-        all images in one pass of the vision tower (attention stays within each image)."""
-        rows = self.visual(torch.cat(list(patches)), list(grids))
-        return list(rows.split([self.tokens_per_image(g) for g in grids]))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
-                stage_input: StageHidden | None = None, embed_rows: torch.Tensor | None = None,
-                embeds: torch.Tensor | None = None) -> torch.Tensor | StageHidden:
-        """As CausalLM.forward, positions (T,) or M-RoPE's (3, T); rows `embed_rows` of the step's tokens (image
-        placeholders) take `embeds` (K, hidden) instead of their token embeddings."""
-        if embed_rows is not None and stage_input is None:
-            x = self.embed_tokens(input_ids)
-            x.index_copy_(0, embed_rows, embeds.to(x.dtype))
-            stage_input = StageHidden(x, None)
-        return super().forward(input_ids, positions, keep_rows, stage_input)
+    def encode(self, items: list) -> list[torch.Tensor]:
+        """Every item's patch rows through the tower in one pass (attention stays within each image)."""
+        if not items:
+            return []
+        patches = torch.cat([it.pixel_values for it in items]).to(self.visual.inv_freq.device)
+        grids = [tuple(int(v) for v in it.grid) for it in items]
+        out = list(self.visual(patches, grids).split([it.num_tokens for it in items]))
+        for it, o, g in zip(items, out, grids, strict=True):
+            m2 = self.vision_spec.merge_size ** 2
+            if o.shape[0] != it.num_tokens or g[0] * g[1] * g[2] != it.num_tokens * m2:
+                raise ValueError(f"an image of grid {g} gives {g[0] * g[1] * g[2] // m2} rows, its item says "
+                                 f"{it.num_tokens}")
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF names: the language model's under "model." (transformers >= 5 in memory: "model.language_model."),
-        the vision tower's under "visual." ("model.visual.")."""
-        visual, filled = self.visual, set()
+        """Hugging Face names: the language model's under "model." (transformers >= 5's in-memory layout:
+        "model.language_model."), the vision tower's under "visual." ("model.visual."), "lm_head."."""
+        filled: set[str] = set()
 
         def language():
             for name, tensor in weights:
                 short = name.removeprefix("model.")
                 if short.startswith("visual."):
-                    if visual is not None:
-                        filled.update(visual.load_weights([(short.removeprefix("visual."), tensor)]))
+                    filled.update(self.visual.load_weights([(short.removeprefix("visual."), tensor)]))
                     continue
                 yield name.replace("model.language_model.", "model."), tensor
 
-        self.visual = None  # the decoder's loader checks every parameter it sees: the tower's are checked here
-        try:
-            super().load_weights(language())
-        finally:
-            self.visual = visual
-        if visual is not None:
-            missing = {n for n, _ in visual.named_parameters()} - filled
-            if missing:
-                raise ValueError(f"checkpoint is missing vision tensors: {sorted(missing)[:8]}")
+        self.language_model.load_weights(language())
+        missing = {n for n, _ in self.visual.named_parameters()} - filled
+        if missing:
+            raise ValueError(f"checkpoint is missing vision tensors: {sorted(missing)[:8]}")
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 - the HF class name

@@ -25,6 +25,9 @@ class ForwardInput(NamedTuple):
     # positions, logits at every row (the fused CPU step takes these: cpu_decode.FusedDecode.applies)
     verify: bool = False
     lora_slots: list[int] | None = None  # (B,) each request's LoRA pool slot (-1: base model); None: no adapter
+    # (B,) each request's media items (common.prompt.MediaItem, spans in prompt positions; () for a text request),
+    # when some request of the step has media (decode steps too: a model's positions may depend on them); else None
+    media: tuple | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -103,4 +106,5 @@ class Batch:
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.int64),
             verify=self.drafts is not None,
             lora_slots=[r.lora_slot for r in self.reqs] if any(r.lora_slot >= 0 for r in self.reqs) else None,
+            media=tuple(r.media for r in self.reqs) if any(r.media for r in self.reqs) else None,
         )

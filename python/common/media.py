@@ -1,0 +1,153 @@
+"""Image sources -> decoded images, shared by every front end (the DSL, the Engine, both HTTP APIs, offline).
+
+A source is a `PIL.Image.Image`, raw bytes of an image file, a local path (a `str` or `os.PathLike`), a data URL
+(`data:image/png;base64,...`), a bare base64 string, or an `http(s)://` URL, which is fetched only where the
+caller allows remote media (`allow_remote=True`), with a size limit and a timeout. Every failure is a
+`MediaError` (a ValueError) naming the problem: a malformed data URL, bytes no decoder reads, a missing file, a
+refused or failed fetch. Decoding is Pillow's; the result is always an RGB image, fully loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MAX_BYTES = 20 << 20
+_DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
+                       re.ASCII)
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s_-]+")
+
+
+class MediaError(ValueError):
+    """An image source that cannot be read or decoded; the message names why."""
+
+
+def is_url(source: Any) -> bool:
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
+
+
+def source_bytes(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
+                 timeout_s: float = 10.0) -> bytes:
+    """The encoded bytes of a source that is not a PIL image (see the module docstring)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    elif isinstance(source, os.PathLike):
+        data = _read_file(Path(source), max_bytes)
+    elif isinstance(source, str):
+        if source.startswith("data:"):
+            data = _data_url_bytes(source)
+        elif is_url(source):
+            if not allow_remote:
+                raise MediaError("image: http(s) URLs are not fetched on this server (start it with "
+                                 "--allow-remote-media), send the image as a data URL or base64")
+            data = fetch(source, max_bytes, timeout_s)
+        elif len(source) < 4096 and ("/" in source or "." in source) and Path(source).is_file():
+            data = _read_file(Path(source), max_bytes)
+        else:
+            data = _base64_bytes(source, "image")
+    else:
+        raise MediaError(f"image: expected a path, bytes, a data URL, base64 text or a PIL image, got "
+                         f"{type(source).__name__}")
+    if len(data) > max_bytes:
+        raise MediaError(f"image: {len(data)} bytes, more than the limit of {max_bytes}")
+    if not data:
+        raise MediaError("image: the image data is empty")
+    return data
+
+
+def load_image(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
+               timeout_s: float = 10.0, max_pixels: int | None = None):
+    """The source as an RGB `PIL.Image.Image`; `max_pixels`: width * height above it is a MediaError (checked
+    from the header, before the pixels are decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        img = source
+    else:
+        data = source_bytes(source, allow_remote=allow_remote, max_bytes=max_bytes, timeout_s=timeout_s)
+        try:
+            img = Image.open(io.BytesIO(data))
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise MediaError(f"image: cannot decode the image data ({len(data)} bytes): "
+                             f"{type(e).__name__}: {e}") from None
+    w, h = img.size
+    if max_pixels is not None and w * h > max_pixels:
+        raise MediaError(f"image: {w}x{h} = {w * h} pixels, more than the limit of {max_pixels} "
+                         f"(--max-image-pixels)")
+    if w < 1 or h < 1:
+        raise MediaError(f"image: empty image ({w}x{h})")
+    try:
+        img.load()
+        return img if img.mode == "RGB" else img.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"image: cannot decode the image data: {type(e).__name__}: {e}") from None
+
+
+def to_data_url(source: Any, fmt: str = "PNG") -> str:
+    """A data URL of the source, to send it to a server (a URL is sent as it is, for the server to fetch)."""
+    if is_url(source) or (isinstance(source, str) and source.startswith("data:")):
+        return source
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        buf = io.BytesIO()
+        source.save(buf, format=fmt)
+        data, mime = buf.getvalue(), f"image/{fmt.lower()}"
+    else:
+        data, mime = source_bytes(source), "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
+    """GET an http(s) URL: at most `max_bytes` read, `timeout_s` for the whole transfer."""
+    import httpx
+
+    try:
+        with httpx.Client(timeout=timeout_s, follow_redirects=True, max_redirects=3) as client, \
+                client.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise MediaError(f"image: fetching {url[:200]} answered HTTP {resp.status_code}")
+            chunks, total = [], 0
+            for chunk in resp.iter_bytes():
+                total += len(chunk)
+                if total > max_bytes:
+                    raise MediaError(f"image: {url[:200]} is larger than the limit of {max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as e:
+        raise MediaError(f"image: fetching {url[:200]} failed: {type(e).__name__}: {e}") from None
+
+
+def _read_file(path: Path, max_bytes: int) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise MediaError(f"image: {path} is {size} bytes, more than the limit of {max_bytes}")
+        return path.read_bytes()
+    except OSError as e:
+        raise MediaError(f"image: cannot read {path}: {e.strerror or e}") from None
+
+
+def _data_url_bytes(url: str) -> bytes:
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise MediaError("image: malformed data URL (expected data:<mime>;base64,<data>)")
+    if m.group("mime") and not m.group("mime").startswith("image/") and m.group("mime") != "application/octet-stream":
+        raise MediaError(f"image: the data URL's media type {m.group('mime')!r} is not an image type")
+    if not m.group("b64"):
+        raise MediaError("image: a data URL must be base64-encoded (data:<mime>;base64,<data>)")
+    return _base64_bytes(url[m.end():], "the data URL's")
+
+
+def _base64_bytes(text: str, what: str) -> bytes:
+    if not text or not _BASE64.fullmatch(text):
+        raise MediaError(f"image: {what} data is neither a file path, a URL nor valid base64")
+    try:
+        return base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=False)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"image: {what} base64 data does not decode: {e}") from None

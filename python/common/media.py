@@ -72,7 +72,10 @@ def load_image(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFA
         data = source_bytes(source, allow_remote=allow_remote, max_bytes=max_bytes, timeout_s=timeout_s)
         try:
             img = Image.open(io.BytesIO(data))
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except UnidentifiedImageError:
+            raise MediaError(f"image: cannot decode the image data ({len(data)} bytes): not an image format "
+                             f"that can be read (PNG, JPEG, GIF, BMP, WebP...)") from None
+        except (OSError, ValueError) as e:
             raise MediaError(f"image: cannot decode the image data ({len(data)} bytes): "
                              f"{type(e).__name__}: {e}") from None
     w, h = img.size

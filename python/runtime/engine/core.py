@@ -13,6 +13,7 @@ scheduler raises RuntimeError.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine.client import SchedulerClient, call_soon
+from radixgen.runtime.engine.media_input import MediaFrontEnd
 from radixgen.runtime.engine.request_state import RequestError, RequestFailed, RequestState
 from radixgen.runtime.engine.validation import (
     ModelLimits,
@@ -34,7 +36,7 @@ from radixgen.runtime.engine.validation import (
     segment_texts,
     segmented_prompts,
 )
-from radixgen.runtime.loader import load_tokenizer, resolve_model_path
+from radixgen.runtime.loader import load_tokenizer, read_hf_config, resolve_model_path
 from radixgen.runtime.messages import (
     GenerateRequest,
     LoadLoRAAdapter,
@@ -66,13 +68,18 @@ class Engine:
         # is not enabled
         self.lora_adapters: dict[str, str] | None = ready.lora_adapters
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixgen-tokenize")
+        # images: decoded and processed here, by the model's processor (None for a text-only model)
+        self.media = MediaFrontEnd.for_model(self._model_config.architecture, read_hf_config(self.model_path),
+                                             self.model_path, self.config)
+        self.model_info["image_token"] = self.media.image_token
+        self.model_info["supports_images"] = self.media.processor is not None
 
     def _build_model_info(self, ready) -> dict:
         from radixgen.runtime.config import ModelConfig
         from radixgen.runtime.loader import read_hf_config
         from radixgen.runtime.special_tokens import eos_token_ids
 
-        mc = ModelConfig.from_hf(read_hf_config(self.model_path))
+        mc = self._model_config = ModelConfig.from_hf(read_hf_config(self.model_path))
         return {
             "model_path": str(self.model_path),
             "model_name": self.config.model or "SmolLM2-135M-Instruct",
@@ -134,33 +141,31 @@ class Engine:
         batched, ids = prompt_ids(input_ids, self.limits.vocab_size)
         return batched, ids, None
 
-    def _prepare(self, prompt, input_ids, sampling_params, **kw) -> Prepared:
-        """Tokenize (in the calling thread) and validate; nothing is sent."""
+    def _prepare(self, prompt, input_ids, sampling_params, image_data=None, **kw) -> Prepared:
+        """Tokenize and process images (in the calling thread) and validate; nothing is sent."""
+        if image_data is not None:
+            if input_ids is not None:
+                raise RequestError("image_data: goes with a text prompt, not input_ids")
+            prompt = self.media.with_images(prompt, image_data)
         segmented = segmented_prompts(prompt) if input_ids is None else None
         if segmented is not None:
             batched, prompts = segmented
+            media = self.media.process(prompts, batched)
             first, rest = segment_texts(prompts)
-            ids = assemble_ids(prompts, self.tokenize(first), self.tokenize(rest, add_special_tokens=False),
-                               self.limits.vocab_size)
+            ids, kw["media"] = assemble_ids(prompts, self.tokenize(first),
+                                            self.tokenize(rest, add_special_tokens=False), self.limits.vocab_size,
+                                            media)
         else:
             batched, ids, texts = self._ids(prompt, input_ids)
             if texts is not None:
                 ids = self.tokenize(texts)
         return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
-    async def _aprepare(self, prompt, input_ids, sampling_params, **kw) -> Prepared:
-        """As `_prepare`, tokenizing off the event loop."""
-        segmented = segmented_prompts(prompt) if input_ids is None else None
-        if segmented is not None:
-            batched, prompts = segmented
-            first, rest = segment_texts(prompts)
-            ids = assemble_ids(prompts, await self.async_tokenize(first),
-                               await self.async_tokenize(rest, add_special_tokens=False), self.limits.vocab_size)
-        else:
-            batched, ids, texts = self._ids(prompt, input_ids)
-            if texts is not None:
-                ids = await self.async_tokenize(texts)
-        return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
+    async def _aprepare(self, prompt, input_ids, sampling_params, image_data=None, **kw) -> Prepared:
+        """As `_prepare`, on the engine's tokenizer threads (off the event loop): tokenizing and image decoding."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool, functools.partial(self._prepare, prompt, input_ids, sampling_params, image_data, **kw))
 
     def _states(self, reqs: list[GenerateRequest], text_in_logprobs: bool) -> list[RequestState]:
         return [RequestState(r.rid, r.input_ids, r.params, self.tokenizer, r.return_logprob, text_in_logprobs)
@@ -169,10 +174,15 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
                  rid: str | None = None, cache_salt: str | None = None,
-                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None):
+                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None,
+                 image_data=None):
         """Generate for one prompt (a dict) or a list (a list of dicts); see the module docstring. `lora_path`:
-        the name of a loaded LoRA adapter (or a list with one per prompt, None for the base model)."""
-        batched, base, reqs = self._prepare(prompt, input_ids, sampling_params, return_logprob=return_logprob,
+        the name of a loaded LoRA adapter (or a list with one per prompt, None for the base model). `image_data`:
+        an image or a list of images for a text prompt (a list with one entry per prompt for a list of prompts),
+        each a path, bytes, base64, a data URL or a PIL image (engine/media_input.py); a prompt may also be a
+        common.prompt.Prompt with media segments."""
+        batched, base, reqs = self._prepare(prompt, input_ids, sampling_params, image_data,
+                                            return_logprob=return_logprob,
                                             logprob_start_len=logprob_start_len,
                                             top_logprobs_num=top_logprobs_num, rid=rid, cache_salt=cache_salt,
                                             lora_path=lora_path)
@@ -237,10 +247,10 @@ class Engine:
                              return_logprob: bool = False, logprob_start_len: int = -1,
                              top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None,
                              cache_salt: str | None = None, return_text_in_logprobs: bool = False,
-                             lora_path: str | list[str | None] | None = None):
-        """Like generate; with stream=True returns an async iterator of chunks. Prompts are tokenized off
-        the event loop (see `async_tokenize`)."""
-        batched, base, reqs = await self._aprepare(prompt, input_ids, sampling_params,
+                             lora_path: str | list[str | None] | None = None, image_data=None):
+        """Like generate; with stream=True returns an async iterator of chunks. Prompts are tokenized and their
+        images processed off the event loop (see `async_tokenize`)."""
+        batched, base, reqs = await self._aprepare(prompt, input_ids, sampling_params, image_data,
                                                    return_logprob=return_logprob,
                                                    logprob_start_len=logprob_start_len,
                                                    top_logprobs_num=top_logprobs_num, rid=rid,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, NamedTuple
 
-from radixgen.common.prompt import MediaSegment, Prompt, TextSegment
+from radixgen.common.prompt import MediaItem, MediaSegment, Prompt, TextSegment
 from radixgen.common.sampling_params import SamplingParams, check_text, choice_seeds, is_int
 from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.messages import GenerateRequest
@@ -57,17 +57,13 @@ def prompt_texts(prompt: Any) -> tuple[bool, list[str]]:
 
 def segmented_prompts(prompt: Any) -> tuple[bool, list[Prompt]] | None:
     """(batched, prompts) when `prompt` is a `Prompt` or a non-empty list of them, else None (text prompts).
-    A media segment is refused here, naming it, until a served model takes media."""
+    Media segments are processed later (engine/media_input.py), which refuses them for a text-only model."""
     batched = isinstance(prompt, (list, tuple))
     prompts = list(prompt) if batched else [prompt]
     if not prompts or not all(isinstance(p, Prompt) for p in prompts):
         return None
-    for i, p in enumerate(prompts):
+    for p in prompts:
         for seg in p.segments:
-            if isinstance(seg, MediaSegment):
-                where = f"prompt[{i}]" if batched else "prompt"
-                raise _reject(f"{where}: {seg.kind} input (a MediaSegment, content hash {seg.content_hash[:16]}) "
-                              f"is not supported: the served model takes text only")
             if isinstance(seg, TextSegment):
                 check_unicode("prompt", seg.text)
     return batched, prompts
@@ -81,19 +77,28 @@ def segment_texts(prompts: list[Prompt]) -> tuple[list[str], list[str]]:
 
 
 def assemble_ids(prompts: list[Prompt], first_ids: list[list[int]], rest_ids: list[list[int]],
-                 vocab_size: int) -> list[list[int]]:
-    """Each prompt's ids, its segments' in order (the tokenized texts as `segment_texts` listed them)."""
+                 vocab_size: int, media: list[list] | None = None) -> tuple[list[list[int]], list[tuple]]:
+    """Each prompt's ids, its segments' in order (the tokenized texts as `segment_texts` listed them), and its
+    MediaItems: `media[i]` holds prompt i's processed media segments in order (media_input.ProcessedSegment),
+    each standing in the ids as its tokens, its item over their placeholder span."""
     firsts, rests = iter(first_ids), iter(rest_ids)
-    out = []
-    for p in prompts:
+    out, items = [], []
+    for i, p in enumerate(prompts):
         ids: list[int] = []
+        mine: list[MediaItem] = []
+        processed = iter(media[i] if media is not None else ())
         for k, seg in enumerate(p.segments):
             if isinstance(seg, TextSegment):
                 ids += next(firsts) if k == 0 else next(rests)
-            else:  # a TokenSegment (media segments were refused)
+            elif isinstance(seg, MediaSegment):
+                tokens, content_hash, item = next(processed)
+                mine.append(MediaItem(seg.kind, content_hash, len(ids) + tokens.start, len(ids) + tokens.end, item))
+                ids += tokens.ids
+            else:
                 ids += prompt_ids(list(seg.ids), vocab_size)[1][0]
         out.append(ids)
-    return out
+        items.append(tuple(mine))
+    return out, items
 
 
 def prompt_ids(input_ids: Any, vocab_size: int) -> tuple[bool, list[list[int]]]:
@@ -188,8 +193,8 @@ def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: An
                    **kw: Any) -> Prepared:
     """Validate one generate call and build its scheduler requests (one per prompt and choice); nothing is
     sent. A request with n > 1 becomes n requests with n=1, choice k seeded with seed + k. Keyword arguments:
-    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, lora_path (as Engine.generate), and
-    loras (the loaded LoRA adapters, see lora_names)."""
+    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, lora_path (as Engine.generate),
+    loras (the loaded LoRA adapters, see lora_names) and media (each prompt's MediaItems)."""
     try:
         return _build(batched, ids_list, sampling_params, limits, **kw)
     except RequestError:
@@ -201,7 +206,7 @@ def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: An
 def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limits: ModelLimits, *,
            return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
            rid: str | None = None, cache_salt: str | None = None, lora_path: Any = None,
-           loras: dict[str, str] | None = None) -> Prepared:
+           loras: dict[str, str] | None = None, media: list[tuple] | None = None) -> Prepared:
     params_list = sampling_params_list(sampling_params, len(ids_list))
     adapters = lora_names(lora_path, len(ids_list), loras)
     if not isinstance(return_logprob, bool):
@@ -221,6 +226,7 @@ def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limit
     base = rid or uuid.uuid4().hex
     reqs = []
     single = len(ids_list) == 1 and params_list[0].n == 1
+    media = media if media is not None else [()] * len(ids_list)
     for i, (ids, params, adapter) in enumerate(zip(ids_list, params_list, adapters, strict=True)):
         check_fits(len(ids), params.max_new_tokens, limits)
         if logprob_start_len > len(ids):
@@ -231,5 +237,5 @@ def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limit
             p = params if params.n == 1 else SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
             sub = base if single else f"{base}-{i}-{k}"
             reqs.append(GenerateRequest(sub, ids, p, return_logprob, logprob_start_len, top_logprobs_num,
-                                        cache_salt, adapter))
+                                        cache_salt, adapter, media[i]))
     return Prepared(batched or len(reqs) > 1, base, reqs)

@@ -14,6 +14,7 @@ from radixgen.runtime.executor import distributed
 from radixgen.runtime.executor.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.executor.cpu_decode import FusedDecode
 from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, graph_unsafe
+from radixgen.runtime.executor.encoder_cache import EncoderCache
 from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
 from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
 from radixgen.runtime.executor.step_messages import KVCopyQueue
@@ -24,6 +25,7 @@ from radixgen.runtime.loader import is_gguf_native, read_hf_config, resolve_mode
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
+from radixgen.runtime.models.multimodal import MediaEmbeds, StepMedia, VisionLanguageLM
 from radixgen.runtime.parallel_context import ParallelContext
 from radixgen.runtime.scheduler.batch import ForwardInput
 
@@ -71,6 +73,17 @@ def keep_freed_host_memory() -> bool:
     return _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30})
 
 
+def check_multimodal(cfg: RuntimeConfig, architecture: str) -> None:
+    """What a vision-language model does not run with, refused at start with the combination named."""
+    if cfg.lora_enabled:
+        raise ValueError(f"LoRA adapters with a vision-language model ({architecture}) are not supported: the "
+                         f"adapters would reach the language model only; serve it without --lora-paths / "
+                         f"--enable-lora")
+    if cfg.speculative_algorithm == "draft":
+        raise ValueError(f"speculative_algorithm='draft' with a vision-language model ({architecture}) is not "
+                         f"supported (the draft model has no vision encoder); use 'ngram' or none")
+
+
 class ModelRunner:
     """This process's model (its shard and pipeline stage on a rank of a parallel group: `parallel`),
     the KV pool of its layers and KV heads, the request->slot table tensor, the ops set; `forward` runs a step."""
@@ -115,6 +128,11 @@ class ModelRunner:
         load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed, quantized=self.quantization.method)
         self.ops.install(model)  # each linear layer re-lays out its weight (one copy), before mallopt below
         self.model = model.eval()
+        # a vision-language model: image embeddings by content hash, reused across requests (encoder_cache.py)
+        self.encoder_cache = None
+        if isinstance(model, VisionLanguageLM):
+            check_multimodal(cfg, mc.architecture)
+            self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens)
         if self.device.type == "cpu":
             keep_freed_host_memory()
 
@@ -198,6 +216,13 @@ class ModelRunner:
         return {"weight_bytes": quantization.weight_bytes(self.model), "kv_pool_bytes": self.kv_pool.nbytes(),
                 "quantization": str(self.quantization)}
 
+    def encoder_cache_info(self) -> dict | None:
+        return self.encoder_cache.info() if self.encoder_cache is not None else None
+
+    def clear_encoder_cache(self) -> None:
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
+
     def cuda_graph_info(self) -> dict:
         g = self.cuda_graph_runner
         return {"enabled": False} if g is None else g.info()
@@ -227,13 +252,35 @@ class ModelRunner:
         """This rank's part of step `fi`: the logits on the last stage's first tensor-parallel rank (None on its
         others), the StageHidden for the next stage elsewhere; a stage after the first starts from
         `stage_input`."""
+        media = None
+        if fi.media is not None:  # the model's positions; the image rows' embeddings (encoded or cached)
+            fi, media = self.media_inputs(fi)
         g = self.cuda_graph_runner
-        if g is not None and fi.lora_slots is None and g.can_run(fi):  # graphs are captured without adapters
+        if g is not None and fi.lora_slots is None and media is None and g.can_run(fi):  # captured without either
             return g.replay(fi)
-        return self.forward_eager(fi, stage_input)
+        return self.forward_eager(fi, stage_input, media)
+
+    def media_inputs(self, fi: ForwardInput) -> tuple[ForwardInput, MediaEmbeds | None]:
+        """Step `fi` with the model's positions, and the embeddings of its image rows (None: it has none). Each
+        item the step needs comes from the encoder cache or is encoded, all missing ones in one call."""
+        if self.encoder_cache is None:
+            raise ValueError("a step with media inputs, but the model takes text only")
+        step = StepMedia(fi.prefix_lens, fi.extend_lens, fi.media)
+        fi = fi._replace(positions=self.model.positions(fi.positions, step))
+        pieces = list(step.pieces())
+        if not pieces:
+            return fi, None
+        needed = {}
+        for pc in pieces:
+            item = fi.media[pc.req][pc.item]
+            needed[item.content_hash] = item.payload
+        embeds = self.encoder_cache.take(needed, self.model.encode)
+        rows = torch.cat([torch.arange(pc.row, pc.row + pc.hi - pc.lo) for pc in pieces])
+        values = torch.cat([embeds[fi.media[pc.req][pc.item].content_hash][pc.lo:pc.hi] for pc in pieces])
+        return fi, MediaEmbeds(rows.to(values.device), values)
 
     @torch.inference_mode()
-    def forward_eager(self, fi: ForwardInput, stage_input=None):
+    def forward_eager(self, fi: ForwardInput, stage_input=None, media: MediaEmbeds | None = None):
         if self.device.type != "cpu":  # the scheduler builds ids, positions and rows on the host
             dev = self.device
             fi = fi._replace(input_ids=fi.input_ids.to(dev, non_blocking=True),
@@ -241,7 +288,7 @@ class ModelRunner:
                              out_slots=fi.out_slots.to(dev, non_blocking=True),
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
-        if self.fused_decode is not None and self.fused_decode.applies(fi.extend_lens, fi.verify):
+        if self.fused_decode is not None and media is None and self.fused_decode.applies(fi.extend_lens, fi.verify):
             return self.fused_decode(fi, self.req_to_slot, stage_input)
         # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only
         # those; not with tensor parallelism, where every rank must reduce the same rows whatever its kernels
@@ -257,7 +304,11 @@ class ModelRunner:
         )
         self.ops.attention.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
         with forward_context(ctx):
-            hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows, stage_input=stage_input)
+            if media is None:
+                hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows, stage_input=stage_input)
+            else:
+                hidden = self.model(fi.input_ids, fi.positions, keep_rows=ctx.keep_rows, stage_input=stage_input,
+                                    media=media)
         if not self.model.is_last_stage:
             return hidden
         rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]

@@ -72,8 +72,7 @@ class Scheduler:
         self.busy: set[int] = set()  # id() of the requests of steps in flight (pipeline stages: pipeline.py)
         self.rids: dict[str, Req] = {}
         self.outbox: list = []
-        self.step_no = 0
-        self.last_was_extend = False
+        self.step_no, self.last_was_extend = 0, False
 
     @property
     def stats(self) -> dict:
@@ -170,6 +169,7 @@ class Scheduler:
             if not self.is_idle():
                 return False
             self.kv.flush()
+            self.runner.clear_encoder_cache()
             return True
         raise ValueError(f"unknown control request {kind!r}")
 
@@ -189,6 +189,7 @@ class Scheduler:
             "speculative": self.spec.info() if self.spec is not None else None,
             "lora": self.lora.info(),
             "deterministic": self.cfg.deterministic,  # batch-invariant kernels (runtime/deterministic.py)
+            "encoder_cache": self.runner.encoder_cache_info(),  # image embeddings (None: a text-only model)
         }
 
     # ------------------------------------------------------------------ admission (extend)
@@ -236,9 +237,7 @@ class Scheduler:
             self.waiting.remove(req)
             take(req, n)
             budget -= n
-        if not reqs:
-            return None
-        return Batch(reqs, is_decode=False, prefix_lens=prefix_lens, extend_lens=extend_lens)
+        return Batch(reqs, is_decode=False, prefix_lens=prefix_lens, extend_lens=extend_lens) if reqs else None
 
     def admit(self, req: Req) -> bool:
         """Lock the request's cached prefix and give it a table row (kv manager); False when no row is free."""

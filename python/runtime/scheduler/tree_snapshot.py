@@ -117,7 +117,17 @@ def _subtree_sizes(top: TreeNode, sizes: dict[int, int]) -> int:
 def _preview(tokenizer, key: tuple, chars: int) -> str:
     if tokenizer is None:
         return " ".join(map(str, key[:8]))
-    text = tokenizer.decode(list(key[:chars]))  # a token decodes to a character or more: enough of them
+    # a token decodes to a character or more: enough of them; a media span's key ids (negative) show as one mark
+    ids, text = list(key[:chars]), ""
+    while ids:
+        cut = next((i for i, t in enumerate(ids) if t < 0), len(ids))
+        text += tokenizer.decode(ids[:cut])
+        if cut < len(ids):
+            text += "[image]"
+            ids = ids[cut:]
+            ids = ids[next((i for i, t in enumerate(ids) if t >= 0), len(ids)):]
+        else:
+            ids = []
     return text if len(text) <= chars else text[:chars] + "…"
 
 

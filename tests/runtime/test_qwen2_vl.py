@@ -11,12 +11,11 @@ from kv_helpers import kv_of
 from tiny_vl_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_model, random_image, tiny_vl_dir
 
 from radixgen.common.prompt import MediaItem
+from radixgen.kernels import cpu, cpu_fused
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
-from radixgen.runtime.executor.model_runner import ModelRunner
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.loader import read_hf_config
 from radixgen.runtime.media import processor_for
-from radixgen.runtime.models.multimodal import MediaEmbeds, StepMedia
 from radixgen.runtime.models.qwen2_vl import ImageSpan, mrope_positions
 from radixgen.runtime.models.vision.qwen2_vit import Qwen2VisionTransformer, VisionSpec
 
@@ -59,11 +58,12 @@ def hf_logits(ref, ids, item) -> torch.Tensor:
 
 
 class VLDriver:
-    """One request's steps straight through the runner's model, as the contract has the runner do them."""
+    """One request's steps through ModelRunner.forward with its media item on the step (ForwardInput.media), as
+    the scheduler sends them: the runner asks the model's positions hook, takes the image rows' embeddings from
+    the encoder cache (or encodes them) and hands them to the model."""
 
     def __init__(self, runner, item: MediaItem) -> None:
-        self.runner, self.model, self.item = runner, runner.model, item
-        self.embedding = self.model.encode([item.payload])[0]  # (n, hidden)
+        self.runner, self.item = runner, item
         self.kv = kv_of(runner)
         self.row, self.len, self.slots = self.kv.table.allocate(), 0, []
         self.last_positions = None
@@ -73,21 +73,11 @@ class VLDriver:
         slots = self.kv.allocator.allocate(n)
         self.slots.append(slots)
         self.kv.table.write(self.row, start, slots)
-        media = StepMedia([start], [n], ((self.item,),))
-        positions = self.last_positions = self.model.positions(torch.arange(start, start + n), media)
-        pieces = list(media.pieces())
-        embeds = None
-        if pieces:
-            rows = torch.cat([torch.arange(p.row, p.row + p.hi - p.lo) for p in pieces])
-            embeds = MediaEmbeds(rows, torch.cat([self.embedding[p.lo:p.hi] for p in pieces]))
-        ctx = ForwardContext(is_decode=n == 1, kv_pool=self.runner.kv_pool, out_slots=slots,
-                             req_to_slot=self.runner.req_to_slot, req_indices=torch.tensor([self.row]),
-                             prefix_lens=[start], extend_lens=[n], backend=self.runner.ops.attention)
-        self.runner.ops.attention.prepare(ctx)
-        with torch.inference_mode(), forward_context(ctx):
-            hidden = self.model(torch.tensor(ids), positions, media=embeds)
+        fi = ForwardInput(torch.tensor(ids), torch.arange(start, start + n), slots, torch.tensor([self.row]),
+                          [start], [n], torch.arange(n), media=((self.item,),))
+        self.last_positions = self.runner.media_inputs(fi)[0].positions
         self.len += n
-        return self.model.compute_logits(hidden)
+        return self.runner.forward(fi)
 
     def close(self) -> None:
         self.kv.allocator.free(torch.cat(self.slots))
@@ -162,3 +152,53 @@ def test_decode_after_the_image_equals_transformers(pair):
             assert rel_err(last, hf_logits(ref, seq, item)[-1]) < TOL
     finally:
         d.close()
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),
+                    reason="the fused decode step needs the CPU kernels built with AVX512-BF16")
+def test_fused_decode_step_runs_mrope_decode(monkeypatch):
+    """bf16: decode steps after the image take the fused CPU step (positions index + delta through its plain
+    rotary) and give the unfused path's logits."""
+    folder = tiny_vl_dir("qwen2_vl")
+    fused, plain = (ModelRunner(RuntimeConfig(model=str(folder), dtype="bfloat16", max_total_tokens=1024,
+                                              max_running_requests=2)) for _ in range(2))
+    assert fused.fused_decode is not None
+    plain.fused_decode = None
+    proc = processor_for("qwen2_vl", read_hf_config(folder), folder)
+    ids, item = image_prompt(proc, random_image(5, 120, 90), seed=4)
+    calls = []
+    real = cpu_fused.decode_step
+    monkeypatch.setattr(cpu_fused, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = {}
+    for name, runner in (("fused", fused), ("plain", plain)):
+        d = VLDriver(runner, item)
+        last, rows, toks = d.step(ids)[-1], [], []
+        for _ in range(8):
+            toks.append(int(last.argmax()))
+            last = d.step(toks[-1:])[-1]
+            rows.append(last)
+        d.close()
+        out[name] = (toks, torch.stack(rows))
+    assert len(calls) == 8  # the fused runner's decode steps only
+    assert out["fused"][0] == out["plain"][0]
+    f, p = out["fused"][1], out["plain"][1]
+    assert ((f - p).norm() / p.norm()).item() < 2e-2
+
+
+def test_fused_step_positions_remapped_to_indices():
+    """The C step takes a row's context as its position + 1: M-RoPE positions (index + delta) go to it as the
+    indices over a remapped table; two rows at one index with different positions make the step unfused."""
+    from radixgen.runtime.executor.cpu_decode import _row_indices, rotary_at_indices
+
+    table = torch.randn(64, 8)
+
+    def step(prefix, positions):
+        n = len(prefix)
+        return ForwardInput(torch.zeros(n, dtype=torch.int64), torch.tensor(positions), torch.zeros(n),
+                            torch.arange(n), list(prefix), [1] * n, torch.arange(n), media=((),) * n)
+
+    fi = step([30, 12], [22, 12])  # an image request (delta -8) and a text one
+    pos, t = rotary_at_indices(fi, fi.positions, table)
+    assert pos.tolist() == [30, 12] and torch.equal(t[30], table[22]) and torch.equal(t[12], table[12])
+    assert rotary_at_indices(step([5], [5]), torch.tensor([5]), table)[1] is table  # no remap where equal
+    assert _row_indices(step([30, 30], [22, 30])) is None  # one index, two positions

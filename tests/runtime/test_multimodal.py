@@ -1,0 +1,221 @@
+"""Image input on a tiny random LLaVA (CLIP tower + projector over a Llama or Qwen2 language model), written by
+transformers' own classes: our logits against transformers' forward with the same pixel values (float32), greedy
+output over 32 tokens, chunked prefill cutting through the image, batches mixing text and image requests, the
+radix and encoder caches, retraction and abort, a JSON schema over an image question, and the bad inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import pytest
+import torch
+from tiny_vlm import IMAGE_TOKEN_ID, hf_pixels, make_image, png_bytes, tiny_llava_dir
+
+from radixgen.common.prompt import MediaItem, MediaSegment, Prompt
+from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.engine import Engine, RequestError
+from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner, check_multimodal
+from radixgen.runtime.loader import read_hf_config
+from radixgen.runtime.media.processor import processor_for
+
+GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+N_IMG = 16  # the tiny tower's patches: image tokens per image
+KV_SLOTS = 320
+
+
+def rel_err(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ---------------------------------------------------------------- the model against transformers
+
+
+@pytest.mark.parametrize("text,path", [("llama", "c"), ("llama", "torch"), ("qwen2", "c")])
+def test_llava_logits_equal_transformers_whole_and_chunked_through_the_image(text, path):
+    import transformers as tf
+
+    d = tiny_llava_dir(text)
+    proc = processor_for("llava", read_hf_config(d), d)
+    img = make_image(1)
+    item = proc.process(img)
+    assert torch.equal(item.pixel_values, hf_pixels(d, img)[0])  # the same pixels as transformers' processor
+    ids = [1, 100, 200] + [IMAGE_TOKEN_ID] * N_IMG + [300, 400, 500, 600]
+    media = (MediaItem("image", proc.content_hash(item), 3, 3 + N_IMG, item),)
+    hf = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids]), pixel_values=hf_pixels(d, img)).logits[0]
+    runner = ModelRunner(RuntimeConfig(model=str(d), dtype="float32", max_total_tokens=256, max_running_requests=2,
+                                       disable_cpu_kernels=path == "torch"), d)
+
+    def run(row: int, lo: int, hi: int) -> torch.Tensor:
+        slots = torch.arange(1, hi - lo + 1) + 64 * row + lo
+        runner.req_to_slot[row, lo:hi] = slots
+        fi = ForwardInput(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), slots, torch.tensor([row]), [lo], [hi - lo],
+                          torch.arange(hi - lo), media=(media,))
+        return runner.forward(fi)
+
+    whole = run(0, 0, len(ids))
+    assert rel_err(whole, ref) < 1e-4
+    # chunks cut the image at 9 and 15: each chunk's rows take their rows of the (cached) image embedding
+    chunks = torch.cat([run(1, 0, 9), run(1, 9, 15), run(1, 15, len(ids))])
+    assert rel_err(chunks, ref) < 1e-4
+    assert runner.encoder_cache.info()["encoded_items"] == 1  # encoded once, then from the encoder cache
+
+
+def test_a_multimodal_model_refuses_lora_and_a_draft_model_naming_the_combination():
+    with pytest.raises(ValueError, match=r"LoRA adapters with a vision-language model \(llava\)"):
+        check_multimodal(RuntimeConfig(enable_lora=True), "llava")
+    with pytest.raises(ValueError, match=r"speculative_algorithm='draft' with a vision-language model"):
+        check_multimodal(RuntimeConfig(speculative_draft_model="x"), "llava")
+
+
+# ---------------------------------------------------------------- the Engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # chunks of 8 tokens: every image prompt's prefill is cut inside its image
+    eng = Engine(str(tiny_llava_dir()), dtype="float32", max_total_tokens=KV_SLOTS, max_running_requests=8,
+                 chunked_prefill_size=8, max_images_per_request=2, max_image_pixels=96 * 96)
+    yield eng
+    eng.shutdown()
+
+
+def idle_and_consistent(engine: Engine) -> None:
+    for _ in range(200):  # an abort is handled at the scheduler's next step
+        info = engine.get_server_info()
+        if info["num_running"] == 0 and info["num_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["invariant_ok"] is True
+
+
+def hf_greedy(img, prompt_ids: list[int], n: int = 32) -> list[int]:
+    import transformers as tf
+
+    d = tiny_llava_dir()
+    hf = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    out = hf.generate(input_ids=torch.tensor([prompt_ids]), pixel_values=hf_pixels(d, img), max_new_tokens=n,
+                      do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_greedy_32_tokens_equal_transformers_with_chunked_prefill_through_the_image(engine):
+    img = make_image(2)
+    tok = engine.tokenizer
+    ids = tok("USER: ").input_ids + [IMAGE_TOKEN_ID] * N_IMG + tok("\nWhat is it?", add_special_tokens=False).input_ids
+    expected = hf_greedy(img, ids)
+    assert engine.model_info["image_token"] == "<image>" and engine.model_info["supports_images"]
+    for source in (img, base64.b64encode(png_bytes(img)).decode(),
+                   "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()):
+        engine.flush_cache()
+        out = engine.generate("USER: <image>\nWhat is it?", GREEDY, image_data=source)
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert out["output_ids"] == expected
+    # a Prompt with a media segment is the same request
+    out = engine.generate(Prompt.of("USER: ", MediaSegment.image(img), "\nWhat is it?"), GREEDY)
+    assert out["output_ids"] == expected
+    idle_and_consistent(engine)
+
+
+def test_a_batch_mixing_text_and_image_requests_equals_each_alone(engine):
+    a, b = make_image(3), make_image(4)
+    prompts = ["Hello there, how", "USER: <image>\nDescribe it.", "<image> and <image>: which?", "Plain text."]
+    images = [None, a, [a, b], None]
+    engine.flush_cache()
+    alone = []
+    for p, i in zip(prompts, images, strict=True):
+        alone.append(engine.generate(p, GREEDY, image_data=i)["output_ids"])
+        engine.flush_cache()
+    together = engine.generate(prompts, GREEDY, image_data=images)
+    assert [o["output_ids"] for o in together] == alone
+    assert alone[1] != alone[2]  # the images matter
+    idle_and_consistent(engine)
+
+
+def test_a_repeated_image_hits_both_caches_and_a_different_image_hits_neither(engine):
+    a, b = make_image(5), make_image(6)
+    engine.flush_cache()
+    encoded = engine.get_server_info()["encoder_cache"]["encoded_items"]  # counts since start
+    first = engine.generate("USER: <image>\nWhat colour?", GREEDY, image_data=a)
+    head = len(engine.tokenize(["USER: "])[0])
+    # the same image, another question: its KV comes from the tree (up to where the prompts part)
+    again = engine.generate("USER: <image>\nHow big?", GREEDY, image_data=png_bytes(a))
+    assert again["meta_info"]["cached_tokens"] >= head + N_IMG
+    # another image after the same text: only the text is shared, and it is encoded
+    other = engine.generate("USER: <image>\nWhat colour?", GREEDY, image_data=b)
+    assert other["meta_info"]["cached_tokens"] == head
+    assert other["output_ids"] != first["output_ids"]
+    enc = engine.get_server_info()["encoder_cache"]
+    assert enc["encoded_items"] == encoded + 2
+    # the first image after other text: not in the tree, but its embeddings come from the encoder cache
+    third = engine.generate("Look: <image> now answer.", GREEDY, image_data=a)
+    assert third["meta_info"]["cached_tokens"] < 3
+    enc2 = engine.get_server_info()["encoder_cache"]
+    assert enc2["encoded_items"] == encoded + 2 and enc2["hits"] > enc["hits"]
+    idle_and_consistent(engine)
+
+
+def test_retraction_and_abort_with_images_leak_nothing(engine):
+    imgs = [make_image(10 + k) for k in range(8)]
+    prompts = [f"USER: <image>\nQuestion {k}?" for k in range(8)]
+    params = {**GREEDY, "max_new_tokens": 24}
+    alone = []
+    for p, i in zip(prompts, imgs, strict=True):
+        engine.flush_cache()
+        alone.append(engine.generate(p, params, image_data=i)["output_ids"])
+    engine.flush_cache()
+    before = engine.get_server_info()["stats"]["retractions"]
+    together = engine.generate(prompts, params, image_data=imgs)  # 8 x 47 slots at most > the pool's 320
+    assert engine.get_server_info()["stats"]["retractions"] > before
+    assert [o["output_ids"] for o in together] == alone
+
+    async def aborted():
+        it = await engine.async_generate("USER: <image>\nGo on.", {**GREEDY, "max_new_tokens": 200}, stream=True,
+                                         image_data=imgs[0])
+        async for _ in it:
+            break  # leaving the stream aborts the request
+
+    asyncio.run(aborted())
+    idle_and_consistent(engine)
+
+
+def test_a_json_schema_constrains_the_answer_to_an_image_question(engine):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}, "required": ["colour"]}
+    out = engine.generate("USER: <image>\nThe colour as JSON:", {"max_new_tokens": 40, "temperature": 0.0,
+                                                               "json_schema": json.dumps(schema)},
+                          image_data=make_image(7))
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert isinstance(json.loads(out["text"])["colour"], str)
+
+
+@pytest.mark.parametrize("prompt,image_data,message", [
+    ("<image>", b"not an image", r"prompt image 0: cannot decode the image data \(12 bytes\)"),
+    ("<image>", "data:image/png;base64", r"malformed data URL"),
+    ("<image>", "data:text/plain;base64,aGVsbG8=", r"media type 'text/plain' is not an image type"),
+    ("<image>", "https://example.com/cat.png", r"http\(s\) URLs are not fetched on this server"),
+    ("<image><image><image>", [make_image(0)] * 3, r"3 images, more than the limit of 2 per request"),
+    ("<image><image>", [make_image(0)], r"2 image placeholders \('<image>'\) for 1 images"),
+    ("<image>", make_image(0, (100, 100)), r"100x100 = 10000 pixels, more than the limit of 9216"),
+    ("<image>", "@@@ not base64 @@@", r"neither a file path, a URL nor valid base64"),
+    ("<image>", 12, r"expected a path, bytes, a data URL, base64 text or a PIL image, got int"),
+])
+def test_bad_images_are_request_errors_naming_the_problem(engine, prompt, image_data, message):
+    with pytest.raises(RequestError, match=message):
+        engine.generate(prompt, GREEDY, image_data=image_data)
+    with pytest.raises(RequestError, match=message):
+        asyncio.run(engine.async_generate(prompt, GREEDY, image_data=image_data))
+    ok = engine.generate("USER: <image>\nFine?", {**GREEDY, "max_new_tokens": 2}, image_data=make_image(0))
+    assert ok["meta_info"]["completion_tokens"] == 2
+    idle_and_consistent(engine)
+
+
+def test_image_data_of_a_batch_has_one_entry_per_prompt(engine):
+    with pytest.raises(RequestError, match=r"for 2 prompts, give a list with one entry per prompt"):
+        engine.generate(["a <image>", "b"], GREEDY, image_data=[make_image(0)])
+    with pytest.raises(RequestError, match=r"image_data: goes with a text prompt, not input_ids"):
+        engine.generate(input_ids=[1, 2], sampling_params=GREEDY, image_data=make_image(0))

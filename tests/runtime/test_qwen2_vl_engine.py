@@ -74,3 +74,20 @@ def test_repeated_image_hits_the_caches_a_different_one_does_not(vl):
     after = eng.get_server_info()["encoder_cache"]
     assert after["encoded_items"] - before["encoded_items"] == 2  # `image` once, `other` once
     assert eng.get_server_info()["invariant_ok"]
+
+
+def test_mixed_batch_equals_each_request_alone(vl):
+    """Image requests of different M-RoPE deltas and a text-only one decoded in one batch: each as alone."""
+    _, _, eng = vl
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    prompts = [Prompt.of([7, 8, 9], MediaSegment.image(random_image(6, 60, 90)), [21, 22]),
+               Prompt.of([7, 8, 9, 10, 11, 12, 13, 14, 15, 16]),
+               Prompt.of([30, 31], MediaSegment.image(random_image(7, 150, 60)), [40, 41, 42, 43])]
+    alone = []
+    for p in prompts:
+        eng.flush_cache()
+        alone.append(eng.generate(p, params)["output_ids"])
+    eng.flush_cache()
+    together = [r["output_ids"] for r in eng.generate(prompts, params)]
+    assert together == alone
+    assert eng.get_server_info()["invariant_ok"]

@@ -95,6 +95,11 @@ class VisionAttention(OpsLayer):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # (N, H, d) each
         q, k = self.ops.rotary(rows, q, k, table)
+        if len(segments) == 1 and segments[0][0] is None:  # one image (or equal ones): no gather, no scatter
+            length = segments[0][1]
+            qs, ks, vs = (t.reshape(-1, length, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs)  # (S, H, L, d)
+            return self.proj(o.transpose(1, 2).reshape(n, -1))
         out = torch.empty_like(q)
         for index, length in segments:  # equal-length segments in one batched call
             qs, ks, vs = (t.index_select(0, index).view(-1, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -162,12 +167,15 @@ class Layout(NamedTuple):
     merged_order: torch.Tensor | None
 
 
-def _grouped(lengths: list[int], device) -> list[tuple[torch.Tensor, int]]:
-    """Consecutive segments of `lengths` rows, grouped by length: [(rows of every segment of length L, L)]."""
+def _grouped(lengths: list[int], device) -> list[tuple[torch.Tensor | None, int]]:
+    """Consecutive segments of `lengths` rows, grouped by length: [(rows of every segment of length L, L)]; rows
+    None where one group is every row in order (all segments of one length)."""
     by_len, start = {}, 0
     for n in lengths:
         by_len.setdefault(n, []).append(torch.arange(start, start + n))
         start += n
+    if len(by_len) == 1:
+        return [(None, lengths[0])]
     return [(torch.cat(parts).to(device), n) for n, parts in by_len.items() if n > 0]
 
 

@@ -5,6 +5,8 @@ contract (models/multimodal.py) driven directly: encode, the positions hook, the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kv_helpers import kv_of
@@ -202,3 +204,19 @@ def test_fused_step_positions_remapped_to_indices():
     assert pos.tolist() == [30, 12] and torch.equal(t[30], table[22]) and torch.equal(t[12], table[12])
     assert rotary_at_indices(step([5], [5]), torch.tensor([5]), table)[1] is table  # no remap where equal
     assert _row_indices(step([30, 30], [22, 30])) is None  # one index, two positions
+
+
+def test_hub_style_config_reads_as_the_nested_one():
+    """Checkpoints on the hub keep the language model's fields at the top level and name M-RoPE a rope type
+    (rope_scaling {"type": "mrope"}); transformers 5 nests them in text_config. Both read the same."""
+    from radixgen.runtime.config import ModelConfig
+
+    nested = read_hf_config(tiny_vl_dir("qwen2_vl"))
+    flat = {k: v for k, v in nested.items() if k != "text_config"}
+    flat.update({k: v for k, v in nested["text_config"].items() if k not in ("rope_parameters", "model_type")})
+    flat.update(model_type="qwen2_vl", rope_theta=1e6, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    a, b = ModelConfig.from_hf(nested), ModelConfig.from_hf(flat)
+    assert replace(a, multimodal=None) == replace(b, multimodal=None)  # the whole config itself differs
+    assert a.multimodal["vision_config"] == b.multimodal["vision_config"]
+    assert a.architecture == "qwen2_vl" and a.text_architecture == "qwen2" and a.mrope_section == (2, 3, 3)
+    assert a.rope_scaling is None and a.rope_theta == 1e6 and a.hidden_size == 64

@@ -75,7 +75,7 @@ def load_image(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFA
         except UnidentifiedImageError:
             raise MediaError(f"image: cannot decode the image data ({len(data)} bytes): not an image format "
                              f"that can be read (PNG, JPEG, GIF, BMP, WebP...)") from None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise MediaError(f"image: cannot decode the image data ({len(data)} bytes): "
                              f"{type(e).__name__}: {e}") from None
     w, h = img.size

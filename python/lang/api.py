@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from radixgen.lang.choices import ChoicesSamplingMethod, resolve_method, token_length_normalized
-from radixgen.lang.ir import GEN_NAMES, Gen, Node, RoleBegin, RoleEnd, Select, Seq
+from radixgen.lang.ir import GEN_NAMES, Gen, Image, Node, RoleBegin, RoleEnd, Select, Seq
 from radixgen.lang.program import Function, get_default_backend, resolve_backend, set_default_backend
 
 __all__ = [
@@ -208,7 +208,16 @@ def assistant_end() -> Node:
 
 
 def image(expr: Any) -> Node:
-    raise NotImplementedError("image(): radixgen serves text-only models")
+    """An image at this point of the prompt, inside a role (`user(image(x) + "What is this?")`) or in plain
+    text (`s += image(x)`): a path, bytes, a PIL image, base64 or a data URL. The model's image placeholder goes
+    into the text; every later request of the program (and of its forks) carries the image."""
+    if expr is None or not (isinstance(expr, (str, bytes, bytearray)) or hasattr(expr, "size") or
+                            hasattr(expr, "__fspath__")):
+        raise TypeError(f"image(): expected a path, bytes, a PIL image, base64 or a data URL, got "
+                        f"{type(expr).__name__}")
+    if isinstance(expr, str) and not expr:
+        raise ValueError("image(): the image source is empty")
+    return Image(expr)
 
 
 def video(path: str, num_frames: int) -> Node:

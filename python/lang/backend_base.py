@@ -36,6 +36,7 @@ class GenRequest(NamedTuple):
     return_text_in_logprobs: bool = False
     chat: ChatContext | None = None
     lora_path: str | None = None  # the LoRA adapter to run on (the program's run option); None: the base model
+    images: tuple = ()  # the sources of the images whose placeholders `text` holds, in order
 
     @property
     def n(self) -> int:
@@ -158,6 +159,11 @@ class BaseBackend:
             else:
                 template = ChatTemplate.chatml()
         return template
+
+    @property
+    def image_token(self) -> str | None:
+        """The text that marks an image's place in a prompt (the served model's; None: it takes no images)."""
+        return self.model_info.get("image_token")
 
     def single_token_id(self, text: str) -> int | None:
         """The id of `text` if it is exactly one token (end-of-turn markers usually are)."""

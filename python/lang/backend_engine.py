@@ -24,14 +24,17 @@ def engine_kwargs(requests: list[GenRequest]) -> dict[str, Any]:
         kwargs["input_ids"] = [r.input_ids for r in requests]
     else:
         kwargs["prompt"] = [r.text for r in requests]
+    if any(r.images for r in requests):  # one entry per prompt (Engine.generate's image_data)
+        kwargs["image_data"] = [list(r.images) or None for r in requests]
     return kwargs
 
 
 def single_kwargs(request: GenRequest) -> dict[str, Any]:
     kwargs = engine_kwargs([request])
     kwargs["sampling_params"] = request.sampling_params
-    key = "input_ids" if request.text is None else "prompt"
-    kwargs[key] = kwargs[key][0]
+    for key in ("input_ids" if request.text is None else "prompt", "image_data"):
+        if key in kwargs:
+            kwargs[key] = kwargs[key][0]
     return kwargs
 
 

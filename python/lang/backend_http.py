@@ -23,6 +23,13 @@ def request_body(kwargs: dict[str, Any]) -> dict[str, Any]:
     body = dict(kwargs)
     if "prompt" in body:
         body["text"] = body.pop("prompt")
+    if body.get("image_data") is not None:  # images travel as data URLs (an http(s) URL as it is)
+        from radixgen.common.media import to_data_url
+
+        batch = isinstance(body["text"], list)
+        per_prompt = body["image_data"] if batch else [body["image_data"]]
+        urls = [None if imgs is None else [to_data_url(x) for x in imgs] for imgs in per_prompt]
+        body["image_data"] = urls if batch else urls[0]
     return body
 
 

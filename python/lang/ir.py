@@ -69,6 +69,14 @@ class Text(Node):
     value: str
 
 
+@dataclass(frozen=True, eq=False)
+class Image(Node):
+    """An image in the text: the backend's image placeholder there, the source sent with every request whose
+    prompt holds it (a path, bytes, a PIL image, base64 or a data URL; common/media.py)."""
+
+    source: Any
+
+
 # The sampling fields a `gen` may set (radixgen.common.sampling_params declares each; tests/common/
 # test_sampling_contract.py fails when a declared one is neither here nor listed as not exposed); None means
 # "the run's default". `n` and the constraints (regex, json_schema, dtype; choices via select) are Gen fields too.

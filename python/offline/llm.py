@@ -19,7 +19,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from radixgen.common.chat_render import render_chat
+from radixgen.common.chat_render import content_text, render_chat
+from radixgen.common.prompt import Prompt
 from radixgen.offline.lora import LoRARegistry
 from radixgen.offline.outputs import RequestOutput, request_output
 from radixgen.offline.params import SamplingParams
@@ -131,14 +132,23 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         items = []
-        for conv in conversations:
+        for c, conv in enumerate(conversations):
             if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
                 raise ValueError("LLM.chat: a conversation is a list of {'role': ..., 'content': ...} dicts")
-            text = render_chat(tok, conv, add_generation_prompt=add_generation_prompt,
+            images: list = []
+            flat = []
+            for i, m in enumerate(conv):  # image parts -> the model's placeholder (common.chat_render)
+                if isinstance(m.get("content"), list):
+                    text, found = content_text(m["content"], self.engine.model_info.get("image_token"),
+                                               f"LLM.chat: conversation {c} message {i} content")
+                    m, images = {**m, "content": text}, images + found
+                flat.append(m)
+            text = render_chat(tok, flat, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template=chat_template, **(chat_template_kwargs or {}))
             # the template already holds any special tokens the model wants
-            items.append((text, tok(text, add_special_tokens=False).input_ids))
+            items.append(self._with_images(text, images, False) if images else
+                         (text, tok(text, add_special_tokens=False).input_ids))
         loras = self._loras.names(lora_request, len(items))
         return self._run(items, self._params(sampling_params, len(items)), use_tqdm, loras)
 
@@ -156,7 +166,7 @@ class LLM:
         self.shutdown()
 
     # ---- inputs
-    def _prompts(self, prompts: Any, token_ids: Any) -> list[tuple[str | None, list[int]]]:
+    def _prompts(self, prompts: Any, token_ids: Any) -> list[tuple]:
         if (prompts is None) == (token_ids is None):
             raise ValueError("LLM.generate: pass prompts or prompt_token_ids (one of them)")
         if token_ids is not None:
@@ -174,10 +184,12 @@ class LLM:
             if isinstance(p, str):
                 items.append((p, tok(p).input_ids))  # tokenized as Engine.generate tokenizes a text prompt
             elif isinstance(p, dict):
-                extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+                extra = sorted(set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"})
                 if extra:
-                    raise ValueError(f"LLM.generate: prompt field(s) {extra} are not supported (text-only models)")
-                if "prompt_token_ids" in p:
+                    raise ValueError(f"LLM.generate: prompt field(s) {extra} are not supported")
+                if p.get("multi_modal_data") is not None:
+                    items.append(self._multimodal(p))
+                elif "prompt_token_ids" in p:
                     items.append((p.get("prompt"), list(p["prompt_token_ids"])))
                 elif "prompt" in p:
                     items.append((p["prompt"], tok(p["prompt"]).input_ids))
@@ -189,6 +201,22 @@ class LLM:
                 raise ValueError(f"LLM.generate: a prompt is a string, a dict or token ids, not {type(p).__name__}")
         return items
 
+    def _multimodal(self, p: dict) -> tuple[str, list[int], Prompt]:
+        """A {"prompt": text, "multi_modal_data": {"image": an image or a list}} prompt (vLLM's form)."""
+        data = p["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"LLM.generate: multi_modal_data takes {{'image': ...}}, got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        if not isinstance(p.get("prompt"), str):
+            raise ValueError("LLM.generate: multi_modal_data goes with a text 'prompt'")
+        images = data.get("image")
+        return self._with_images(p["prompt"], list(images) if isinstance(images, (list, tuple)) else [images], True)
+
+    def _with_images(self, text: str, images: list, special: bool) -> tuple[str, list[int], Prompt]:
+        """(text, ids, the Prompt the Engine takes): the images decoded and processed here (engine/media_input)."""
+        prompt, ids = self.engine.media.tokenized_prompt(text, images, self.engine.tokenize, "prompt", special)
+        return text, ids, prompt
+
     @staticmethod
     def _params(sampling_params: Any, count: int) -> list[Any]:
         if sampling_params is None:
@@ -199,10 +227,12 @@ class LLM:
             return list(sampling_params)
         return [sampling_params] * count
 
-    def _request(self, ids: list[int], params: Any) -> tuple[list[int], dict[str, Any]]:
-        """(prompt ids, Engine.async_generate keyword arguments) of one prompt."""
+    def _request(self, ids: list[int], params: Any, prompt: Prompt | None = None) -> tuple[list[int], dict[str, Any]]:
+        """(prompt ids, Engine.async_generate keyword arguments) of one prompt (`prompt`: with its images)."""
         kwargs: dict[str, Any] = {}
         if isinstance(params, SamplingParams):
+            if params.truncate_prompt_tokens is not None and prompt is not None:
+                raise ValueError("LLM.generate: truncate_prompt_tokens does not apply to a prompt with images")
             if params.truncate_prompt_tokens is not None:
                 ids = ids[len(ids) - params.truncate_prompt_tokens :] if params.truncate_prompt_tokens else []
             native = params.native(len(ids), self.engine.model_info["context_length"])
@@ -219,7 +249,8 @@ class LLM:
             raise ValueError(f"LLM.generate: sampling_params must be a SamplingParams or a dict, not {params!r}")
         if self._seeds is not None and native.get("seed") is None:
             native["seed"] = next(self._seeds)
-        return ids, {"input_ids": ids, "sampling_params": native, **kwargs}
+        given = {"input_ids": ids} if prompt is None else {"prompt": prompt}
+        return ids, {**given, "sampling_params": native, **kwargs}
 
     # ---- running
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -229,9 +260,11 @@ class LLM:
                 threading.Thread(target=self._loop.run_forever, daemon=True, name="radixgen-llm").start()
             return self._loop
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: list[Any], use_tqdm: bool,
+    def _run(self, items: list[tuple], params: list[Any], use_tqdm: bool,
              loras: list[str | None] | None = None) -> list[RequestOutput]:
-        requests = [self._request(ids, p) for (_, ids), p in zip(items, params, strict=True)]
+        # an item: (text, ids) or, with images, (text, ids, the Prompt the Engine takes)
+        requests = [self._request(it[1], p, it[2] if len(it) > 2 else None)
+                    for it, p in zip(items, params, strict=True)]
         for (_, kwargs), lora in zip(requests, loras or [None] * len(requests), strict=True):
             kwargs["lora_path"] = lora
         eos = set(self.engine.model_info.get("eos_token_ids") or [])
@@ -260,5 +293,5 @@ class LLM:
                 bar.close()
         return [
             request_output(uuid.uuid4().hex, text, ids, res, p, eos)
-            for (text, _), (ids, _), res, p in zip(items, requests, results, params, strict=True)
+            for (text, *_), (ids, _), res, p in zip(items, requests, results, params, strict=True)
         ]

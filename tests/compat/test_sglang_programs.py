@@ -115,8 +115,9 @@ def test_parallel_encoding():
     programs.test_parallel_encoding(check_answer=True)
 
 
-# not run: test_image_qa (an image model and its example image; radixgen serves text models and answers
-# image_data with a 400 naming the feature, tested below), test_completion_speculative and
+# not run: test_image_qa (it reads an example image of SGLang's repository, which the package does not ship; a
+# program with sgl.image runs on a vision-language model in tests/server/test_multimodal_server.py, and this text
+# model answers image_data with a 400 naming the feature, tested below), test_completion_speculative and
 # test_chat_completion_speculative (API speculative execution: SGLang runs them with its OpenAI backend).
 
 

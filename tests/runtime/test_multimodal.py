@@ -22,8 +22,9 @@ from radixgen.runtime.loader import read_hf_config
 from radixgen.runtime.media.processor import processor_for
 
 GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+SHORT = {**GREEDY, "max_new_tokens": 8}
 N_IMG = 16  # the tiny tower's patches: image tokens per image
-KV_SLOTS = 320
+KV_SLOTS = 200
 
 
 def rel_err(a, b) -> float:
@@ -63,9 +64,36 @@ def test_llava_logits_equal_transformers_whole_and_chunked_through_the_image(tex
     chunks = torch.cat([run(1, 0, 9), run(1, 9, 15), run(1, 15, len(ids))])
     assert rel_err(chunks, ref) < 1e-4
     assert runner.encoder_cache.info()["encoded_items"] == 1  # encoded once, then from the encoder cache
+    # two requests with other images and a text-only one in one step: one encoder call for both images, and each
+    # request's logits as when it ran alone
+    other = proc.process(make_image(2))
+    media2 = (MediaItem("image", proc.content_hash(other), 3, 3 + N_IMG, other),)
+    text = [1, 5, 6, 7]
+    runner.req_to_slot[0, :len(ids)] = torch.arange(1, len(ids) + 1)
+    runner.req_to_slot[1, :len(ids)] = torch.arange(1, len(ids) + 1) + 64
+    runner.encoder_cache.clear()
+    before = runner.encoder_cache.info()
+    fi = ForwardInput(torch.tensor(ids + ids + text), torch.cat([torch.arange(len(ids))] * 2 + [torch.arange(4)]),
+                      torch.cat([torch.arange(1, len(ids) + 1), torch.arange(1, len(ids) + 1) + 64,
+                                 torch.arange(200, 204)]), torch.tensor([0, 1, 2]), [0, 0, 0], [len(ids)] * 2 + [4],
+                      torch.arange(2 * len(ids) + 4), media=(media, media2, ()))
+    runner.req_to_slot[2, :4] = torch.arange(200, 204)
+    both = runner.forward(fi)
+    after = runner.encoder_cache.info()
+    assert after["encode_calls"] == before["encode_calls"] + 1
+    assert after["encoded_items"] == before["encoded_items"] + 2
+    assert rel_err(both[:len(ids)], ref) < 1e-4
+    with torch.no_grad():
+        ref2 = hf(input_ids=torch.tensor([ids]), pixel_values=hf_pixels(d, make_image(2))).logits[0]
+        ref3 = hf.model.language_model  # the text-only request through transformers' language model
+        ref3 = hf.lm_head(ref3(input_ids=torch.tensor([text])).last_hidden_state)[0]
+    assert rel_err(both[len(ids):2 * len(ids)], ref2) < 1e-4
+    assert rel_err(both[2 * len(ids):], ref3) < 1e-4
 
 
-def test_a_multimodal_model_refuses_lora_and_a_draft_model_naming_the_combination():
+def test_a_multimodal_model_refuses_lora_a_draft_model_and_parallelism_naming_the_combination():
+    with pytest.raises(ValueError, match=r"tp_size=2, pp_size=1\) with a vision-language model \(llava\)"):
+        check_multimodal(RuntimeConfig(tp_size=2), "llava")
     with pytest.raises(ValueError, match=r"LoRA adapters with a vision-language model \(llava\)"):
         check_multimodal(RuntimeConfig(enable_lora=True), "llava")
     with pytest.raises(ValueError, match=r"speculative_algorithm='draft' with a vision-language model"):
@@ -76,12 +104,20 @@ def test_a_multimodal_model_refuses_lora_and_a_draft_model_naming_the_combinatio
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # chunks of 8 tokens: every image prompt's prefill is cut inside its image
-    eng = Engine(str(tiny_llava_dir()), dtype="float32", max_total_tokens=KV_SLOTS, max_running_requests=8,
-                 chunked_prefill_size=8, max_images_per_request=2, max_image_pixels=96 * 96)
-    yield eng
-    eng.shutdown()
+def llm():
+    # chunks of 8 tokens: every image prompt's prefill is cut inside its image. The offline LLM's Engine serves
+    # the Engine-level tests too (one scheduler process for the module).
+    from radixgen.offline import LLM
+
+    model = LLM(str(tiny_llava_dir()), dtype="float32", max_total_tokens=KV_SLOTS, max_running_requests=8,
+                chunked_prefill_size=8, max_images_per_request=2, max_image_pixels=96 * 96)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(llm) -> Engine:
+    return llm.engine
 
 
 def idle_and_consistent(engine: Engine) -> None:
@@ -110,8 +146,7 @@ def test_greedy_32_tokens_equal_transformers_with_chunked_prefill_through_the_im
     ids = tok("USER: ").input_ids + [IMAGE_TOKEN_ID] * N_IMG + tok("\nWhat is it?", add_special_tokens=False).input_ids
     expected = hf_greedy(img, ids)
     assert engine.model_info["image_token"] == "<image>" and engine.model_info["supports_images"]
-    for source in (img, base64.b64encode(png_bytes(img)).decode(),
-                   "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()):
+    for source in (img, "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()):
         engine.flush_cache()
         out = engine.generate("USER: <image>\nWhat is it?", GREEDY, image_data=source)
         assert out["meta_info"]["prompt_tokens"] == len(ids)
@@ -126,12 +161,13 @@ def test_a_batch_mixing_text_and_image_requests_equals_each_alone(engine):
     a, b = make_image(3), make_image(4)
     prompts = ["Hello there, how", "USER: <image>\nDescribe it.", "<image> and <image>: which?", "Plain text."]
     images = [None, a, [a, b], None]
+    params = {**GREEDY, "max_new_tokens": 12}
     engine.flush_cache()
     alone = []
     for p, i in zip(prompts, images, strict=True):
-        alone.append(engine.generate(p, GREEDY, image_data=i)["output_ids"])
+        alone.append(engine.generate(p, params, image_data=i)["output_ids"])
         engine.flush_cache()
-    together = engine.generate(prompts, GREEDY, image_data=images)
+    together = engine.generate(prompts, params, image_data=images)
     assert [o["output_ids"] for o in together] == alone
     assert alone[1] != alone[2]  # the images matter
     idle_and_consistent(engine)
@@ -141,41 +177,43 @@ def test_a_repeated_image_hits_both_caches_and_a_different_image_hits_neither(en
     a, b = make_image(5), make_image(6)
     engine.flush_cache()
     encoded = engine.get_server_info()["encoder_cache"]["encoded_items"]  # counts since start
-    first = engine.generate("USER: <image>\nWhat colour?", GREEDY, image_data=a)
+    first = engine.generate("USER: <image>\nWhat colour?", SHORT, image_data=a)
     head = len(engine.tokenize(["USER: "])[0])
     # the same image, another question: its KV comes from the tree (up to where the prompts part)
-    again = engine.generate("USER: <image>\nHow big?", GREEDY, image_data=png_bytes(a))
+    again = engine.generate("USER: <image>\nHow big?", SHORT, image_data=png_bytes(a))
     assert again["meta_info"]["cached_tokens"] >= head + N_IMG
     # another image after the same text: only the text is shared, and it is encoded
-    other = engine.generate("USER: <image>\nWhat colour?", GREEDY, image_data=b)
+    other = engine.generate("USER: <image>\nWhat colour?", SHORT, image_data=b)
     assert other["meta_info"]["cached_tokens"] == head
     assert other["output_ids"] != first["output_ids"]
     enc = engine.get_server_info()["encoder_cache"]
     assert enc["encoded_items"] == encoded + 2
     # the first image after other text: not in the tree, but its embeddings come from the encoder cache
-    third = engine.generate("Look: <image> now answer.", GREEDY, image_data=a)
+    third = engine.generate("Look: <image> now answer.", SHORT, image_data=a)
     assert third["meta_info"]["cached_tokens"] < 3
     enc2 = engine.get_server_info()["encoder_cache"]
     assert enc2["encoded_items"] == encoded + 2 and enc2["hits"] > enc["hits"]
+    previews = [n.text or "" for n in engine.get_radix_tree(preview_chars=60).nodes]
+    assert any("[image]" in p for p in previews)  # an image's key ids are shown as one mark, never decoded
     idle_and_consistent(engine)
 
 
 def test_retraction_and_abort_with_images_leak_nothing(engine):
-    imgs = [make_image(10 + k) for k in range(8)]
-    prompts = [f"USER: <image>\nQuestion {k}?" for k in range(8)]
-    params = {**GREEDY, "max_new_tokens": 24}
+    imgs = [make_image(10 + k) for k in range(4)]
+    prompts = [f"Question {k}: <image> ?" for k in range(4)]  # no shared prefix: admitted together
+    params = GREEDY
     alone = []
     for p, i in zip(prompts, imgs, strict=True):
         engine.flush_cache()
         alone.append(engine.generate(p, params, image_data=i)["output_ids"])
     engine.flush_cache()
     before = engine.get_server_info()["stats"]["retractions"]
-    together = engine.generate(prompts, params, image_data=imgs)  # 8 x 47 slots at most > the pool's 320
+    together = engine.generate(prompts, params, image_data=imgs)  # 4 x 55 slots at most > the pool's 200
     assert engine.get_server_info()["stats"]["retractions"] > before
     assert [o["output_ids"] for o in together] == alone
 
     async def aborted():
-        it = await engine.async_generate("USER: <image>\nGo on.", {**GREEDY, "max_new_tokens": 200}, stream=True,
+        it = await engine.async_generate("USER: <image>\nGo on.", {**GREEDY, "max_new_tokens": 150}, stream=True,
                                          image_data=imgs[0])
         async for _ in it:
             break  # leaving the stream aborts the request
@@ -203,6 +241,7 @@ def test_a_json_schema_constrains_the_answer_to_an_image_question(engine):
     ("<image>", make_image(0, (100, 100)), r"100x100 = 10000 pixels, more than the limit of 9216"),
     ("<image>", "@@@ not base64 @@@", r"neither a file path, a URL nor valid base64"),
     ("<image>", 12, r"expected a path, bytes, a data URL, base64 text or a PIL image, got int"),
+    ("a <image> b", None, r"prompt: holds the image placeholder token \(id 49152\) where no image is given"),
 ])
 def test_bad_images_are_request_errors_naming_the_problem(engine, prompt, image_data, message):
     with pytest.raises(RequestError, match=message):
@@ -217,5 +256,35 @@ def test_bad_images_are_request_errors_naming_the_problem(engine, prompt, image_
 def test_image_data_of_a_batch_has_one_entry_per_prompt(engine):
     with pytest.raises(RequestError, match=r"for 2 prompts, give a list with one entry per prompt"):
         engine.generate(["a <image>", "b"], GREEDY, image_data=[make_image(0)])
+    with pytest.raises(RequestError, match=r"prompt\[1\]: holds the image placeholder token"):
+        engine.generate(input_ids=[[1, 2], [1, IMAGE_TOKEN_ID]], sampling_params=GREEDY)
     with pytest.raises(RequestError, match=r"image_data: goes with a text prompt, not input_ids"):
         engine.generate(input_ids=[1, 2], sampling_params=GREEDY, image_data=make_image(0))
+
+
+# ---------------------------------------------------------------- the offline API (vLLM's shapes)
+
+
+def test_offline_generate_with_multi_modal_data_and_chat_with_image_parts(llm, engine):
+    from radixgen.offline import SamplingParams
+
+    img = make_image(8)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = engine.generate("USER: <image>\nWhat is it?", {**GREEDY, "max_new_tokens": 8}, image_data=img)
+    (out,) = llm.generate({"prompt": "USER: <image>\nWhat is it?", "multi_modal_data": {"image": img}}, sp,
+                          use_tqdm=False)
+    assert out.outputs[0].token_ids == expected["output_ids"]
+    assert len(out.prompt_token_ids) == expected["meta_info"]["prompt_tokens"]
+    assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == N_IMG
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                              {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                               + base64.b64encode(png_bytes(img)).decode()}}]}]
+    (chat,) = llm.chat(messages, sp, use_tqdm=False)
+    (pil,) = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                    {"type": "image_pil", "image_pil": img}]}], sp, use_tqdm=False)
+    assert chat.outputs[0].token_ids == pil.outputs[0].token_ids
+    assert chat.prompt_token_ids.count(IMAGE_TOKEN_ID) == N_IMG
+    with pytest.raises(ValueError, match=r"multi_modal_data takes \{'image': ...\}, got \['video'\]"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"video": img}}, sp, use_tqdm=False)
+    with pytest.raises(RequestError, match=r"cannot decode the image data"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": b"junk"}}, sp, use_tqdm=False)

@@ -98,6 +98,7 @@ class StateCore:
         self.mode = mode
         self.loop: asyncio.AbstractEventLoop | None = None
         self.text = ""
+        self.images: list[Any] = []  # the sources of the images whose placeholders the text holds, in order
         self.messages: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
@@ -113,7 +114,7 @@ class StateCore:
         self.children: list[StateCore] = []
         self.cached_len = 0  # text[:cached_len] was the prompt or output of a request: it is in the cache
         self.fork_start = 0  # for forks: where the parent's text ended
-        self.fork_messages = 0
+        self.fork_messages = self.fork_images = 0
         self.assigned: set[str] = set()  # variables set since the fork
         self.changed = Notifier()
         self._lock = threading.Lock()
@@ -213,6 +214,8 @@ class StateCore:
     def init_from(self, parent: StateCore) -> None:
         """Become a copy of `parent` as it is now (at the fork point)."""
         self.text = parent.text
+        self.images = list(parent.images)  # a fork keeps the image prefix
+        self.fork_images = len(parent.images)
         self.messages = list(parent.messages)
         self.variables = dict(parent.variables)
         self.meta_info = dict(parent.meta_info)

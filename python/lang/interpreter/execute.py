@@ -24,6 +24,7 @@ from radixgen.lang.ir import (
     SAMPLING_FIELDS,
     Fork,
     Gen,
+    Image,
     Join,
     Node,
     RoleBegin,
@@ -79,6 +80,8 @@ def execute(core: StateCore, node: Node) -> Generator[Any, Any, None]:
                 yield from execute(core, item)
         case Text(value):
             core.append(value)
+        case Image(source):
+            append_image(core, source)
         case Gen():
             yield from execute_gen(core, node)
         case Select():
@@ -102,6 +105,18 @@ def execute(core: StateCore, node: Node) -> Generator[Any, Any, None]:
             yield from execute_join(core, children, mode)
         case _:
             raise TypeError(f"unknown expression {node!r}")
+
+
+def append_image(core: StateCore, source: Any) -> None:
+    """The backend's image placeholder into the text; the source goes with every request over this text."""
+    if core.backend.is_chat_model:
+        raise ValueError("image(): this backend takes chat messages (an OpenAI-compatible API); send images "
+                         "through a radixgen Engine or server backend")
+    token = core.backend.image_token
+    if token is None:
+        raise ValueError("image(): the backend's model takes text only (it has no image placeholder)")
+    core.images.append(source)
+    core.append(token)
 
 
 def begin_role(core: StateCore, role: str) -> None:
@@ -177,6 +192,7 @@ def gen_request(core: StateCore, node: Gen) -> GenRequest:
         return_text_in_logprobs=bool(return_logprob and text_in_logprobs),
         chat=chat,
         lora_path=d.lora_path,
+        images=tuple(core.images),
     )
 
 
@@ -224,6 +240,9 @@ def execute_gen(core: StateCore, node: Gen) -> Generator[Any, Any, None]:
 
 
 def execute_select(core: StateCore, node: Select) -> Generator[Any, Any, None]:
+    if core.images:
+        raise ValueError("select() after an image is not supported (choices are scored from token ids, which "
+                         "carry no image); use gen(..., regex=...) or a JSON schema over the choices instead")
     unconditional = None
     if getattr(node.method, "requires_unconditional_logprobs", False):
         # "No context": just the turn's header when inside a turn, else the BOS/EOS token.
@@ -249,7 +268,8 @@ def execute_fork(core: StateCore, children: tuple[StateCore, ...]) -> Generator[
     if len(core.text) > core.cached_len and core.backend.can_prefill:
         # Cache the shared prefix once, so the branches' requests all start from a cache hit
         # (not needed when the text is what the last request read or wrote: that is cached).
-        yield Generate([GenRequest(core.text, None, dict(PREFILL_ONLY), lora_path=core.defaults.lora_path)])
+        yield Generate([GenRequest(core.text, None, dict(PREFILL_ONLY), lora_path=core.defaults.lora_path,
+                                   images=tuple(core.images))])
         core.cached_len = len(core.text)
     for child in children:
         child.init_from(core)
@@ -272,6 +292,7 @@ def execute_join(core: StateCore, children: tuple[StateCore, ...], mode: str) ->
         core.append("".join(c.text[c.fork_start :] for c in children))
         for c in children:
             core.messages.extend(c.messages[c.fork_messages :])
+            core.images.extend(c.images[c.fork_images :])
 
 
 def run_traced(core: StateCore, node: Node) -> None:

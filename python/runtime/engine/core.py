@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from radixgen.common.prompt import Prompt
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine.client import SchedulerClient, call_soon
 from radixgen.runtime.engine.media_input import MediaFrontEnd
@@ -159,6 +160,7 @@ class Engine:
             batched, ids, texts = self._ids(prompt, input_ids)
             if texts is not None:
                 ids = self.tokenize(texts)
+        self.media.check_placeholders(ids, kw.get("media"), batched)
         return build_requests(batched, ids, sampling_params, self.limits, loras=self.lora_adapters, **kw)
 
     async def _aprepare(self, prompt, input_ids, sampling_params, image_data=None, **kw) -> Prepared:
@@ -166,6 +168,14 @@ class Engine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._tokenize_pool, functools.partial(self._prepare, prompt, input_ids, sampling_params, image_data, **kw))
+
+    async def media_prompt(self, text: str, images: list, where: str = "messages") -> tuple[Prompt, int]:
+        """A rendered chat prompt with image placeholders and its images as a Prompt (tokens and processed images,
+        prepared off the event loop) and its length in tokens; RequestError for a bad image (engine/media_input)."""
+        loop = asyncio.get_running_loop()
+        prompt, ids = await loop.run_in_executor(self._tokenize_pool, self.media.tokenized_prompt, text, images,
+                                                 self.tokenize, where)
+        return prompt, len(ids)
 
     def _states(self, reqs: list[GenerateRequest], text_in_logprobs: bool) -> list[RequestState]:
         return [RequestState(r.rid, r.input_ids, r.params, self.tokenizer, r.return_logprob, text_in_logprobs)

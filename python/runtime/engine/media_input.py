@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from radixgen.common.media import MediaError, load_image
-from radixgen.common.prompt import MediaSegment, Prompt, TextSegment
+from radixgen.common.prompt import MediaSegment, Prompt, TextSegment, TokenSegment
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.media.processor import MediaProcessor, MediaTokens, ProcessedImage, processor_for
@@ -90,6 +90,19 @@ class MediaFrontEnd:
             raise RequestError(f"{where}: {count} images, more than the limit of "
                                f"{self.config.max_images_per_request} per request (--max-images-per-request)")
 
+    def check_placeholders(self, ids_list: list[list[int]], media: list[tuple], batched: bool) -> None:
+        """No prompt holds an image's span id outside its images' spans (the text "<image>" with no image given,
+        or such an id in input_ids): it would be embedded as a token with no image behind it."""
+        span_ids = self.processor.span_ids if self.processor is not None else frozenset()
+        if not span_ids:
+            return
+        for i, (ids, items) in enumerate(zip(ids_list, media or [()] * len(ids_list), strict=True)):
+            inside = sum(it.end - it.start for it in items)
+            if sum(1 for t in ids if t in span_ids) != inside:
+                where = f"prompt[{i}]" if batched else "prompt"
+                raise RequestError(f"{where}: holds the image placeholder token (id {min(span_ids)}) where no image "
+                                   f"is given; give one image per placeholder ({self.processor.placeholder_text!r})")
+
     # ------------------------------------------------------------------ processing
 
     def process(self, prompts: list[Prompt], batched: bool) -> list[list[ProcessedSegment]]:
@@ -104,6 +117,8 @@ class MediaFrontEnd:
         return out
 
     def process_one(self, seg: MediaSegment, where: str) -> ProcessedSegment:
+        if isinstance(seg.payload, ProcessedImage):  # processed already (tokenized_prompt's segments)
+            return ProcessedSegment(self.processor.tokens(seg.payload), seg.content_hash, seg.payload)
         if seg.kind not in self.processor.kinds:
             raise RequestError(f"{where}: {seg.kind} input is not supported by the served model "
                                f"({self.architecture}; it takes {', '.join(self.processor.kinds)})")
@@ -118,6 +133,30 @@ class MediaFrontEnd:
             raise RequestError(f"{where}: the image could not be processed: {e}") from None
         return ProcessedSegment(self.processor.tokens(item), seg.content_hash or self.processor.content_hash(item),
                                 item)
+
+
+    def tokenized_prompt(self, text: str, images: list, tokenize, where: str,
+                         add_special_tokens: bool = False) -> tuple[Prompt, list[int]]:
+        """A prompt `text` with its image placeholders and `images`: a Prompt of token segments and processed
+        media segments, and its ids (the images' tokens in their places), for a caller that needs the length
+        (a token budget) or the ids. `add_special_tokens`: for the first text (a plain prompt); a rendered chat
+        prompt has its special tokens written already."""
+        prompt = self.split(text, images, where)
+        media = iter([self.process_one(seg, f"{where} image {k}") for k, seg in enumerate(prompt.media)])
+        texts = [s.text for s in prompt.segments if isinstance(s, TextSegment)]
+        tokenized = iter(tokenize(texts[:1], add_special_tokens=add_special_tokens)
+                         + tokenize(texts[1:], add_special_tokens=False))
+        out, ids = [], []
+        for s in prompt.segments:
+            if isinstance(s, TextSegment):
+                seg_ids = next(tokenized)
+                ids += seg_ids
+                out.append(TokenSegment(tuple(seg_ids)))
+            else:
+                done = next(media)
+                ids += done.tokens.ids
+                out.append(MediaSegment(s.kind, done.item, done.content_hash))
+        return Prompt(tuple(out)), ids
 
 
 def _as_list(data: Any) -> list:

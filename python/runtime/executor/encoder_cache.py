@@ -21,7 +21,7 @@ class EncoderCache:
         self.capacity = capacity_tokens
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.tokens = 0
-        self.hits = self.misses = self.encoded_items = 0
+        self.hits = self.misses = self.encoded_items = self.encode_calls = 0
 
     def take(self, items: dict[str, object], encode: Callable[[list], list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The embeddings of `items` (content hash -> ProcessedImage): cached ones, and the others encoded in one
@@ -38,6 +38,7 @@ class EncoderCache:
         if missing:
             self.misses += len(missing)
             embs = encode([it for _, it in missing])
+            self.encode_calls += 1
             self.encoded_items += len(missing)
             for (h, _), emb in zip(missing, embs, strict=True):
                 out[h] = emb
@@ -63,4 +64,5 @@ class EncoderCache:
 
     def info(self) -> dict:
         return {"entries": len(self._entries), "tokens": self.tokens, "capacity_tokens": self.capacity,
-                "hits": self.hits, "misses": self.misses, "encoded_items": self.encoded_items}
+                "hits": self.hits, "misses": self.misses, "encoded_items": self.encoded_items,
+                "encode_calls": self.encode_calls}

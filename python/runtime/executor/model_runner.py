@@ -75,6 +75,10 @@ def keep_freed_host_memory() -> bool:
 
 def check_multimodal(cfg: RuntimeConfig, architecture: str) -> None:
     """What a vision-language model does not run with, refused at start with the combination named."""
+    if cfg.tp_size * cfg.pp_size > 1:
+        raise ValueError(f"tensor / pipeline parallelism (tp_size={cfg.tp_size}, pp_size={cfg.pp_size}) with a "
+                         f"vision-language model ({architecture}) is not supported: a step's image embeddings "
+                         f"are made on one rank; serve it with tp_size and pp_size 1")
     if cfg.lora_enabled:
         raise ValueError(f"LoRA adapters with a vision-language model ({architecture}) are not supported: the "
                          f"adapters would reach the language model only; serve it without --lora-paths / "

@@ -31,6 +31,7 @@ class LlavaProcessor(MediaProcessor):
             self.image_processor = CLIPImageProcessorPil(size={"shortest_edge": size},
                                                          crop_size={"height": size, "width": size})
         self.image_token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", 32000)))
+        self.span_ids = frozenset({self.image_token_id})
         patches = (size // vc["patch_size"]) ** 2
         self.num_tokens = patches + (1 if hf_config.get("vision_feature_select_strategy") == "full" else 0)
         self.image_size = size

@@ -74,6 +74,9 @@ class MediaProcessor:
 
     kinds: tuple[str, ...] = ("image",)
     placeholder_text: str = ""
+    # the ids of an image's span (ids[start:end] of its tokens): anywhere else in a prompt they would be embedded as
+    # tokens with no image behind them, so the Engine refuses them there (empty: no check)
+    span_ids: frozenset[int] = frozenset()
 
     def __init__(self, hf_config: dict, model_path: Path) -> None:
         self.hf_config, self.model_path = hf_config, Path(model_path)

@@ -105,7 +105,11 @@ class NativeServing:
         for i in range(count):
             where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
             params.append(parse_sampling_params(_pick(req.sampling_params, i, None), where))
-        if texts is not None and (req.return_prompt_token_ids or any(p.max_new_tokens is None for p in params)):
+        needs_ids = req.return_prompt_token_ids or any(p.max_new_tokens is None for p in params)
+        if req.image_data is not None and needs_ids:
+            raise bad_request("image_data: max_new_tokens null and return_prompt_token_ids need the prompt's tokens "
+                              "before its images are processed; give max_new_tokens", "image_data")
+        if texts is not None and needs_ids:
             # the token count is needed here; off the event loop, as the engine would do it
             ids_list = await asyncio.to_thread(lambda: [self.tokenizer(t).input_ids for t in texts])
             texts = None
@@ -122,6 +126,7 @@ class NativeServing:
                 "return_text_in_logprobs": req.return_text_in_logprobs,
                 "cache_salt": _salt(_pick(req.cache_salt, i, None), _pick(req.extra_key, i, None)),
                 "lora_path": _pick(req.lora_path, i, None),
+                "image_data": req.image_data if size is None else req.image_data[i] if req.image_data else None,
             }
             ids = None if ids_list is None else list(ids_list[i])
             items.append(_Item(None if texts is None else texts[i], ids, params[i], rid, kwargs))
@@ -161,7 +166,10 @@ class NativeServing:
 
     def _calls(self, req: GenerateRequest, items: list[_Item], base: str) -> list[tuple[str, Any]]:
         """(rid, coroutine) engine calls: one for a single prompt or a uniform batch, else one per prompt."""
-        uniform = not isinstance(req.rid, list) and all(it.kwargs == items[0].kwargs for it in items)
+        def same(kwargs: dict) -> dict:  # what must agree for one batched call (images go per prompt)
+            return {k: v for k, v in kwargs.items() if k != "image_data"}
+
+        uniform = not isinstance(req.rid, list) and all(same(it.kwargs) == same(items[0].kwargs) for it in items)
         if not req.is_batch or uniform:
             prompts = [it.prompt for it in items] if items[0].ids is None else None
             ids = None if prompts is not None else [it.ids for it in items]
@@ -169,8 +177,10 @@ class NativeServing:
                 prompts = None if prompts is None else prompts[0]
                 ids = None if ids is None else ids[0]
             sp = [self._engine_params(it) for it in items] if req.is_batch else self._engine_params(items[0])
-            coro = self.engine.async_generate(prompt=prompts, input_ids=ids, sampling_params=sp, rid=base,
-                                              **items[0].kwargs)
+            kwargs = dict(items[0].kwargs)
+            if req.is_batch and any(it.kwargs["image_data"] is not None for it in items):
+                kwargs["image_data"] = [it.kwargs["image_data"] for it in items]
+            coro = self.engine.async_generate(prompt=prompts, input_ids=ids, sampling_params=sp, rid=base, **kwargs)
             return [(base, coro)]
         return [(it.rid, self.engine.async_generate(prompt=it.prompt, input_ids=it.ids, rid=it.rid,
                                                     sampling_params=self._engine_params(it), **it.kwargs))

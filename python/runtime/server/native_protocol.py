@@ -2,8 +2,9 @@
 `SamplingParams`) as of sglang 0.5.23.
 
 Every field SGLang's `/generate` takes is accepted. Three kinds:
-- fields with an effect here (text, input_ids, sampling, logprobs, rid, cache salts, LoRA adapters, stream...);
-- fields naming a feature radixgen lacks (images, hidden states, disaggregation...): accepted only
+- fields with an effect here (text, input_ids, sampling, logprobs, rid, cache salts, LoRA adapters, images,
+  stream...);
+- fields naming a feature radixgen lacks (video, audio, hidden states, disaggregation...): accepted only
   when empty (null / false / 0 / [] / {} / a list of those), any other value is a 400 naming the feature;
 - anything else (a field no version of the protocol has) is a 400, as is a value of the wrong type:
   strict mode, no coercion (`"max_new_tokens": "10"` and `input_ids: [true]` are errors).
@@ -137,7 +138,6 @@ def parse_sampling_params(value: dict | None, where: str = "sampling_params") ->
 # GenerateReqInput fields naming features radixgen lacks -> what the 400 says
 _GENERATE_FEATURES = {
     "input_embeds": "input_embeds (prompts given as embeddings) are",
-    "image_data": "image inputs (image_data) are",
     "video_data": "video inputs (video_data) are",
     "audio_data": "audio inputs (audio_data) are",
     "mm_hashes": "multimodal inputs (mm_hashes) are",
@@ -214,8 +214,10 @@ class GenerateRequest(_Strict):
     routed_dp_rank: int | None = None  # one data-parallel rank here: only 0
     data_parallel_rank: int | None = None
     # features radixgen lacks: only empty values
+    # images for a text prompt: a path, base64, a data URL or (with --allow-remote-media) an http(s) URL, or a list
+    # of them; for a batch, a list with one such entry (or null) per prompt
+    image_data: str | list[str | list[str] | None] | None = None
     input_embeds: Any = None
-    image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     mm_hashes: Any = None
@@ -291,6 +293,13 @@ class GenerateRequest(_Strict):
             if isinstance(value, list) and (size is None or len(value) != size):
                 raise ValueError(f"{name}: a list needs a batch of prompts of the same length "
                                  f"(got {len(value)} for {'one prompt' if size is None else size})")
+        if self.image_data is not None:
+            if self.text is None:
+                raise ValueError("image_data: goes with a text prompt, not input_ids")
+            if size is not None and (not isinstance(self.image_data, list) or len(self.image_data) != size):
+                raise ValueError(f"image_data: a batch of {size} prompts needs a list with one entry per prompt")
+            if size is None and isinstance(self.image_data, list) and any(isinstance(x, list) for x in self.image_data):
+                raise ValueError("image_data: one prompt takes an image or a flat list of images")
         if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
             raise ValueError("rid: the rids of a batch must be distinct")
         if size == 0:

@@ -196,7 +196,7 @@ class OpenAIServing:
         return {} if constraint is None else {constraint.kind: constraint.text}
 
     def jobs(
-        self, prompts: list[list[int]], req: SamplingFields, sp: list[dict], rid: str,
+        self, prompts: list, req: SamplingFields, sp: list[dict], rid: str,
         lora: str | list[str | None] | None = None, **kw
     ) -> list[Job]:
         """One engine request per (prompt, choice); `lora`: the adapter (admit's answer), or one per prompt."""
@@ -212,7 +212,8 @@ class OpenAIServing:
                     params["seed"] = seeds[j]
                 k = p * n + j
                 job_rid = rid if len(prompts) * n == 1 else f"{rid}-{k}"
-                kwargs = {"input_ids": ids, "sampling_params": params, "cache_salt": req.cache_salt,
+                prompt = {"input_ids": ids} if isinstance(ids, list) else {"prompt": ids}  # a Prompt with images
+                kwargs = {**prompt, "sampling_params": params, "cache_salt": req.cache_salt,
                           "lora_path": lora[p] if isinstance(lora, list) else lora, **kw}
                 out.append(Job(k, p, job_rid, kwargs))
         return out

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixgen.common.chat_render import render_chat
+from radixgen.common.chat_render import content_text, render_chat
 from radixgen.common.http_errors import JSONResponse, bad_request, error_of
 from radixgen.common.parsers import (
     ReasoningParser,
@@ -95,11 +95,12 @@ class ChatServing:
 
     # ------------------------------------------------------------ the prompt
 
-    def template_messages(self, req: ChatCompletionRequest, with_tools: bool) -> list[dict]:
+    def template_messages(self, req: ChatCompletionRequest, with_tools: bool, images: list) -> list[dict]:
+        """The messages as the chat template takes them; their images' sources appended to `images`, in order."""
         check_tool_history(req.messages)
         msgs = []
         for i, m in enumerate(req.messages):
-            content = self.message_text(m, i)
+            content = self.message_text(m, i, images)
             role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
             d: dict[str, Any] = {"role": role, "content": content}
             if m.name is not None:
@@ -130,23 +131,20 @@ class ChatServing:
                 msgs.insert(0, {"role": "system", "content": note})
         return msgs
 
-    @staticmethod
-    def message_text(m: ChatMessage, i: int) -> str:
+    def message_text(self, m: ChatMessage, i: int, images: list) -> str:
+        """The message's text, its image parts (common.chat_render.content_text) as the model's placeholder, their
+        sources appended to `images`."""
         if m.content is None:
             if m.role == "assistant" and (m.tool_calls or m.function_call):
                 return ""
             raise bad_request(f"messages[{i}].content: required for role {m.role!r}", "messages")
-        if isinstance(m.content, str):
-            return m.content
-        parts = []
-        for part in m.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(
-                    f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
-                    "messages",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
+        try:
+            text, found = content_text(m.content, self.api.engine.model_info.get("image_token"),
+                                       f"messages[{i}].content")
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        images += found
+        return text
 
     def output(self, req: ChatCompletionRequest, prompt: str, tools: Any) -> ChatOutput:
         """How the choices' text becomes message fields; the output begins inside a think block when the
@@ -158,9 +156,10 @@ class ChatServing:
             reasoning = lambda: ReasoningParser(fmt, thinking)  # noqa: E731
         return ChatOutput(reasoning, tools, req.legacy_functions, req.stream_reasoning)
 
-    def render(self, req: ChatCompletionRequest, with_tools: bool) -> str:
-        """The prompt text through the chat template."""
-        msgs = self.template_messages(req, with_tools)
+    def render(self, req: ChatCompletionRequest, with_tools: bool) -> tuple[str, list]:
+        """The prompt text through the chat template, and the images whose placeholders it holds."""
+        images: list = []
+        msgs = self.template_messages(req, with_tools, images)
         kwargs = req.template_kwargs()
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
@@ -169,7 +168,7 @@ class ChatServing:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools or []]
         cont = req.continue_final_message  # the last (assistant) message is continued, not closed
         try:
-            return render_chat(self.tokenizer, msgs, continue_final_message=cont, **kwargs)
+            return render_chat(self.tokenizer, msgs, continue_final_message=cont, **kwargs), images
         except Exception as e:  # noqa: BLE001 - jinja raises its own kinds for bad message shapes
             raise bad_request(f"messages: the chat template could not be applied: {e}", "messages") from e
 
@@ -181,14 +180,18 @@ class ChatServing:
         lora = api.admit(req)
         choice = req.effective_tool_choice
         with_tools = bool(req.tools) and choice != "none"
-        text = await self.api.off_loop("messages", self.render, req, with_tools)
+        text, images = await self.api.off_loop("messages", self.render, req, with_tools)
         # grammars are built off the event loop (a large schema takes milliseconds)
         built = await self.api.off_loop("tools", chat_constraint, self, req, text, with_tools)
         text, constraint = built.prompt, built.fields
-        ids = await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
+        if images:  # token segments and the processed images (a bad image is a 400 naming it)
+            ids, prompt_len = await api.engine.media_prompt(text, images)
+        else:
+            ids = await self.api.encode(text, add_special_tokens=False)  # the template writes special tokens
+            prompt_len = len(ids)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = api.sampling(req, api.budget(len(ids), requested, param, "messages"), constraint)
+        sp = api.sampling(req, api.budget(prompt_len, requested, param, "messages"), constraint)
         rid = api.request_id(req, "chatcmpl-")
         jobs = api.jobs(
             [ids],

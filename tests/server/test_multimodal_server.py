@@ -1,0 +1,214 @@
+"""Image input through a real `radixgen serve` subprocess of a tiny random LLaVA: native /generate image_data,
+the OpenAI chat API through the `openai` client with image_url parts, remote images fetched from a loopback
+HTTP server (--allow-remote-media, with its size limit), the DSL over RuntimeEndpoint, SGLang's own frontend
+with sgl.image, and bad images answered with a 400 naming the problem while other requests go on. The server
+runs n-gram speculation in float32: an image request's greedy output equals transformers' generate."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from server_proc import start_server, stop_server  # noqa: E402
+from tiny_vlm import make_image, png_bytes, tiny_llava_dir  # noqa: E402
+
+import radixgen as rg  # noqa: E402
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+N_IMG = 16
+MAX_BYTES = 4000  # a 48x40 random PNG is about 5.8 KB; a 16x16 one about 0.8 KB
+
+
+def data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server("--model", str(tiny_llava_dir()), "--max-total-tokens", "2048", "--allow-remote-media",
+                       "--dtype", "float32", "--speculative-algorithm", "ngram",
+                       "--max-media-bytes", str(MAX_BYTES), "--max-images-per-request", "2")
+    yield srv
+    assert stop_server(srv) == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A loopback HTTP server of two PNGs: /small.png (under the byte limit) and /big.png (over it); /slow.png
+    answers after 2 s."""
+    files = {"/small.png": png_bytes(make_image(21, (16, 16))), "/big.png": png_bytes(make_image(22, (48, 40)))}
+    assert len(files["/small.png"]) < MAX_BYTES < len(files["/big.png"])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path == "/slow.png":
+                time.sleep(2.0)
+            body = files.get("/small.png" if self.path == "/slow.png" else self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def small(seed: int):
+    return make_image(seed, (16, 16))  # under MAX_BYTES as a PNG
+
+
+def test_generate_with_image_data_reuses_the_cache_and_tells_images_apart(server):
+    with server.client() as c:
+        info = c.get("/get_model_info").json()
+        assert info["image_token"] == "<image>" and info["supports_images"] is True
+        body = {"text": "USER: <image>\nWhat is it?", "sampling_params": GREEDY}
+        a = c.post("/generate", json={**body, "image_data": data_url(small(1))}).json()
+        b64 = base64.b64encode(png_bytes(small(1))).decode()
+        again = c.post("/generate", json={**body, "image_data": b64}).json()
+        assert again["output_ids"] == a["output_ids"]
+        assert again["meta_info"]["cached_tokens"] >= N_IMG  # the image's KV from the radix tree
+        batch = c.post("/generate", json={"text": ["<image> one", "<image> two", "no image"], "sampling_params": GREEDY,
+                                          "image_data": [data_url(small(2)), data_url(small(3)), None]}).json()
+        assert [r["meta_info"]["prompt_tokens"] for r in batch][:2] == [batch[0]["meta_info"]["prompt_tokens"]] * 2
+        assert batch[0]["output_ids"] != batch[1]["output_ids"]
+
+
+def test_ngram_speculation_over_an_image_prompt_keeps_the_greedy_output(server):
+    import torch
+    import transformers as tf
+    from tiny_vlm import IMAGE_TOKEN_ID, hf_pixels
+
+    d = tiny_llava_dir()
+    img = small(11)
+    tok = tf.AutoTokenizer.from_pretrained(d)
+    tail = "\nSay: a b c a b c a b c a b c a b c"
+    ids = tok("USER: ").input_ids + [IMAGE_TOKEN_ID] * N_IMG + tok(tail, add_special_tokens=False).input_ids
+    hf = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    expected = hf.generate(input_ids=torch.tensor([ids]), pixel_values=hf_pixels(d, img), max_new_tokens=24,
+                           do_sample=False)[0, len(ids):].tolist()
+    with server.client() as c:
+        out = c.post("/generate", json={"text": "USER: <image>" + tail, "image_data": data_url(img),
+                                        "sampling_params": {**GREEDY, "max_new_tokens": 24}}).json()
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    assert out["output_ids"] == expected
+    assert out["meta_info"]["spec_verify_ct"] > 0  # verification passes ran
+
+
+def test_openai_chat_with_an_image_url_part(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key)
+
+    def ask(img, detail="low"):
+        return client.chat.completions.create(model=server.model, max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": data_url(img), "detail": detail}}]}])
+
+    text_only = client.chat.completions.create(model=server.model, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "What is in this picture?"}])
+    a, b = ask(small(4)), ask(small(5), "high")
+    assert a.usage.prompt_tokens == text_only.usage.prompt_tokens + N_IMG
+    assert a.choices[0].message.content != b.choices[0].message.content
+    assert ask(small(4), "auto").choices[0].message.content == a.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match=r"image_url.detail must be one of"):
+        ask(small(4), "ultra")
+
+
+def test_remote_images_are_fetched_within_the_size_limit(server, image_host):
+    with server.client() as c:
+        ok = c.post("/generate", json={"text": "<image> Describe.", "sampling_params": GREEDY,
+                                       "image_data": f"{image_host}/small.png"})
+        assert ok.status_code == 200, ok.text
+        big = c.post("/generate", json={"text": "<image> Describe.", "sampling_params": GREEDY,
+                                        "image_data": f"{image_host}/big.png"})
+        assert big.status_code == 400 and f"larger than the limit of {MAX_BYTES} bytes" in big.text
+        gone = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{image_host}/none.png"}}]}]})
+        assert gone.status_code == 400 and "answered HTTP 404" in gone.json()["error"]["message"]
+    from radixgen.common.media import MediaError, load_image
+
+    with pytest.raises(MediaError, match=r"fetching .*/slow.png failed: ReadTimeout"):  # the fetch's time limit
+        load_image(f"{image_host}/slow.png", allow_remote=True, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("image_data,message", [
+    ("data:image/png;base64,!!!", "neither a file path, a URL nor valid base64"),
+    ("data:image/png,abc", "a data URL must be base64-encoded"),
+    (base64.b64encode(b"not an image at all").decode(), "cannot decode the image data"),
+    (["x", "y", "z"], "3 images, more than the limit of 2 per request"),
+])
+def test_bad_images_are_400s_naming_the_problem(server, image_data, message):
+    with server.client() as c:
+        r = c.post("/generate", json={"text": "<image>", "sampling_params": GREEDY, "image_data": image_data})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        chat = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data if isinstance(
+                image_data, str) else "data:,"}}]}]})
+        assert chat.status_code == 400, chat.text
+        ok = c.post("/generate", json={"text": "<image> fine", "sampling_params": GREEDY,
+                                       "image_data": data_url(small(6))})
+        assert ok.status_code == 200
+        assert c.get("/server_info").json()["encoder_cache"]["entries"] >= 1
+
+
+def test_the_dsl_over_runtime_endpoint_sends_images_and_forks_keep_them(server):
+    backend = rg.RuntimeEndpoint(server.url, api_key=server.api_key)
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    @rg.function
+    def describe(s, img):
+        s += "Look: " + rg.image(img) + " Now: "  # an image in plain text
+        s += rg.user(rg.image(img) + "Describe it.")  # and inside a role
+        s += rg.assistant(rg.gen("answer", **params))
+        branches = s.fork(2)
+        for k, f in enumerate(branches):
+            f += rg.user(f"Detail {k}?") + rg.assistant(rg.gen("detail", **params))
+        s["texts"] = [f.text() for f in branches]
+        s["details"] = [f["detail"] for f in branches]
+
+    state = describe.run(img=small(7), backend=backend)
+    assert state.text().count("<image>") == 2 and state["answer"]
+    other = describe.run(img=small(8), backend=backend)
+    assert other["answer"] != state["answer"]  # the image reached the model
+    with server.client() as c:  # each branch's request carried both images: the same text sent with them
+        for text, detail in zip(state["texts"], state["details"], strict=True):
+            prompt = text[: text.rindex(detail)]
+            direct = c.post("/generate", json={"text": prompt, "image_data": [data_url(small(7))] * 2,
+                                               "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                   "ignore_eos": True}}).json()
+            assert direct["text"] == detail
+    backend.shutdown()
+
+
+def test_sglang_programs_with_sgl_image_run_unchanged(server, tmp_path):
+    sgl = pytest.importorskip("sglang", reason="SGLang's frontend (pip install --no-deps sglang) is not installed")
+    path = tmp_path / "cat.png"
+    path.write_bytes(png_bytes(small(9)))
+
+    @sgl.function
+    def image_qa(s, image_file, question):
+        s += sgl.user(sgl.image(image_file) + question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0))
+
+    backend = sgl.RuntimeEndpoint(server.url, api_key=server.api_key)
+    state = image_qa.run(image_file=str(path), question="What is this?", backend=backend)
+    assert isinstance(state["answer"], str)
+    with server.client() as c:
+        direct = c.post("/generate", json={"text": state.text()[: state.text().rindex(state["answer"])],
+                                           "image_data": base64.b64encode(path.read_bytes()).decode(),
+                                           "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert direct["text"] == state["answer"]

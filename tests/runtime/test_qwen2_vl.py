@@ -18,6 +18,7 @@ from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.loader import read_hf_config
 from radixgen.runtime.media import processor_for
+from radixgen.runtime.models.multimodal import StepMedia
 from radixgen.runtime.models.qwen2_vl import ImageSpan, mrope_positions
 from radixgen.runtime.models.vision.qwen2_vit import Qwen2VisionTransformer, VisionSpec
 
@@ -220,3 +221,18 @@ def test_hub_style_config_reads_as_the_nested_one():
     assert a.multimodal["vision_config"] == b.multimodal["vision_config"]
     assert a.architecture == "qwen2_vl" and a.text_architecture == "qwen2" and a.mrope_section == (2, 3, 3)
     assert a.rope_scaling is None and a.rope_theta == 1e6 and a.hidden_size == 64
+
+
+def test_positions_hook_over_a_mixed_step(pair):
+    """One step of three requests: rows inside an image (a chunk), rows past an image (decode), a text request."""
+    runner, _, proc = pair
+    a = proc.process(random_image(0, 100, 150))  # 1 x 8 x 10 patches: 4 x 5 merged, 20 tokens
+    item = MediaItem("image", proc.content_hash(a), 3, 23, payload=a)
+    step = StepMedia([0, 40, 7], [25, 1, 2], ((item,), (item,), ()))
+    plain = torch.cat([torch.arange(25), torch.tensor([40]), torch.arange(7, 9)])
+    pos = runner.model.positions(plain, step)
+    want, _ = mrope_positions(torch.arange(25), [ImageSpan(3, 23, 1, 4, 5)])
+    assert pos.shape == (3, 28) and torch.equal(pos[:, :25], want)
+    assert pos[:, 25].tolist() == [40 - 15] * 3 and pos[:, 26:].tolist() == [[7, 8]] * 3  # shift 5 - 20
+    decode = runner.model.positions(torch.tensor([40, 7]), StepMedia([40, 7], [1, 1], ((item,), ())))
+    assert decode.tolist() == [25, 7]

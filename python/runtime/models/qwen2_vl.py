@@ -88,16 +88,27 @@ class Qwen2VLForConditionalGeneration(VisionLanguageLM):
 
     def positions(self, positions: torch.Tensor, step: StepMedia) -> torch.Tensor:
         """(3, T) M-RoPE ids where some row of the step is inside an image; otherwise (T,) ids offset by each
-        request's delta (text after its images: decode steps, and chunks past the images)."""
+        request's delta (text after its images: decode steps, and chunks past the images). Called every step
+        of a batch with images: a request whose rows are all past its images costs a few Python operations."""
         index = positions.to("cpu", torch.int64)
-        out = index.unsqueeze(0).repeat(3, 1)
-        spatial, row = False, 0
+        starts = index.tolist()
+        deltas, inside, row = [], [], 0  # per row: its offset; the requests with rows inside an image
         for e, items in zip(step.extend_lens, step.items, strict=True):
-            if items:
-                spans = sorted((self.span(it) for it in items), key=lambda s: s.start)
-                out[:, row:row + e], inside = mrope_positions(index[row:row + e], spans)
-                spatial |= inside
+            spans = sorted((self.span(it) for it in items), key=lambda s: s.start)
+            if spans and min(starts[row:row + e]) < spans[-1].end:
+                inside.append((row, e, spans))
+                deltas += [0] * e
+            else:
+                deltas += [sum(s.shift for s in spans)] * e
             row += e
+        plain = index + torch.tensor(deltas, dtype=torch.int64)
+        if not inside:
+            return plain.to(positions.device)
+        out = plain.unsqueeze(0).repeat(3, 1)
+        spatial = False
+        for row, e, spans in inside:
+            out[:, row:row + e], some = mrope_positions(index[row:row + e], spans)
+            spatial |= some
         return (out if spatial else out[0].contiguous()).to(positions.device)
 
     def encode(self, items: list) -> list[torch.Tensor]:

@@ -236,3 +236,10 @@ def test_positions_hook_over_a_mixed_step(pair):
     assert pos[:, 25].tolist() == [40 - 15] * 3 and pos[:, 26:].tolist() == [[7, 8]] * 3  # shift 5 - 20
     decode = runner.model.positions(torch.tensor([40, 7]), StepMedia([40, 7], [1, 1], ((item,), ())))
     assert decode.tolist() == [25, 7]
+
+
+def test_vision_language_models_in_the_registry_read_no_gguf():
+    from radixgen.runtime.models import for_gguf, gguf_architectures, model_class
+
+    assert model_class("qwen2_5_vl").qwen2_5 and not model_class("qwen2_vl").qwen2_5
+    assert "qwen2" in gguf_architectures() and for_gguf("qwen2_vl") is None

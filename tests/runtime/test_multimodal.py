@@ -258,6 +258,12 @@ def test_image_data_of_a_batch_has_one_entry_per_prompt(engine):
         engine.generate(["a <image>", "b"], GREEDY, image_data=[make_image(0)])
     with pytest.raises(RequestError, match=r"prompt\[1\]: holds the image placeholder token"):
         engine.generate(input_ids=[[1, 2], [1, IMAGE_TOKEN_ID]], sampling_params=GREEDY)
+    from radixgen.runtime.media.processor import ProcessedImage
+
+    forged = ProcessedImage(torch.zeros(3, 8, 8), (1, 1), 1, (8, 8))
+    with pytest.raises(RequestError, match=r"prompt image 0: a processed image must have pixel values of shape "
+                                           r"\(3, 32, 32\) and 16 tokens"):
+        engine.generate(Prompt.of("x", MediaSegment("image", forged)), GREEDY)
     with pytest.raises(RequestError, match=r"image_data: goes with a text prompt, not input_ids"):
         engine.generate(input_ids=[1, 2], sampling_params=GREEDY, image_data=make_image(0))
 

@@ -117,8 +117,13 @@ class MediaFrontEnd:
         return out
 
     def process_one(self, seg: MediaSegment, where: str) -> ProcessedSegment:
-        if isinstance(seg.payload, ProcessedImage):  # processed already (tokenized_prompt's segments)
-            return ProcessedSegment(self.processor.tokens(seg.payload), seg.content_hash, seg.payload)
+        if isinstance(seg.payload, ProcessedImage):  # processed already (tokenized_prompt's, or a caller's)
+            try:
+                self.processor.validate(seg.payload)
+            except ValueError as e:
+                raise RequestError(f"{where}: {e}") from None
+            return ProcessedSegment(self.processor.tokens(seg.payload),
+                                    seg.content_hash or self.processor.content_hash(seg.payload), seg.payload)
         if seg.kind not in self.processor.kinds:
             raise RequestError(f"{where}: {seg.kind} input is not supported by the served model "
                                f"({self.architecture}; it takes {', '.join(self.processor.kinds)})")

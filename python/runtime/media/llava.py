@@ -49,5 +49,11 @@ class LlavaProcessor(MediaProcessor):
         p = self.hf_config["vision_config"]["patch_size"]
         return ProcessedImage(pixels, (self.image_size // p, self.image_size // p), self.num_tokens, image.size)
 
+    def validate(self, item: ProcessedImage) -> None:
+        shape = (3, self.image_size, self.image_size)
+        if tuple(item.pixel_values.shape) != shape or item.num_tokens != self.num_tokens:
+            raise ValueError(f"a processed image must have pixel values of shape {shape} and {self.num_tokens} "
+                             f"tokens, got {tuple(item.pixel_values.shape)} and {item.num_tokens}")
+
     def tokens(self, item: ProcessedImage) -> MediaTokens:
         return MediaTokens([self.image_token_id] * item.num_tokens, 0, item.num_tokens)

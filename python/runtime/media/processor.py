@@ -92,6 +92,9 @@ class MediaProcessor:
     def tokens(self, item: ProcessedImage) -> MediaTokens:
         raise NotImplementedError
 
+    def validate(self, item: ProcessedImage) -> None:
+        """A ProcessedImage given by a caller (not made by `process`): a ValueError unless the encoder takes it."""
+
     def content_hash(self, item: ProcessedImage) -> str:
         """blake2b of the processor's fingerprint, the grid and the pixel values' bytes (shape and dtype included)."""
         h = hashlib.blake2b(digest_size=20)

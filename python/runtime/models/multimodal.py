@@ -30,9 +30,10 @@ embedding, so any cut is exact. The runner gets each needed item's embedding fro
 content hash) or encodes the missing ones in one `encode` call, gathers the rows into a `MediaEmbeds`, and
 calls `positions` then `forward`.
 
-Refused at start with a multimodal model (runtime/config.py names the combination): tensor / pipeline
-parallelism (a step's embeddings would have to reach every rank), a draft model (it has no vision tower), LoRA
-adapters. Constraints, n-gram speculation (drafts stop before a media span) and the radix cache work.
+Refused at start with a multimodal model (executor/model_runner.check_multimodal names the combination): tensor /
+pipeline parallelism (a step's embeddings would have to reach every rank), a draft model (it has no vision
+tower), LoRA adapters. Constraints, n-gram speculation (drafts stop before a media span) and the radix cache work.
+Steps with image rows run the layer-by-layer path (neither the fused CPU decode step nor CUDA graphs).
 """
 
 from __future__ import annotations

@@ -91,3 +91,17 @@ def test_mixed_batch_equals_each_request_alone(vl):
     together = [r["output_ids"] for r in eng.generate(prompts, params)]
     assert together == alone
     assert eng.get_server_info()["invariant_ok"]
+
+
+def test_bad_image_inputs_are_refused(vl):
+    from radixgen.runtime.engine.request_state import RequestError
+    from radixgen.runtime.media.processor import ProcessedImage
+
+    _, _, eng = vl
+    forged = ProcessedImage(torch.zeros(16, 1176), (1, 4, 6), 6, (84, 56))  # 24 patches' rows expected
+    with pytest.raises(RequestError, match=r"grid \(1, 4, 6\) must have pixel values of shape \(24, 1176\)"):
+        eng.generate(Prompt.of(BEFORE, MediaSegment("image", forged)), GREEDY)
+    with pytest.raises(RequestError, match="holds the image placeholder token"):
+        eng.generate(input_ids=BEFORE + [IMAGE_TOKEN] * 4, sampling_params=GREEDY)
+    ok = eng.generate(Prompt.of(BEFORE, MediaSegment.image(random_image(8, 56, 56)), AFTER), {"max_new_tokens": 2})
+    assert ok["meta_info"]["completion_tokens"] == 2 and eng.get_server_info()["invariant_ok"]

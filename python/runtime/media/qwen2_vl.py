@@ -35,8 +35,10 @@ class Qwen2VLProcessor(MediaProcessor):
                 raise ValueError(f"preprocessor_config.json: {key}={options[key]}, the vision tower's is {value}")
         self.image_processor = Qwen2VLImageProcessorPil(**options)
         self.merge = shape["merge_size"]
+        self.patch_features = vc.get("in_channels", 3) * shape["temporal_patch_size"] * shape["patch_size"] ** 2
         self.ids = (int(hf_config.get("vision_start_token_id", 151652)), int(hf_config.get("image_token_id", 151655)),
                     int(hf_config.get("vision_end_token_id", 151653)))
+        self.span_ids = frozenset({self.ids[1]})
 
     @property
     def fingerprint(self) -> str:
@@ -48,6 +50,17 @@ class Qwen2VLProcessor(MediaProcessor):
         grid = tuple(int(v) for v in out["image_grid_thw"][0])  # (t, h, w) in patches
         t, h, w = grid
         return ProcessedImage(out["pixel_values"].float(), grid, t * h * w // self.merge ** 2, image.size)
+
+    def validate(self, item: ProcessedImage) -> None:
+        grid, px = item.grid, item.pixel_values
+        if len(grid) != 3 or grid[1] % self.merge or grid[2] % self.merge or min(grid) < 1:
+            raise ValueError(f"a processed image's grid must be (t, h, w) patches, h and w multiples of {self.merge}; "
+                             f"got {tuple(grid)}")
+        t, h, w = grid
+        if tuple(px.shape) != (t * h * w, self.patch_features) or item.num_tokens != t * h * w // self.merge ** 2:
+            raise ValueError(f"a processed image of grid {tuple(grid)} must have pixel values of shape "
+                             f"{(t * h * w, self.patch_features)} and {t * h * w // self.merge ** 2} tokens, got "
+                             f"{tuple(px.shape)} and {item.num_tokens}")
 
     def tokens(self, item: ProcessedImage) -> MediaTokens:
         start, pad, end = self.ids

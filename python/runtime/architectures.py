@@ -15,6 +15,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", "mixtral", "MixtralForCausalLM"),
     # vision-language models (models/multimodal.py; their image processors: runtime/media/)
     "LlavaForConditionalGeneration": ("llava", "llava", "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

@@ -37,8 +37,13 @@ def _text_model_type(text: dict) -> str:
     return keys[kind]
 
 
+def _qwen2(text: dict) -> str:
+    """Qwen2-VL's language model: the Qwen2 decoder, with M-RoPE (ModelConfig.mrope_section)."""
+    return "qwen2"
+
+
 # multimodal architecture key -> (text config -> the language model's architecture key)
-MULTIMODAL_ARCHITECTURES = {"llava": _text_model_type}
+MULTIMODAL_ARCHITECTURES = {"llava": _text_model_type, "qwen2_vl": _qwen2, "qwen2_5_vl": _qwen2}
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ class ModelConfig:
     # Hugging Face config (vision_config, projector, image token); None for a text model
     text_architecture: str | None = None
     multimodal: dict | None = None
+    # Qwen2-VL's M-RoPE: the rotary frequencies' split over temporal / height / width position ids (None: plain)
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -136,8 +143,11 @@ class ModelConfig:
             rope_theta = params.get("rope_theta", 10000.0)
         if rope_scaling is None and params.get("rope_type", "default") != "default":
             rope_scaling = params
+        mrope = (rope_scaling or params).get("mrope_section")
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind == "mrope" or mrope is not None:  # Qwen2-VL's config names its M-RoPE a rope type
+                kind = "default"
             if kind not in ("default", "llama3"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
             if kind == "default":
@@ -169,6 +179,7 @@ class ModelConfig:
             moe=MoEConfig.from_hf(arch, hf),
             text_architecture=text_arch,
             multimodal=full,
+            mrope_section=tuple(mrope) if mrope is not None else None,
         )
 
 

@@ -129,6 +129,10 @@ class FusedDecode:
             return len(extend_lens) <= MAX_BATCH and all(e == 1 for e in extend_lens)
         return sum(extend_lens) <= MAX_BATCH and max(extend_lens, default=1) <= MAX_ROWS_PER_REQUEST
 
+    def positions_fit(self, fi) -> bool:
+        """Whether step `fi`'s positions are ones the C step can take (see rotary_at_indices)."""
+        return fi.media is None or _row_indices(fi) is not None
+
     def __call__(self, fi, req_to_slot: torch.Tensor, stage_input=None):
         """The float32 logits (N, vocab) of `fi.logit_rows` for a step `applies` takes (a
         model_runner.ForwardInput); writes the step's K/V into the pool. Kept to few torch calls: at batch 1 each
@@ -139,6 +143,9 @@ class FusedDecode:
         the last stage's first tensor-parallel rank only (None on the others)."""
         ids, pos, slots, rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                                  for t in (fi.input_ids, fi.positions, fi.out_slots, fi.req_indices))
+        cos_sin = self.cos_sin_cache
+        if fi.media is not None:  # a model's own positions (M-RoPE) may differ from the rows' sequence indices
+            pos, cos_sin = rotary_at_indices(fi, pos, cos_sin)
         n = len(fi.extend_lens)
         row_adapters = fi.lora_slots  # each row's adapter slot (None: no row has one)
         if ids.shape[0] != n:  # several rows of a request (a verification): each its request's table row, adapter
@@ -155,7 +162,7 @@ class FusedDecode:
         elif self.weights.embed is None:  # the vocabulary-parallel embedding, summed over the ranks
             io = io._replace(embedded=model.embed_tokens(ids))
         # the context split as in a decode step of the same requests, so that a row's attention rounds as there
-        out, logits = cpu_fused.decode_step(self.kl, self.weights, ids, pos, self.cos_sin_cache, slots, req_to_slot,
+        out, logits = cpu_fused.decode_step(self.kl, self.weights, ids, pos, cos_sin, slots, req_to_slot,
                                             rows, max_len, self.scale, io, requests=n, piece=self.piece)
         if not model.is_last_stage:
             return StageHidden(out.clone(), logits.clone())
@@ -166,6 +173,29 @@ class FusedDecode:
         rows), straight into float32 (the head's C matmul writes the bf16-rounded logits widened). Gathered as
         __call__'s."""
         return self.model.lm_head.gather(cpu_fused.lm_head_logits(self.kl, self.weights, hidden))
+
+
+def _row_indices(fi) -> torch.Tensor | None:
+    """The sequence index of each row of step `fi`, or None where two rows at one index have different positions
+    (requests of different M-RoPE deltas at the same length), which no one table serves."""
+    idx = torch.tensor([p + j for p, e in zip(fi.prefix_lens, fi.extend_lens, strict=True) for j in range(e)])
+    pos = fi.positions.to(torch.int64)
+    uniq, inv = torch.unique(idx, return_inverse=True)
+    some = torch.empty_like(uniq).scatter_(0, inv, pos)  # one row's position per index
+    return idx if torch.equal(some[inv], pos) else None
+
+
+def rotary_at_indices(fi, pos: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, rotary table) for the C step, which takes a row's context as its position + 1: where a
+    model's positions are not the rows' sequence indices (M-RoPE's index + delta, models/qwen2_vl.py), the
+    indices, over a table whose row at each index is `table`'s row at that row's position (only the rows the
+    step reads are written). The step must fit (FusedDecode.positions_fit)."""
+    idx = _row_indices(fi)
+    if torch.equal(idx, pos):
+        return pos, table
+    out = table.new_empty((int(idx.max()) + 1, table.shape[1]))
+    out[idx] = table[pos]
+    return idx, out
 
 
 def _pool_of(kv_pool, i: int) -> dict:

@@ -306,7 +306,8 @@ class ModelRunner:
                              out_slots=fi.out_slots.to(dev, non_blocking=True),
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
-        if self.fused_decode is not None and media is None and self.fused_decode.applies(fi.extend_lens, fi.verify):
+        if (self.fused_decode is not None and media is None and self.fused_decode.applies(fi.extend_lens, fi.verify)
+                and self.fused_decode.positions_fit(fi)):
             return self.fused_decode(fi, self.req_to_slot, stage_input)
         # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only
         # those; not with tensor parallelism, where every rank must reduce the same rows whatever its kernels

@@ -53,3 +53,40 @@ class RotaryEmbedding(OpsLayer):
     def structure(self) -> RotaryStructure:
         """What the fused paths read: rotate-half over this one table."""
         return RotaryStructure(ROPE, self.cos_sin_cache)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary (Qwen2-VL's M-RoPE): each of a token's three position ids (temporal, height, width)
+    drives its own section of the rotary frequencies, `sections` (summing to head_dim / 2) in that order.
+
+    Positions are (3, T), or (T,) for tokens whose three ids are equal (all text, and every token after the
+    prompt's last image): those rotate exactly as the plain rotary over the same table, which is why
+    `structure()` says ROPE and the fused decode step runs such a model unchanged."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, sections: tuple[int, ...]) -> None:
+        super().__init__(head_dim, max_positions, base)
+        if len(sections) != 3 or sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(sections)}: 3 sizes summing to head_dim / 2 = {head_dim // 2}")
+        self.sections = tuple(sections)
+        self._composed: tuple = (None, None, None)  # (positions, rows, per-token table): one lookup per step
+
+    def per_token_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """(3, T) positions -> (T, D) table, cos | sin halves, each frequency's angle taken at its section's id."""
+        half = self.head_dim // 2
+        rows = self.cos_sin_cache[positions]  # (3, T, D)
+        cos, sin, start = [], [], 0
+        for axis, size in enumerate(self.sections):
+            cos.append(rows[axis, :, start:start + size])
+            sin.append(rows[axis, :, half + start:half + start + size])
+            start += size
+        return torch.cat(cos + sin, dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        last, rows, table = self._composed
+        if positions is not last:  # every layer of a step passes the same positions tensor
+            table = self.per_token_table(positions)
+            rows = torch.arange(positions.shape[1], device=positions.device)
+            self._composed = (positions, rows, table)
+        return self.ops.rotary(rows, q, k, table)

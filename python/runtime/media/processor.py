@@ -38,6 +38,8 @@ import torch
 # our architecture key (runtime/architectures.py) -> (module in radixgen.runtime.media, class)
 PROCESSORS: dict[str, tuple[str, str]] = {
     "llava": ("llava", "LlavaProcessor"),
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLProcessor"),
+    "qwen2_5_vl": ("qwen2_vl", "Qwen2VLProcessor"),
 }
 
 

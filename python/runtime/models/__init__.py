@@ -27,12 +27,17 @@ def for_gguf(gguf_arch: str, experts: bool = False):
     prefers the architecture with expert weights (llama.cpp writes Mixtral as "llama")."""
     found = []
     for hf_name, (_, module, cls) in _ARCHITECTURES.items():
-        declared = _load(module, cls).architecture
-        if declared.gguf_arch == gguf_arch:
+        declared = _declared(module, cls)
+        if declared is not None and declared.gguf_arch == gguf_arch:
             found.append((bool(declared.weights.experts) != experts, hf_name, declared))
     return min(found, key=lambda f: f[0])[1:] if found else None
 
 
+def _declared(module: str, cls: str):
+    """A text model's Architecture declaration; None for a vision-language model (no GGUF files are read)."""
+    return getattr(_load(module, cls), "architecture", None)
+
+
 def gguf_architectures() -> list[str]:
     """The GGUF general.architecture values the registered models read."""
-    return sorted({_load(m, c).architecture.gguf_arch for _, m, c in _ARCHITECTURES.values()} - {None})
+    return sorted({d.gguf_arch for _, m, c in _ARCHITECTURES.values() if (d := _declared(m, c)) is not None} - {None})

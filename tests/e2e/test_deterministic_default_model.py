@@ -86,3 +86,29 @@ def test_offline_llm_takes_the_mode():
         assert outs[0].outputs[0].token_ids
     finally:
         llm.engine.shutdown()
+
+
+def test_tp2_keeps_the_bits_of_one_process(model):
+    """tp 2 (two spawned ranks over gloo, one thread each) against one process at one thread: the probes after
+    cached prefixes, beside random other requests, give the same ids and logprobs (determinism_helpers.group_workload;
+    the tiny-model counterpart is tests/runtime/test_deterministic_parallel.py)."""
+    import torch
+    from determinism_helpers import group_workload
+    from parallel_helpers import run_group
+
+    from radixgen.runtime.config import RuntimeConfig
+    from radixgen.runtime.executor.model_runner import ModelRunner
+
+    d, _ = model
+    config = dict(dtype="bfloat16", deterministic=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = ModelRunner(RuntimeConfig(model=str(d), max_total_tokens=2048, max_running_requests=8, **config))
+        want = group_workload(runner)
+        del runner
+    finally:
+        torch.set_num_threads(old)
+    got = run_group(str(d), workload="determinism", tp_size=2, **config)
+    assert got["fused"]
+    assert mismatches(got["logits"], want) == []

@@ -92,6 +92,10 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
     "rg_sum_partials_bf16": ("rg_status", [  # AVX512-BF16 (elsewhere it refuses)
         ("parts", "const float *"), ("S", "int64_t"), ("M", "int64_t"), ("N", "int64_t"), ("bias", "const uint16_t *"),
         ("out", "uint16_t *")]),
+    # a grammar's token bitmask over float32 logits (csrc/cpu_bitmask.h), every build
+    "rg_apply_token_bitmask_f32": ("rg_status", [
+        ("logits", "float *"), ("ld", "int64_t"), ("bitmask", "const int32_t *"), ("words", "int64_t"),
+        ("rows", "const int64_t *"), ("n_rows", "int64_t"), ("vocab", "int64_t")]),
     "rg_weight_rows_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "T *")]),
     **{name: decl for code, c_type in KV_CODE_TYPES.items() for name, decl in _quantized_pool_kernels(code, c_type)},

@@ -11,6 +11,8 @@ import xgrammar as xgr
 
 from radixgen.common.grammar.compile import CacheInfo, CompileCache, CompiledConstraint, CompileHandle
 from radixgen.common.grammar.schema import ConstraintError
+from radixgen.kernels import cpu as cpu_kernels
+from radixgen.kernels.cpu_bitmask import apply_token_bitmask
 from radixgen.runtime.config import JSON_WHITESPACE
 from radixgen.runtime.grammar.matcher import Matcher, jump_forward
 from radixgen.runtime.special_tokens import eos_token_ids
@@ -130,6 +132,10 @@ class GrammarBackend:
         if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits: expected (B, >= {self.vocab_size}), got {tuple(logits.shape)}")
         if not rows:
+            return
+        if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
+                and cpu_kernels.available()):  # ~20x xgrammar's CPU loop on closed masks (kernels/cpu_bitmask.py)
+            apply_token_bitmask(logits, bitmask, rows, self.vocab_size)
             return
         mask = bitmask if bitmask.device == logits.device else bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=list(rows))

@@ -2,8 +2,8 @@
 
 A request may hold pending conditions (`req.waits`): future-like objects with `done()` / `result()` / `error()`,
 polled without blocking. Today: its grammar compiling (`GrammarCompile`) and its LoRA adapter's slot
-(`AdapterSlot`: read from disk into a slot on the LoRA manager's thread, then held); later a KV load-back from
-a host or disk tier and an image encoder run are more kinds of the same. Each step `WaitList.poll` looks at
+(`AdapterSlot`: read from disk into a slot on the LoRA manager's thread, then held), its cached prefix coming back
+from the hierarchical cache's host and disk tiers (`KVLoadBack`); an image encoder run is another kind of the same. Each step `WaitList.poll` looks at
 every waiting request once: one whose condition failed ends alone (that condition's message and status code),
 one whose conditions are all done joins the admission queue, the others stay. A request that is aborted while
 it waits ends at once; ending releases what its conditions hold (the scheduler's `finish` does, as for any
@@ -86,6 +86,36 @@ class AdapterSlot:
 
     def settle(self, req: Req) -> None:
         pass  # acquire has put the slot on the request
+
+
+class KVLoadBack:
+    """The request's cached prefix coming back from the hierarchical cache's lower tiers (scheduler/tiers/): planned
+    at the first poll (the host tier's part needs no wait; the disk tier's pages are read on the store's threads
+    while other requests step), copied into the pool and the tree once done, so admission matches the whole prefix.
+    Never fails the request: a page that cannot be read is a miss, and the request computes it."""
+
+    stage = "loading the cached KV of"
+
+    def __init__(self, hicache, req: Req) -> None:
+        self.hicache, self.req = hicache, req
+        self.planned = False
+
+    def done(self) -> bool:
+        if not self.planned:
+            self.planned = True
+            self.req.kv_load = self.hicache.plan(self.req)
+        return self.req.kv_load is None or self.req.kv_load.ready()
+
+    def error(self) -> FinishReason | None:
+        return None
+
+    def result(self):
+        return self.req.kv_load
+
+    def settle(self, req: Req) -> None:
+        load, req.kv_load = req.kv_load, None
+        if load is not None:
+            self.hicache.load_back(req, load)
 
 
 class WaitList:

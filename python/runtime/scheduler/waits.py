@@ -1,13 +1,13 @@
 """What a request waits for before admission: one mechanism for every background job and resource.
 
 A request may hold pending conditions (`req.waits`): future-like objects with `done()` / `result()` / `error()`,
-polled without blocking. Today: its grammar compiling (`GrammarCompile`) and its LoRA adapter's slot
-(`AdapterSlot`: read from disk into a slot on the LoRA manager's thread, then held), its cached prefix coming back
-from the hierarchical cache's host and disk tiers (`KVLoadBack`); an image encoder run is another kind of the same. Each step `WaitList.poll` looks at
-every waiting request once: one whose condition failed ends alone (that condition's message and status code),
-one whose conditions are all done joins the admission queue, the others stay. A request that is aborted while
-it waits ends at once; ending releases what its conditions hold (the scheduler's `finish` does, as for any
-request), so nothing is leaked.
+polled without blocking. Today: its grammar compiling (`GrammarCompile`), its LoRA adapter's slot (`AdapterSlot`:
+read from disk into a slot on the LoRA manager's thread, then held) and its cached prefix coming back from the
+hierarchical cache's host and disk tiers (`KVLoadBack`); an image encoder run is another kind of the same. Each step
+`WaitList.poll` looks at every waiting request once: one whose condition failed ends alone (that condition's message
+and status code), one whose conditions are all done joins the admission queue, the others stay. A request that is
+aborted while it waits ends at once; ending releases what its conditions hold (the scheduler's `finish` does, as for
+any request), so nothing is leaked.
 """
 
 from __future__ import annotations

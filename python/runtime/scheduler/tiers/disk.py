@@ -338,7 +338,7 @@ def decode(data: bytes, fingerprint: str, name: str, parent: str, tokens: list[i
         n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
         if pos + n > len(data) - 4:
             raise ValueError("is truncated")
-        raw = torch.frombuffer(bytearray(data[pos:pos + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(data[pos:pos + n]), dtype=torch.uint8) if n else torch.zeros(0, torch.uint8)
         out.append(raw.view(dt).reshape(shape))
         pos += n
     if pos != len(data) - 4:

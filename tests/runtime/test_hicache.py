@@ -256,3 +256,23 @@ def test_an_abort_during_a_disk_read_leaks_nothing(model_dir, tokenizer, tmp_pat
         time.sleep(0.002)
     assert fresh.is_idle() and fresh.invariant_holds()
     assert fresh.kv.hicache.staged == 0
+
+
+def test_what_the_hierarchical_cache_refuses():
+    from radixgen.runtime.config import RuntimeConfig
+
+    cases = {"page_size=1": (dict(kv_cache_dir="/tmp/x"), "page_size=1 is too small"),
+             "tensor parallel": (dict(enable_hierarchical_cache=True, tp_size=2), "not supported with tensor"),
+             "no radix cache": (dict(enable_hierarchical_cache=True, disable_radix_cache=True), "needs the radix"),
+             "format": (dict(enable_hierarchical_cache=True, kv_cache_dtype="int8", hicache_kv_format="fp8_e4m3"),
+                        "keeps the pool's own codes"),
+             "policy": (dict(enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"),
+                        "hicache_write_policy must be one of"),
+             "ratio": (dict(enable_hierarchical_cache=True, hicache_ratio=0.0), "must be > 0")}
+    for kw, msg in cases.values():
+        with pytest.raises(ValueError, match=msg):
+            RuntimeConfig(**kw)
+    cfg = RuntimeConfig(kv_cache_dir="/tmp/x", page_size=16)
+    assert cfg.hicache_enabled and cfg.hicache_code_dtype == torch.int8  # the CPU's compact default
+    assert RuntimeConfig(enable_hierarchical_cache=True, hicache_kv_format="model").hicache_code_dtype is None
+    assert RuntimeConfig(device="cuda", enable_hierarchical_cache=True).hicache_code_dtype is None

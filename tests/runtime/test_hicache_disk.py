@@ -47,7 +47,7 @@ def test_a_page_file_is_checked_before_use():
     assert [r.dtype for r in rows] == [torch.bfloat16, torch.int8]
     bad = {"bad magic": b"X" + data[1:], "checksum": data[:100] + bytes([data[100] ^ 1]) + data[101:],
            "truncated": data[:-10], "empty": b""}
-    for why, blob in bad.items():
+    for blob in bad.values():
         with pytest.raises(ValueError):
             decode(blob, FP, p.name, p.parent, p.tokens)
     with pytest.raises(ValueError, match="fingerprint"):

@@ -1,7 +1,7 @@
 """The hierarchical cache behind the real HTTP server (tiny random Llama, a 160-token pool): a prefix evicted by
 other traffic comes back from the host tier, and `meta_info.cached_tokens_details`, /metrics and /get_server_info
-say which tier served it; a restarted server over the same --kv-cache-dir serves its first request's prefix from the
-disk tier, with the same greedy output."""
+say which tier served it (the web console's document shows the tiers too); a restarted server over the same
+--kv-cache-dir serves its first request's prefix from the disk tier, with the same greedy output."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def test_tiers_in_meta_info_metrics_server_info_and_after_a_restart(kv_dir):
             text = http.get("/metrics").text
             assert 'radixgen_prefix_cache_hit_tokens_by_tier_total{tier="host"}' in text
             assert "radixgen_hicache_disk_enabled 1" in text
+            tiers = http.get("/v1/radix_tree").json()["tiers"]  # the web console's line under the pool bar
+            assert tiers["host_used"] > 0 and tiers["disk_enabled"] and tiers["disk_pages"] > 0
     finally:
         assert stop_server(srv) == 0, srv.log_tail()
     # a restart: the new server's very first request finds the prefix on disk

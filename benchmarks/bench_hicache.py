@@ -56,15 +56,15 @@ async def first_token(eng: Engine, ids: list[int], max_new: int) -> tuple[float,
     return ttft, out
 
 
-def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, max_new: int) -> dict:
+def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int, max_new: int) -> dict:
     rng = random.Random(7)
     prefix = agent_prefix(tok, rng, system)
-    convs = [prefix + tok(f"Task {s}: {text(rng, 40)}\n").input_ids for s in range(sessions)]
+    convs = [prefix + tok(f"Task {s}: {text(rng, obs)}\n").input_ids for s in range(sessions)]
     ttfts: list[float] = []
     t0 = time.perf_counter()
 
     async def turn(t: int) -> None:
-        prompts = [c + tok(f"Observation {t}: {text(rng, 48)}\nNext step:").input_ids for c in convs]
+        prompts = [c + tok(f"Observation {t}: {text(rng, obs)}\nNext step:").input_ids for c in convs]
         results = await asyncio.gather(*(first_token(eng, p, max_new) for p in prompts))
         for s, (ttft, out) in enumerate(results):
             ttfts.append(ttft)
@@ -90,20 +90,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sessions and a shorter restart prefix")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--max-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=8)
     add_report_arg(ap)
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
-    sessions, turns, system = (10, 3, 384) if args.quick else (18, 4, 512)
-    # the running requests fit, their conversations do not: the working set is >= 4x the pool
-    pool = 2 * (system + 520)
+    sessions, turns, system, obs = (14, 3, 256, 24) if args.quick else (24, 4, 512, 40)
+    # the pool holds about one whole conversation at its longest (observations of `obs` words are about as many
+    # tokens, and each turn adds one and max_new output tokens), so the working set is >= 4x the pool
+    longest = system + 16 + (turns + 1) * (obs + 8) + turns * args.max_new
+    pool = int(1.3 * longest)
     common = dict(max_running_requests=2, page_size=PAGE, chunked_prefill_size=512)
     results = {}
     for label, extra in (("LRU (tree only)", {}),
-                         ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": 6.0})):
+                         ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": 10.0})):
         with Engine(args.model, max_total_tokens=pool, **common, **extra) as eng:
             asyncio.run(first_token(eng, tok("warm up").input_ids, 2))
-            r = results[label] = run_agent(eng, tok, sessions, turns, system, args.max_new)
+            r = results[label] = run_agent(eng, tok, sessions, turns, system, obs, args.max_new)
         print(f"agent  {label:16} {r['requests'] / r['seconds']:6.2f} req/s  median TTFT {r['median_ttft']:.3f} s  "
               f"hit rate {r['hit_rate']:.0%}  working set {r['working_set']} tokens = "
               f"{r['working_set'] / pool:.1f}x the pool ({pool})", flush=True)

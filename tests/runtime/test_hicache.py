@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from kv_helpers import check_tiers
 from test_scheduler import make_scheduler, outputs, run
 
 from radixgen.common.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ def turns(seed: int = 0, sessions: int = 6, rounds: int = 3) -> list[list[Genera
 def run_rounds(sched, rounds) -> dict:
     res = {}
     for batch in rounds:
-        res.update(run(sched, batch))
+        res.update(run(sched, batch))  # asserts the idle invariant (every tier's counts)
+        check_tiers(sched.kv)  # and node by node: each slot and host row held once, or free
     return res
 
 

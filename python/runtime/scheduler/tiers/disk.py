@@ -31,6 +31,7 @@ import struct
 import threading
 import time
 import zlib
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def page_names(fingerprint: str, namespace: str | None, tokens, page_size: int, 
     prev = hashlib.sha256(f"{fingerprint}\x00{namespace!r}".encode()).digest()
     out = []
     for i in range(n):
-        page = torch.tensor(tokens[i * page_size:(i + 1) * page_size], dtype=torch.int64).numpy().tobytes()
+        page = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()  # int64, native order
         prev = hashlib.sha256(prev + page).digest()
         out.append(prev[:16].hex())
     return out

@@ -293,6 +293,9 @@ class RuntimeConfig:
         if self.world_size > 1:
             raise ValueError("the hierarchical cache is not supported with tensor or pipeline parallelism yet "
                              "(its host and disk tiers are one process's); use tp_size=1 and pp_size=1")
+        if self.speculative_algorithm == "draft":
+            raise ValueError("the hierarchical cache does not keep a draft model's KV: use speculative_algorithm="
+                             "'ngram' (or none) with it")
         pool, host = self.kv_code_dtype, HICACHE_KV_FORMATS[self.hicache_kv_format]
         if pool is not None and host is not None and host != pool:
             raise ValueError(f"hicache_kv_format={self.hicache_kv_format!r} over an 8-bit pool of "

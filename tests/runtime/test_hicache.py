@@ -151,7 +151,9 @@ def test_a_round_trip_through_the_host_tier_is_exact(fmt):
             assert torch.equal(got, dequantize_kv_ref(codes, scales, torch.bfloat16))
     else:
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before, strict=True))
-    assert kv.invariant_holds() and hc.rows.available() == hc.rows.capacity
+    assert hc.prefetched == 20 and not kv.invariant_holds()  # loaded for a request that is not admitted yet
+    kv.release(r)  # it ends before its admission
+    assert hc.prefetched == 0 and kv.invariant_holds() and hc.rows.available() == hc.rows.capacity
 
 
 def disk_sched(model_dir, tokenizer, path, **kw):
@@ -270,7 +272,8 @@ def test_what_the_hierarchical_cache_refuses():
                         "keeps the pool's own codes"),
              "policy": (dict(enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"),
                         "hicache_write_policy must be one of"),
-             "ratio": (dict(enable_hierarchical_cache=True, hicache_ratio=0.0), "must be > 0")}
+             "ratio": (dict(enable_hierarchical_cache=True, hicache_ratio=0.0), "must be > 0"),
+             "draft model": (dict(enable_hierarchical_cache=True, speculative_draft_model="/x"), "draft model's KV")}
     for kw, msg in cases.values():
         with pytest.raises(ValueError, match=msg):
             RuntimeConfig(**kw)

@@ -161,8 +161,10 @@ class KVCacheManager:
             self.tree.record_hit(m.last_node)
         req.last_node = m.last_node
         req.cached_len = req.kv_len = len(m.slots)
-        if self.hicache is not None and req.reported_cached < 0:  # its first admission: cached_tokens by tier
-            req.cached_details = self.hicache.split(req, req.cached_len)
+        if self.hicache is not None:
+            if req.reported_cached < 0:  # its first admission: cached_tokens by tier
+                req.cached_details = self.hicache.split(req, req.cached_len)
+            self.hicache.admitted(req)
         req.table_row = self.table.allocate()
         self.table.write(req.table_row, 0, m.slots)
         return True
@@ -219,7 +221,7 @@ class KVCacheManager:
     def release(self, req: Req) -> None:
         """Give everything computed to the tree (or free it), unlock, and free the table row; a load-back it waits
         for ends. Idempotent."""
-        if self.hicache is not None and req.kv_load is not None:
+        if self.hicache is not None and (req.kv_load is not None or req.tier_prefetched):
             self.hicache.cancel(req)
         if req.table_row is None:
             return

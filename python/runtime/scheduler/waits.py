@@ -91,7 +91,8 @@ class AdapterSlot:
 class KVLoadBack:
     """The request's cached prefix coming back from the hierarchical cache's lower tiers (scheduler/tiers/): planned
     at the first poll (the host tier's part needs no wait; the disk tier's pages are read on the store's threads
-    while other requests step), copied into the pool and the tree once done, so admission matches the whole prefix.
+    while other requests step), copied into the pool and the tree once done and once the pool has room for it
+    beside the loads of requests ahead (`may_load`), so admission matches the whole prefix.
     Never fails the request: a page that cannot be read is a miss, and the request computes it."""
 
     stage = "loading the cached KV of"
@@ -104,7 +105,8 @@ class KVLoadBack:
         if not self.planned:
             self.planned = True
             self.req.kv_load = self.hicache.plan(self.req)
-        return self.req.kv_load is None or self.req.kv_load.ready()
+        load = self.req.kv_load
+        return load is None or (load.ready() and self.hicache.may_load(load))
 
     def error(self) -> FinishReason | None:
         return None

@@ -53,18 +53,22 @@ class Load:
         self.disk_start = 0  # position of the first disk page
         self.rows = None  # (pages * page_size,) tier-1 rows the pages are read into
         self.future = None
+        self._read = None
 
     def ready(self) -> bool:
         return self.future is None or self.future.done()
 
     def pages_read(self) -> int:
+        """Once ready: how many leading pages the reads brought (blocks until then)."""
         if self.future is None:
             return 0
-        try:
-            return self.future.result()
-        except Exception:  # noqa: BLE001 - a failed read is a miss
-            logger.exception("reading KV pages from the disk tier failed")
-            return 0
+        if self._read is None:
+            try:
+                self._read = self.future.result()
+            except Exception:  # noqa: BLE001 - a failed read is a miss
+                logger.exception("reading KV pages from the disk tier failed")
+                self._read = 0
+        return self._read
 
 
 class HierarchicalCache:
@@ -79,6 +83,7 @@ class HierarchicalCache:
         self.disk = disk
         self.page_size = kv.page_size
         self.staged = 0  # tier-1 rows held by loads (disk pages read into them)
+        self.prefetched = 0  # pool tokens loaded back for requests not admitted yet
         self.orphans: list[Load] = []  # loads of ended requests whose reads are still running
         self.dropping = False  # flush: evicted nodes are dropped, not moved down
         self.counts = dict(host_hit_tokens=0, disk_hit_tokens=0, demoted_tokens=0, host_evicted_tokens=0,
@@ -203,6 +208,18 @@ class HierarchicalCache:
             return None
         return load
 
+    def may_load(self, load: Load) -> bool:
+        """Whether the pool may take this load now: loads for requests still queued are held to half the pool (or
+        one at a time), so prefetching a long queue cannot evict what was just loaded for the requests ahead."""
+        need = load.host_len + (load.pages_read() * self.page_size if load.future is not None else 0)
+        return self.prefetched == 0 or self.prefetched + need <= self.kv.capacity // 2
+
+    def admitted(self, req) -> None:
+        """The request's prefix is locked by its admission (or it ended): its loaded tokens leave the prefetch
+        budget."""
+        self.prefetched -= req.tier_prefetched
+        req.tier_prefetched = 0
+
     def load_back(self, req, load: Load) -> None:
         """Bring the planned prefix into the pool and the tree (as far as it is still there and fits)."""
         try:
@@ -243,12 +260,17 @@ class HierarchicalCache:
         finally:
             self.tree.unlock(m.last_node)
         req.tier_loaded = (dev, now, disk_len)
+        self.admitted(req)  # a retracted request loading again: its earlier load no longer counts
+        req.tier_prefetched = now + disk_len
+        self.prefetched += now + disk_len
         self.counts["host_hit_tokens"] += now
         self.counts["disk_hit_tokens"] += disk_len
         self.counts["loads"] += 1
 
     def cancel(self, req) -> None:
-        """The request ends before its load-back: its tier-1 rows go back (once its reads have stopped)."""
+        """The request ends before its load-back or its admission: its tier-1 rows go back (once its reads have
+        stopped), its loaded tokens leave the prefetch budget."""
+        self.admitted(req)
         load, req.kv_load = req.kv_load, None
         if load is not None:
             if load.ready():
@@ -286,10 +308,12 @@ class HierarchicalCache:
     def invariant_holds(self) -> bool:
         self.settle_reads()
         used = self.tree.lower_size(Tier.HOST)
-        ok = self.rows.available() + used + self.staged == self.rows.capacity and self.staged == 0
+        ok = (self.rows.available() + used + self.staged == self.rows.capacity and self.staged == 0
+              and self.prefetched == 0)
         if not ok:
-            logger.error("host tier leak: free %d + in the tree %d + held by loads %d != %d rows",
-                         self.rows.available(), used, self.staged, self.rows.capacity)
+            logger.error("host tier leak: free %d + in the tree %d + held by loads %d != %d rows (or %d tokens "
+                         "counted as prefetched)", self.rows.available(), used, self.staged, self.rows.capacity,
+                         self.prefetched)
         return ok
 
     def info(self) -> dict:

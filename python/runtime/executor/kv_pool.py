@@ -9,6 +9,8 @@ which is what lets the radix tree share a prefix's slots between requests.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
@@ -89,7 +91,8 @@ class KVPool:
     def read_rows(self, index: torch.Tensor) -> list[torch.Tensor]:
         """A copy of rows `index` of every buffer, in `buffers` order, on the host (a page written to disk)."""
         index = index.to(self.k_buffers[0].device, torch.int64)
-        return [_gather(b, index).cpu() for b in self.buffers()]
+        with one_thread():
+            return [_gather(b, index).cpu() for b in self.buffers()]
 
     def write_rows(self, index: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """The inverse of `read_rows`: rows (in `buffers` order, this pool's format) stored at `index`."""
@@ -142,11 +145,32 @@ def host_tier_pool(cfg, pool: KVPool) -> HostKVPool | None:
     return HostKVPool(layers, rows + 1, heads, dim, pool.dtype, code, pin=pin)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run small row copies on this thread alone (the main thread's; others are left as they are): each is a few
+    hundred KB per layer, where waking the intra-op pool costs more than the copy, and far more when the cores are
+    busy (measured 50x on two loaded cores)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: torch.Tensor) -> None:
     """dst rows dst_index = src rows src_index, every layer's K and V, converting between the pools' formats: the
     same format is a bit copy (codes and scales of an 8-bit pool too); model dtype -> 8-bit quantizes each (token,
     head) row (kv_quant.quantize_kv_ref), 8-bit -> model dtype dequantizes (code * scale in float32, rounded to
     the model dtype). Converting between two different code dtypes is refused."""
+    with one_thread():
+        _copy_kv_rows(src, src_index, dst, dst_index)
+
+
+def _copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: torch.Tensor) -> None:
     if src_index.numel() != dst_index.numel():
         raise ValueError(f"copy_kv_rows: {src_index.numel()} source rows for {dst_index.numel()} destination rows")
     if not src_index.numel():

@@ -28,7 +28,7 @@ import logging
 import torch
 
 from radixgen.kernels.kv_quant import quantize_kv_ref
-from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, SlotAllocator
+from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, SlotAllocator, one_thread
 from radixgen.runtime.executor.step_messages import CopyDirection
 from radixgen.runtime.scheduler.radix_cache import KVLocation, Tier, TreeNode
 from radixgen.runtime.scheduler.tiers.disk import DiskStore, Page, page_names
@@ -36,6 +36,7 @@ from radixgen.runtime.scheduler.tiers.disk import DiskStore, Page, page_names
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # of the page files' contents; part of the fingerprint
+MAX_LOAD_WAIT = 64  # polls (steps) a load waits for pool room before it loads what fits
 
 
 def storable(namespace) -> bool:
@@ -48,8 +49,10 @@ class Load:
     """A request's load-back in progress: what the tree's tiers held at planning, and the disk pages being read into
     tier-1 rows `rows` (held by the load until it ends)."""
 
-    def __init__(self, key: list[int], namespace, host_len: int) -> None:
+    def __init__(self, key: list[int], namespace, host_len: int, rest: int) -> None:
         self.key, self.namespace, self.host_len = key, namespace, host_len
+        self.rest = rest  # pool slots the request needs beyond its device prefix (the load and its prefill)
+        self.polls = 0
         self.disk_start = 0  # position of the first disk page
         self.rows = None  # (pages * page_size,) tier-1 rows the pages are read into
         self.future = None
@@ -170,7 +173,8 @@ class HierarchicalCache:
         """Pool rows (`KVPool.read_rows`) in the host tier's format: as they are, or quantized to its codes."""
         if self.host.format == self.pool.format:
             return rows
-        codes, scales = zip(*(quantize_kv_ref(r, self.host.code_dtype) for r in rows), strict=True)
+        with one_thread():
+            codes, scales = zip(*(quantize_kv_ref(r, self.host.code_dtype) for r in rows), strict=True)
         return [*codes, *scales]
 
     # ------------------------------------------------------------------ load-back
@@ -183,14 +187,14 @@ class HierarchicalCache:
         ns = req.namespace
         m = self.tree.match_prefix(key, ns)
         path = self.tree.lower_path(m.last_node, key, len(m.slots))  # refreshed: tier 1's LRU keeps them
-        load = Load(key, ns, sum(n for _, n in path))
+        load = Load(key, ns, sum(n for _, n in path), len(key) + 1 - len(m.slots))
         reach = len(m.slots) + load.host_len
         disk, p = self.disk, self.page_size
         if disk is not None and disk.enabled and storable(ns) and reach + p <= len(key):
             names = page_names(disk.fingerprint, ns, key, p)
-            run = []
+            run, room = [], (self.rows.capacity - self.staged) // p  # pages tier 1 could take for this load
             for i in range(reach // p, len(names)):
-                if not disk.has(names[i]):
+                if len(run) == room or not disk.has(names[i]):
                     break
                 run.append(i)
             rows = self._host_rows(len(run) * p) if run else None
@@ -209,10 +213,16 @@ class HierarchicalCache:
         return load
 
     def may_load(self, load: Load) -> bool:
-        """Whether the pool may take this load now: loads for requests still queued are held to half the pool (or
-        one at a time), so prefetching a long queue cannot evict what was just loaded for the requests ahead."""
+        """Whether the pool may take this load now: when the request would fit beside what running requests hold
+        (else the load would be cut short, or evicted again before the request runs), and within the budget of
+        loads for requests still queued (half the pool, or one at a time: prefetching a long queue must not evict
+        what was just loaded for the requests ahead). After MAX_LOAD_WAIT polls it loads what fits."""
+        load.polls += 1
+        if load.polls > MAX_LOAD_WAIT:
+            return True
         need = load.host_len + (load.pages_read() * self.page_size if load.future is not None else 0)
-        return self.prefetched == 0 or self.prefetched + need <= self.kv.capacity // 2
+        budget = self.prefetched == 0 or self.prefetched + need <= self.kv.capacity // 2
+        return budget and load.rest <= self.kv.available()
 
     def admitted(self, req) -> None:
         """The request's prefix is locked by its admission (or it ended): its loaded tokens leave the prefetch

@@ -94,7 +94,7 @@ def main() -> None:
     add_report_arg(ap)
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
-    sessions, turns, system, obs = (16, 3, 192, 16) if args.quick else (24, 4, 512, 40)
+    sessions, turns, system, obs = (12, 4, 128, 32) if args.quick else (24, 4, 256, 64)
     # the pool holds about one whole conversation at its longest (observations of `obs` words are about as many
     # tokens, and each turn adds one and max_new output tokens), so the working set is >= 4x the pool
     longest = system + 16 + (turns + 1) * (obs + 8) + turns * args.max_new

@@ -90,11 +90,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sessions and a shorter restart prefix")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--max-new", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=4)
     add_report_arg(ap)
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
-    sessions, turns, system, obs = (12, 4, 128, 32) if args.quick else (24, 4, 256, 64)
+    sessions, turns, system, obs = (10, 3, 160, 96) if args.quick else (24, 4, 256, 160)
     # the pool holds about one whole conversation at its longest (observations of `obs` words are about as many
     # tokens, and each turn adds one and max_new output tokens), so the working set is >= 4x the pool
     longest = system + 16 + (turns + 1) * (obs + 8) + turns * args.max_new

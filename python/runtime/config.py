@@ -21,6 +21,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZATIONS = ("auto", "none", "int8", "awq", "gptq", "gguf", "fp8")  # quantization
 # kv_cache_dtype: auto (the model dtype) or the code dtype of an 8-bit pool (radixgen.kernels.kv_quant)
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
+HICACHE_KV_FORMATS = {"auto": None, "model": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
 # other spellings of speculative_algorithm, any case: SGLang's (NGRAM, STANDALONE) and vLLM's (draft_model)
 SPECULATIVE_ALIASES = {"standalone": "draft", "draft_model": "draft"}
@@ -235,6 +237,22 @@ class RuntimeConfig:
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
                                  "bf16 scale per token and KV head (about twice the tokens in the same memory)",
                                  choices=tuple(KV_CACHE_DTYPES))
+    # ---- the hierarchical cache (runtime/scheduler/tiers/): evicted prefixes move to host memory and disk
+    enable_hierarchical_cache: bool = option(False, "keep KV evicted from the pool in a host-memory tier (and, with "
+                                             "--kv-cache-dir, a disk tier), loaded back when a request reuses it")
+    hicache_ratio: float = option(2.0, "host tier size as a multiple of the KV pool's tokens")
+    hicache_size: float = option(0.0, "host tier size in GB (overrides --hicache-ratio; 0: the ratio)")
+    hicache_write_policy: str = option("write_back", "write_back: KV moves down a tier when it is evicted; "
+                                       "write_through: also written to the disk tier as soon as it is cached "
+                                       "(where a restart and other replicas find it)", choices=HICACHE_WRITE_POLICIES)
+    hicache_kv_format: str = option("auto", "host / disk tier storage: auto (the pool's 8-bit codes for an 8-bit "
+                                    "pool; int8 on the CPU, about twice the tokens per byte, not bit-exact; the "
+                                    "model dtype on CUDA), model (the pool's format, bit-exact), int8, fp8_e4m3",
+                                    choices=tuple(HICACHE_KV_FORMATS))
+    kv_cache_dir: str | None = option(None, "disk tier of the hierarchical cache (implies it): page files kept "
+                                      "across restarts and shared by servers of the same model (needs --page-size "
+                                      ">= 4)")
+    hicache_disk_size: float = option(16.0, "disk tier size in GB (least recently used pages go first)")
     # ---- tensor and pipeline parallelism, single- and multi-node (runtime/executor/distributed.py)
     tp_size: int = option(1, "tensor parallelism: ranks that split every layer (attention heads, MLP columns, "
                           "vocabulary)", flags=("--tp-size", "--tensor-parallel-size"))
@@ -315,6 +333,7 @@ class RuntimeConfig:
         self._check_parallel()
         self._check_speculative()
         self._check_lora()
+        self._check_hicache()
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
         if self.deterministic:
@@ -366,6 +385,44 @@ class RuntimeConfig:
         n = self.num_speculative_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {n!r}")
+
+    def _check_hicache(self) -> None:
+        check_choice("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
+        check_choice("hicache_kv_format", self.hicache_kv_format, tuple(HICACHE_KV_FORMATS))
+        if not self.hicache_enabled:
+            return
+        if not self.hicache_ratio > 0 or self.hicache_size < 0 or not self.hicache_disk_size > 0:
+            raise ValueError(f"hicache_ratio and hicache_disk_size must be > 0 and hicache_size >= 0, got "
+                             f"{self.hicache_ratio}, {self.hicache_disk_size}, {self.hicache_size}")
+        if self.disable_radix_cache:
+            raise ValueError("the hierarchical cache needs the radix cache (drop disable_radix_cache)")
+        if self.world_size > 1:
+            raise ValueError("the hierarchical cache is not supported with tensor or pipeline parallelism yet "
+                             "(its host and disk tiers are one process's); use tp_size=1 and pp_size=1")
+        if self.speculative_algorithm == "draft":
+            raise ValueError("the hierarchical cache does not keep a draft model's KV: use speculative_algorithm="
+                             "'ngram' (or none) with it")
+        pool, host = self.kv_code_dtype, HICACHE_KV_FORMATS[self.hicache_kv_format]
+        if pool is not None and host is not None and host != pool:
+            raise ValueError(f"hicache_kv_format={self.hicache_kv_format!r} over an 8-bit pool of "
+                             f"kv_cache_dtype={self.kv_cache_dtype!r}: the host tier keeps the pool's own codes "
+                             f"(use auto or model)")
+        if self.kv_cache_dir is not None and self.page_size < 4:
+            raise ValueError(f"kv_cache_dir: the disk tier writes one file per page; page_size={self.page_size} "
+                             f"is too small (use --page-size 16 or more)")
+
+    @property
+    def hicache_enabled(self) -> bool:
+        return self.enable_hierarchical_cache or self.kv_cache_dir is not None
+
+    @property
+    def hicache_code_dtype(self) -> torch.dtype | None:
+        """The host / disk tier's code dtype (None: the pool's format, values in the model dtype or its codes)."""
+        if self.kv_code_dtype is not None or self.hicache_kv_format == "model":
+            return self.kv_code_dtype
+        if self.hicache_kv_format == "auto":
+            return torch.int8 if self.device == "cpu" else None
+        return HICACHE_KV_FORMATS[self.hicache_kv_format]
 
     @property
     def world_size(self) -> int:

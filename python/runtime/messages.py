@@ -236,6 +236,7 @@ class ReqOutput:
     # the refusal of a second request under a rid already in flight: it is not about the request in flight
     duplicate: bool = False
     spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
+    cached_details: dict | None = None  # with the hierarchical cache: cached_tokens by tier (device / host / disk)
 
 
 @dataclass

@@ -286,6 +286,14 @@ function renderWorker(el, url, doc) {
     num.textContent = `${n.toLocaleString()} tok`;
     legend.append(sw, label, num);
   }
+  if (doc.tiers) {  // the hierarchical cache's tiers under the pool
+    const t = doc.tiers, line = document.createElement("div");
+    line.className = "muted tiers";
+    const disk = t.disk_pages === null ? "no disk tier" : t.disk_enabled ? `disk ${t.disk_pages.toLocaleString()} pages`
+      : "disk tier off";
+    line.textContent = `host tier ${t.host_used.toLocaleString()} / ${t.host_total.toLocaleString()} tok · ${disk}`;
+    legend.append(line);
+  }
   el.querySelector(".queues").innerHTML =
     `<div><div class="big">${doc.queues.running}</div><div class="muted">running</div></div>` +
     `<div><div class="big">${doc.queues.waiting}</div><div class="muted">waiting</div></div>` +

@@ -43,6 +43,7 @@ class RequestState:
         self.input_ids = input_ids
         self.prompt_tokens = len(input_ids)
         self.cached_tokens = 0
+        self.cached_details: dict | None = None  # by tier, with the hierarchical cache
         self.output_ids: list[int] = []
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.tokenizer = tokenizer
@@ -72,6 +73,7 @@ class RequestState:
 
     def _apply(self, out: ReqOutput) -> None:
         self.cached_tokens = out.cached_tokens
+        self.cached_details = out.cached_details
         self.spec = out.spec
         self.output_ids += out.new_ids
         self.detok.add(out.new_ids)
@@ -147,6 +149,8 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
         }
+        if self.cached_details is not None:
+            meta["cached_tokens_details"] = dict(self.cached_details)
         if self.spec is not None:  # SGLang's names
             sp = self.spec
             meta.update(spec_verify_ct=sp.verify_ct, spec_draft_token_num=sp.draft_tokens,

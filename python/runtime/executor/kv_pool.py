@@ -9,11 +9,13 @@ which is what lets the radix tree share a prefix's slots between requests.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
 
-from radixgen.kernels.kv_quant import SCALE_DTYPE
+from radixgen.kernels.kv_quant import SCALE_DTYPE, code_bits, dequantize_kv_ref, gather_codes, quantize_kv_ref
 
 
 def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -85,6 +87,122 @@ class KVPool:
     def nbytes(self) -> int:
         tensors = self.k_buffers + self.v_buffers + (self.k_scales or []) + (self.v_scales or [])
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def read_rows(self, index: torch.Tensor) -> list[torch.Tensor]:
+        """A copy of rows `index` of every buffer, in `buffers` order, on the host (a page written to disk)."""
+        index = index.to(self.k_buffers[0].device, torch.int64)
+        with one_thread():
+            return [_gather(b, index).cpu() for b in self.buffers()]
+
+    def write_rows(self, index: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """The inverse of `read_rows`: rows (in `buffers` order, this pool's format) stored at `index`."""
+        bufs = self.buffers()
+        if len(rows) != len(bufs):
+            raise ValueError(f"write_rows: {len(rows)} tensors for a pool of {len(bufs)} buffers")
+        for buf, r in zip(bufs, rows, strict=True):
+            _put(buf, index.to(buf.device, torch.int64), r.to(buf.device))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor of the pool: K of each layer, V of each layer, then (8-bit pools) their scales."""
+        return self.k_buffers + self.v_buffers + (self.k_scales or []) + (self.v_scales or [])
+
+    @property
+    def format(self) -> torch.dtype:
+        """What a row holds: the code dtype of an 8-bit pool, else the model dtype."""
+        return self.code_dtype or self.dtype
+
+
+class HostKVPool(KVPool):
+    """Tier 1 of the hierarchical cache: the device pool's layout in host memory (pinned when the device pool is on
+    CUDA, so copies either way go by DMA), in the device pool's format or in the compact 8-bit format (`code_dtype`
+    over a model-dtype device pool: rows are quantized when they come down and dequantized when they go back up,
+    kernels.kv_quant's reference arithmetic, about twice the tokens per byte). Row 0 is never handed out, as in
+    the device pool. Untouched pages cost nothing on the CPU (zeros_untouched)."""
+
+    def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 code_dtype: torch.dtype | None = None, pin: bool = False) -> None:
+        super().__init__(num_layers, num_rows, num_kv_heads, head_dim, dtype, "cpu", code_dtype)
+        if pin:  # page-locked: host <-> device copies without a bounce buffer
+            for group in (self.k_buffers, self.v_buffers, self.k_scales or [], self.v_scales or []):
+                group[:] = [t.pin_memory() for t in group]
+
+
+def host_tier_pool(cfg, pool: KVPool) -> HostKVPool | None:
+    """The host tier of the hierarchical cache for a RuntimeConfig (None when it is off): --hicache-size GB, else
+    --hicache-ratio times the device pool's tokens, in cfg.hicache_code_dtype's format."""
+    if not cfg.hicache_enabled:
+        return None
+    layers, heads, dim = len(pool.k_buffers), pool.k_buffers[0].shape[1], pool.k_buffers[0].shape[2]
+    code = cfg.hicache_code_dtype
+    if cfg.hicache_size > 0:
+        rows = int(cfg.hicache_size * 2**30) // KVPool.bytes_per_slot(layers, heads, dim, pool.dtype, code)
+    else:
+        rows = int(cfg.hicache_ratio * (pool.num_slots - 1))
+    if rows < 1:
+        raise ValueError(f"the hierarchical cache's host tier would hold {rows} tokens: raise --hicache-ratio or "
+                         f"--hicache-size")
+    pin = pool.k_buffers[0].device.type == "cuda"
+    return HostKVPool(layers, rows + 1, heads, dim, pool.dtype, code, pin=pin)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run small row copies on this thread alone (the main thread's; others are left as they are): each is a few
+    hundred KB per layer, where waking the intra-op pool costs more than the copy, and far more when the cores are
+    busy (measured 50x on two loaded cores)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: torch.Tensor) -> None:
+    """dst rows dst_index = src rows src_index, every layer's K and V, converting between the pools' formats: the
+    same format is a bit copy (codes and scales of an 8-bit pool too); model dtype -> 8-bit quantizes each (token,
+    head) row (kv_quant.quantize_kv_ref), 8-bit -> model dtype dequantizes (code * scale in float32, rounded to
+    the model dtype). Converting between two different code dtypes is refused."""
+    with one_thread():
+        _copy_kv_rows(src, src_index, dst, dst_index)
+
+
+def _copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: torch.Tensor) -> None:
+    if src_index.numel() != dst_index.numel():
+        raise ValueError(f"copy_kv_rows: {src_index.numel()} source rows for {dst_index.numel()} destination rows")
+    if not src_index.numel():
+        return
+    s_dev, d_dev = src.k_buffers[0].device, dst.k_buffers[0].device
+    si, di = src_index.to(s_dev, torch.int64), dst_index.to(d_dev, torch.int64)
+    if src.format == dst.format:
+        for s, d in zip(src.buffers(), dst.buffers(), strict=True):
+            _put(d, di, _gather(s, si).to(d_dev, non_blocking=d_dev.type == "cuda"))
+        return
+    if src.code_dtype is not None and dst.code_dtype is not None:
+        raise ValueError(f"copy_kv_rows: no conversion from {src.code_dtype} codes to {dst.code_dtype} codes")
+    layers = range(len(src.k_buffers))
+    for group in ("k", "v"):
+        s_bufs, d_bufs = getattr(src, f"{group}_buffers"), getattr(dst, f"{group}_buffers")
+        for i in layers:
+            if dst.code_dtype is not None:  # quantize: model dtype -> codes and scales
+                codes, scales = quantize_kv_ref(s_bufs[i].index_select(0, si), dst.code_dtype)
+                _put(d_bufs[i], di, codes.to(d_dev))
+                getattr(dst, f"{group}_scales")[i].index_copy_(0, di, scales.to(d_dev))
+            else:  # dequantize: codes and scales -> model dtype
+                values = dequantize_kv_ref(gather_codes(s_bufs[i], si),
+                                           getattr(src, f"{group}_scales")[i].index_select(0, si), dst.dtype)
+                d_bufs[i].index_copy_(0, di, values.to(d_dev))
+
+
+def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return code_bits(buf).index_select(0, index).view(buf.dtype)
+
+
+def _put(buf: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    code_bits(buf).index_copy_(0, index, code_bits(rows))
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -16,7 +16,7 @@ from radixgen.runtime.executor.cpu_decode import FusedDecode
 from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, graph_unsafe
 from radixgen.runtime.executor.encoder_cache import EncoderCache
 from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
-from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, new_req_to_slot_table
+from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, host_tier_pool, new_req_to_slot_table
 from radixgen.runtime.executor.step_messages import KVCopyQueue
 from radixgen.runtime.executor.weights import load_weights
 from radixgen.runtime.layers import fixed_order, quantization
@@ -169,6 +169,7 @@ class ModelRunner:
         self.padding_row = cfg.max_running_requests
         self.table_log = TableWriteLog() if par.world_size > 1 else None
         self.kv_copies = KVCopyQueue()  # KV copy orders, applied on every rank before the next step's forward
+        self.host_pool = host_tier_pool(cfg, self.kv_pool)  # the hierarchical cache's host tier (None: off)
         # the resident LoRA adapters' weights (the scheduler's LoRA manager decides which sit where)
         self.lora_pool = LoRAPool.for_config(cfg, mc, self.dtype, self.device) if cfg.lora_enabled else None
         if self.lora_pool is not None:  # the LoRA layers wrap whatever linear methods the ops set installed
@@ -258,9 +259,13 @@ class ModelRunner:
         (scheduler/pipeline.py keeps several steps in flight)."""
         if self.group is not None:
             return self.group.launch(fi)
-        if len(self.kv_copies):
-            self.kv_copies.take().apply(self.kv_pool)
+        self.apply_kv_copies()
         return self.run_stage(fi)
+
+    def apply_kv_copies(self) -> None:
+        """Run the KV copy orders given so far (before a forward; the hierarchical cache also runs them at once)."""
+        if len(self.kv_copies):
+            self.kv_copies.take().apply(self.kv_pool, self.host_pool)
 
     def collect(self, step) -> torch.Tensor:
         return self.group.collect(step) if self.group is not None else step

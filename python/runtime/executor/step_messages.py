@@ -2,9 +2,8 @@
 
 A step carries the ForwardInput, the request->slot table writes since the previous step (the other ranks keep a
 copy of the table) and the KV copy orders every rank applies to its own part of the pool before the step's
-forward (`KVCopies`). Only a device-to-device order (pool slots -> pool slots) exists today; an order between
-the pool and a lower tier (a host buffer, disk pages: a load-back of an evicted prefix) is the same record with
-another direction, its tier side named by int64 handles.
+forward (`KVCopies`): pool slots -> pool slots, and between the pool and the hierarchical cache's host tier (a node
+moving down on eviction, or loaded back before a request's prefill), the host side named by its row indices.
 
 This module is the scheduler side's (it names batch and kv_pool records); messages.py keeps the Engine <->
 scheduler records, which import nothing of the scheduler.
@@ -18,7 +17,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from radixgen.runtime.executor.kv_pool import KVPool, TableWrites
+from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, TableWrites, copy_kv_rows
 from radixgen.runtime.scheduler.batch import ForwardInput
 
 
@@ -30,6 +29,8 @@ class StepKind(IntEnum):
 
 class CopyDirection(IntEnum):
     DEVICE_TO_DEVICE = 0  # pool slots `src` -> pool slots `dst`, every layer's K and V (and 8-bit scales)
+    DEVICE_TO_HOST = 1  # pool slots `src` -> host tier rows `dst` (converted to the host tier's format)
+    HOST_TO_DEVICE = 2  # host tier rows `src` -> pool slots `dst`
 
 
 class KVCopies(NamedTuple):
@@ -49,13 +50,20 @@ class KVCopies(NamedTuple):
     def __bool__(self) -> bool:
         return bool(self.directions.numel())
 
-    def apply(self, pool: KVPool) -> None:
-        """Run the orders on this rank's pool, in order (a later order may read what an earlier one wrote)."""
+    def apply(self, pool: KVPool, host: HostKVPool | None = None) -> None:
+        """Run the orders on this rank's pool (and host tier), in order (a later order may read what an earlier one
+        wrote)."""
         starts = (torch.cumsum(self.lengths, 0) - self.lengths).tolist()
         for direction, start, n in zip(self.directions.tolist(), starts, self.lengths.tolist(), strict=True):
-            if direction != CopyDirection.DEVICE_TO_DEVICE:
-                raise ValueError(f"KV copy direction {direction} is not implemented (only DEVICE_TO_DEVICE)")
+            if direction not in tuple(CopyDirection):
+                raise ValueError(f"KV copy direction {direction} is not implemented")
             src, dst = self.src[start:start + n], self.dst[start:start + n]
+            if direction != CopyDirection.DEVICE_TO_DEVICE:
+                if host is None:
+                    raise ValueError(f"KV copy {CopyDirection(direction).name}: this rank has no host tier")
+                a, b = (pool, host) if direction == CopyDirection.DEVICE_TO_HOST else (host, pool)
+                copy_kv_rows(a, src, b, dst)
+                continue
             buffers = pool.k_buffers + pool.v_buffers + (pool.k_scales or []) + (pool.v_scales or [])
             for buf in buffers:
                 s, d = src.to(buf.device), dst.to(buf.device)
@@ -73,9 +81,15 @@ class KVCopyQueue:
         if src.dim() != 1 or src.shape != dst.shape:
             raise ValueError(f"copy_slots: src and dst must be 1-D of the same length, got {tuple(src.shape)} and "
                              f"{tuple(dst.shape)}")
+        self.order(CopyDirection.DEVICE_TO_DEVICE, src, dst)
+
+    def order(self, direction: CopyDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Order rows `src` copied to rows `dst` (same length) in `direction` before the next step's forward."""
+        if src.dim() != 1 or src.shape != dst.shape:
+            raise ValueError(f"KV copy: src and dst must be 1-D of the same length, got {tuple(src.shape)} and "
+                             f"{tuple(dst.shape)}")
         if src.numel():
-            self._parts.append((int(CopyDirection.DEVICE_TO_DEVICE), src.to("cpu", torch.int64),
-                                dst.to("cpu", torch.int64)))
+            self._parts.append((int(direction), src.to("cpu", torch.int64), dst.to("cpu", torch.int64)))
 
     def __len__(self) -> int:
         return len(self._parts)

@@ -187,7 +187,7 @@ class Scheduler:
             "kv_cache": self.runner.kv_cache_info(),
             "max_total_num_tokens": self.kv.capacity,  # SGLang's name for the pool's capacity
             "speculative": self.spec.info() if self.spec is not None else None,
-            "lora": self.lora.info(),
+            "lora": self.lora.info(), "hicache": self.kv.tier_info(),  # hierarchical cache tiers (None: off)
             "deterministic": self.cfg.deterministic,  # batch-invariant kernels (runtime/deterministic.py)
             "encoder_cache": self.runner.encoder_cache_info(),  # image embeddings (None: a text-only model)
         }

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from radixgen.runtime.lora.adapter import LoRAAdapterError
 from radixgen.runtime.scheduler.output import RegexStop
 from radixgen.runtime.scheduler.request import FinishReason, GenerateRequest, Req, ReqOutput
-from radixgen.runtime.scheduler.waits import AdapterSlot, Condition, GrammarCompile
+from radixgen.runtime.scheduler.waits import AdapterSlot, Condition, GrammarCompile, KVLoadBack
 
 if TYPE_CHECKING:
     from radixgen.runtime.scheduler.core import Scheduler
@@ -63,8 +63,12 @@ def take_in(sched: Scheduler, req: Req) -> None:
 
 
 def resource_waits(sched: Scheduler, req: Req) -> list[Condition]:
-    """What a request must hold before admission besides KV: its LoRA adapter's slot."""
-    return [AdapterSlot(sched.lora, req)] if req.lora is not None else []
+    """What a request must hold before admission besides KV: its LoRA adapter's slot; with the hierarchical cache,
+    its prefix loaded back from the lower tiers (last: its namespace is known once the adapter is)."""
+    waits: list[Condition] = [AdapterSlot(sched.lora, req)] if req.lora is not None else []
+    if sched.kv.hicache is not None:
+        waits.append(KVLoadBack(sched.kv.hicache, req))
+    return waits
 
 
 def failure(stage: str, exc: BaseException) -> FinishReason:

@@ -14,7 +14,10 @@ or a step that failed before computing them).
 
 Eviction goes through the demote hook (`demote` / `discard`, the tree's TierHook): with no lower tier attached
 every evicted node is dropped and its slots return to the allocator; with one (`attach_lower_tier`: host memory
-or disk, later) it may take the node's KV instead, and the node stays in the tree on that tier.
+or disk) it may take the node's KV instead, and the node stays in the tree on that tier. The hierarchical cache
+(tiers/: `hicache`, from --enable-hierarchical-cache / --kv-cache-dir) is that lower tier: it also hears of every
+insert (`cached`: write-through to disk), loads prefixes back before admission (waits.KVLoadBack) and splits a
+request's cached tokens by the tier they came from.
 
 Namespaces: a request's `namespace` (its cache salt, with its LoRA adapter's load id when it has one) keys
 its own subtree: requests in different namespaces never share slots.
@@ -46,13 +49,21 @@ class KVCacheManager:
         self.allocator = SlotAllocator(num_slots, table.device)
         self.table = ReqToSlotTable(table, table_log)
         self.lower_tier = None  # what takes evicted nodes' KV (demote / discard); None: they are dropped
+        self.hicache = None  # the hierarchical cache (tiers.HierarchicalCache), when it is the lower tier
         self.tree = RadixCache(page_size=page_size, disable=disable_cache, tiers=self)
         self.evicted_tokens = 0
 
     @classmethod
     def for_runner(cls, runner, page_size: int = 1, disable_cache: bool = False) -> KVCacheManager:
-        return cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log,
-                   runner.kv_copies)
+        kv = cls(runner.kv_pool.num_slots, runner.req_to_slot, page_size, disable_cache, runner.table_log,
+                 runner.kv_copies)
+        from radixgen.runtime.scheduler.tiers import HierarchicalCache
+
+        hicache = HierarchicalCache.for_runner(kv, runner)
+        if hicache is not None:
+            kv.attach_lower_tier(hicache)
+            kv.hicache = hicache
+        return kv
 
     @property
     def capacity(self) -> int:
@@ -150,6 +161,10 @@ class KVCacheManager:
             self.tree.record_hit(m.last_node)
         req.last_node = m.last_node
         req.cached_len = req.kv_len = len(m.slots)
+        if self.hicache is not None:
+            if req.reported_cached < 0:  # its first admission: cached_tokens by tier
+                req.cached_details = self.hicache.split(req, req.cached_len)
+            self.hicache.admitted(req)
         req.table_row = self.table.allocate()
         self.table.write(req.table_row, 0, m.slots)
         return True
@@ -193,6 +208,8 @@ class KVCacheManager:
         tokens = req.radix_key[:req.kv_len]
         slots = self.table.read(req.table_row, 0, req.kv_len)
         already = self.tree.insert(tokens, slots, req.namespace)
+        if self.hicache is not None:
+            self.hicache.cached(tokens, slots, req.namespace)
         if already > req.cached_len:  # another request inserted the same tokens meanwhile
             self.allocator.free(slots[req.cached_len:already])
         m = self.tree.match_prefix(tokens, req.namespace)
@@ -202,11 +219,16 @@ class KVCacheManager:
         req.last_node, req.cached_len = m.last_node, len(m.slots)
 
     def release(self, req: Req) -> None:
-        """Give everything computed to the tree (or free it), unlock, and free the table row. Idempotent."""
+        """Give everything computed to the tree (or free it), unlock, and free the table row; a load-back it waits
+        for ends. Idempotent."""
+        if self.hicache is not None and (req.kv_load is not None or req.tier_prefetched):
+            self.hicache.cancel(req)
         if req.table_row is None:
             return
         slots = self.table.read(req.table_row, 0, req.kv_len)
         already = self.tree.insert(req.radix_key[:req.kv_len], slots, req.namespace)
+        if self.hicache is not None:
+            self.hicache.cached(req.radix_key[:req.kv_len], slots, req.namespace)
         stored = 0 if self.tree.disable else req.kv_len // self.page_size * self.page_size
         if already > req.cached_len:
             self.allocator.free(slots[req.cached_len:already])  # duplicates of what the tree holds
@@ -218,9 +240,16 @@ class KVCacheManager:
     # ------------------------------------------------------------------ the whole cache
 
     def flush(self) -> None:
-        """Drop every cached prefix. Only when no request holds slots (nothing may be locked)."""
-        self.allocator.free(self.tree.evict(self.tree.evictable_size()))
-        self.tree.reset()
+        """Drop every cached prefix (the disk tier's pages stay). Only when no request holds slots (nothing may be
+        locked)."""
+        if self.hicache is not None:
+            self.hicache.dropping = True  # evicted nodes go, not down a tier
+        try:
+            self.allocator.free(self.tree.evict(self.tree.evictable_size()))
+            self.tree.reset()
+        finally:
+            if self.hicache is not None:
+                self.hicache.dropping = False
 
     def evict_namespaces(self, belongs) -> int:
         """Free the unlocked entries of every namespace for which belongs(namespace) holds (an adapter's unload);
@@ -231,6 +260,15 @@ class KVCacheManager:
             self.allocator.free(f)
         self.evicted_tokens += n
         return n
+
+    def close(self) -> None:
+        """At shutdown: the hierarchical cache's disk writes finish."""
+        if self.hicache is not None:
+            self.hicache.close()
+
+    def tier_info(self) -> dict | None:
+        """The hierarchical cache's tiers for get_server_info (None: it is off)."""
+        return None if self.hicache is None else self.hicache.info()
 
     def usage(self) -> dict:
         return {"free": self.allocator.available(), "evictable": self.tree.evictable_size(),
@@ -245,4 +283,4 @@ class KVCacheManager:
             logger.error("KV slot leak: free %d + evictable %d + protected %d != total %d (or %d table rows "
                          "of %d held)", u["free"], u["evictable"], u["protected"], u["total"],
                          self.table.max_reqs - self.table.available(), self.table.max_reqs)
-        return ok
+        return ok and (self.hicache is None or self.hicache.invariant_holds())

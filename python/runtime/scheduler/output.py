@@ -247,6 +247,7 @@ class OutputProcessor:
         out = ReqOutput(
             rid=req.rid, new_ids=new, finish_reason=req.finish_reason,
             prompt_tokens=len(req.input_ids), cached_tokens=max(req.reported_cached, 0),
+            cached_details=req.cached_details,
             output_logprobs=req.output_logprobs[start:] if req.return_logprob else [],
             output_top=req.output_top[start:] if req.top_logprobs_num else [],
         )

@@ -106,6 +106,7 @@ def run_scheduler_process(args: RankArgs) -> int:
                 if isinstance(msg, ControlRequest) and msg.kind == ControlKind.SHUTDOWN:
                     if group is not None:
                         _close_group(sched, group)
+                    sched.kv.close()  # the disk tier's queued pages are written
                     send(ControlReply(msg.reply_id, True))
                     return 0
                 sched.handle_message(msg)

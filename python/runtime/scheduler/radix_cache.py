@@ -18,7 +18,8 @@ says None (drop it: the node and anything below it leave the tree) or gives its 
 keeps its place and key, its slots are freed). Without the hook every node is dropped. `match_prefix` returns the
 device-resident prefix only, and `MatchResult.lower_len` says how much further lower tiers hold; `insert` over a
 lower-tier node moves it back to the device with the caller's slots (`tiers.discard` frees the lower copy).
-`evict_lower(tier, n)` is the same LRU within one lower tier.
+`evict_lower(tier, n)` is the same LRU within one lower tier; `lower_path` lists the lower-tier nodes a match would go
+on through (what a load-back copies), `path_of` a node's namespace and token chain (what names its disk pages).
 
 Namespaces ("cache salt"; with a LoRA adapter, the tuple (salt, adapter load id)): `None` is the default
 namespace, stored directly under the root; every other namespace is a subtree under a child of the root
@@ -244,6 +245,35 @@ class RadixCache:
             node = max(branches, key=lambda c: (c.last_access, c.id))
             out += node.key[:max_tokens - len(out)]
         return out
+
+    def lower_path(self, node: TreeNode, tokens: Sequence[int], start: int) -> list[tuple[TreeNode, int]]:
+        """The lower-tier nodes that go on with tokens[start:] below device node `node` (the end of a match of
+        `start` tokens), each with how many of its tokens match (whole pages; only the last may match in part).
+        Refreshes their last access (a load-back is about to use them), splits and locks nothing."""
+        key = self._as_key(tokens)
+        out: list[tuple[TreeNode, int]] = []
+        i, tick = start, self._tick()
+        child = node.children.get(self._child_key(key, i)) if i < len(key) else None
+        while child is not None and child.tier != Tier.DEVICE:
+            n = self._common_len(child.key, key, i)
+            if n == 0:
+                break
+            child.last_access = tick
+            out.append((child, n))
+            i += n
+            if n < len(child) or i >= len(key):
+                break
+            child = child.children.get(self._child_key(key, i))
+        return out
+
+    def path_of(self, node: TreeNode) -> tuple[str | tuple | None, list[int]]:
+        """The namespace `node` is in, and the tokens from the start of the sequence to the end of `node`."""
+        keys = []
+        while len(node):  # up to the root or a namespace's subtree root (both hold no token)
+            keys.append(node.key)
+            node = node.parent
+        ns = self._namespace_keys.get(node)
+        return (ns.name if ns is not None else None), [t for k in reversed(keys) for t in k]
 
     def record_hit(self, node: TreeNode) -> None:
         """Count a request that reuses the cached prefix ending at `node` (on every node of the path)."""

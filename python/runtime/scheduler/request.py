@@ -58,6 +58,10 @@ class Req:
         self.cached_len = 0
         self.last_node = None
         self.reported_cached = -1  # cached prompt tokens at first admission
+        self.cached_details: dict | None = None  # with the hierarchical cache: reported_cached by tier
+        self.kv_load = None  # a load-back from the hierarchical cache's lower tiers in progress (tiers.Load)
+        self.tier_loaded: tuple[int, int, int] | None = None  # its last one: (device prefix, host, disk tokens)
+        self.tier_prefetched = 0  # tokens of it in the pool, loaded for this request before its admission
 
         self.finish_reason: FinishReason | None = None  # set by the scheduler's finish(), which reports it
         self.to_abort: str | None = None

@@ -1,13 +1,14 @@
 """What a request waits for before admission: one mechanism for every background job and resource.
 
 A request may hold pending conditions (`req.waits`): future-like objects with `done()` / `result()` / `error()`,
-polled without blocking. Today: its grammar compiling (`GrammarCompile`) and its LoRA adapter's slot (`AdapterSlot`:
-read from disk into a slot on the LoRA manager's thread, then held); later a KV load-back from a host or disk tier
-is one more kind of the same. (Images need no condition: their encoder runs inside the step that computes their
-rows, batched over the step's requests, executor/encoder_cache.py.) Each step `WaitList.poll` looks at every waiting
-request once: one whose condition failed ends alone (that condition's message and status code), one whose conditions
-are all done joins the admission queue, the others stay. A request that is aborted while it waits ends at once;
-ending releases what its conditions hold (the scheduler's `finish` does, as for any request), so nothing is leaked.
+polled without blocking. Today: its grammar compiling (`GrammarCompile`), its LoRA adapter's slot (`AdapterSlot`:
+read from disk into a slot on the LoRA manager's thread, then held) and its cached prefix coming back from the
+hierarchical cache's host and disk tiers (`KVLoadBack`). (Images need no condition: their encoder runs inside the
+step that computes their rows, batched over the step's requests, executor/encoder_cache.py.) Each step
+`WaitList.poll` looks at every waiting request once: one whose condition failed ends alone (that condition's message
+and status code), one whose conditions are all done joins the admission queue, the others stay. A request that is
+aborted while it waits ends at once; ending releases what its conditions hold (the scheduler's `finish` does, as for
+any request), so nothing is leaked.
 """
 
 from __future__ import annotations
@@ -86,6 +87,38 @@ class AdapterSlot:
 
     def settle(self, req: Req) -> None:
         pass  # acquire has put the slot on the request
+
+
+class KVLoadBack:
+    """The request's cached prefix coming back from the hierarchical cache's lower tiers (scheduler/tiers/): planned
+    at the first poll (the host tier's part needs no wait; the disk tier's pages are read on the store's threads
+    while other requests step), copied into the pool and the tree once done and once the pool has room for it
+    beside the loads of requests ahead (`may_load`), so admission matches the whole prefix.
+    Never fails the request: a page that cannot be read is a miss, and the request computes it."""
+
+    stage = "loading the cached KV of"
+
+    def __init__(self, hicache, req: Req) -> None:
+        self.hicache, self.req = hicache, req
+        self.planned = False
+
+    def done(self) -> bool:
+        if not self.planned:
+            self.planned = True
+            self.req.kv_load = self.hicache.plan(self.req)
+        load = self.req.kv_load
+        return load is None or (load.ready() and self.hicache.may_load(load))
+
+    def error(self) -> FinishReason | None:
+        return None
+
+    def result(self):
+        return self.req.kv_load
+
+    def settle(self, req: Req) -> None:
+        load, req.kv_load = req.kv_load, None
+        if load is not None:
+            self.hicache.load_back(req, load)
 
 
 class WaitList:

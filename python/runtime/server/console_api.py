@@ -38,7 +38,17 @@ def runtime_view(info: dict[str, Any]) -> dict[str, Any]:
         "counters": {k: stats.get(k, 0) for k in ("num_requests", "prompt_tokens", "cached_tokens",
                                                   "generation_tokens", "evicted_tokens")},
         "cache_hit_rate": info.get("cache_hit_rate", 0.0),
+        "tiers": tier_usage(info.get("hicache")),
     }
+
+
+def tier_usage(hicache: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The hierarchical cache's lower tiers under the pool bar (None: it is off)."""
+    if not hicache:
+        return None
+    host, disk = hicache["host"], hicache.get("disk")
+    return {"host_used": host["used_tokens"], "host_total": host["capacity_tokens"],
+            "disk_pages": disk["pages"] if disk else None, "disk_enabled": bool(disk and disk["enabled"])}
 
 
 def console_router(engine: Any, model_name: str) -> APIRouter:

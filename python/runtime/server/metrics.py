@@ -26,6 +26,16 @@ class ServerMetrics:
         self.cache_query_tokens = Counter(
             f"{p}_prefix_cache_query_tokens_total", "Prompt tokens looked up in the radix prefix cache"
         )
+        self.tier_hit_tokens = Counter(
+            f"{p}_prefix_cache_hit_tokens_by_tier_total",
+            "Prompt tokens served from the prefix cache, by the tier they were in at arrival (device, host, disk)",
+            ("tier",),
+        )
+        self.host_tier_used = Gauge(f"{p}_hicache_host_tokens", "Tokens held in the hierarchical cache's host tier")
+        self.host_tier_total = Gauge(f"{p}_hicache_host_capacity_tokens", "Capacity of the host tier, in tokens")
+        self.disk_tier_pages = Gauge(f"{p}_hicache_disk_pages", "Page files this server knows in the disk tier")
+        self.disk_tier_bytes = Gauge(f"{p}_hicache_disk_bytes", "Bytes of those page files")
+        self.disk_tier_on = Gauge(f"{p}_hicache_disk_enabled", "1 while the disk tier is in use (0: off or turned off)")
         self.spec_draft_tokens = Counter(f"{p}_spec_draft_tokens_total", "Speculative draft tokens proposed")
         self.spec_accepted_tokens = Counter(
             f"{p}_spec_accepted_tokens_total", "Speculative draft tokens accepted (kept in the output)"
@@ -55,6 +65,8 @@ class ServerMetrics:
         self.generation_tokens.inc(meta.get("completion_tokens", 0))
         self.cache_hit_tokens.inc(meta.get("cached_tokens", 0))
         self.cache_query_tokens.inc(meta.get("prompt_tokens", 0))
+        for tier, n in (meta.get("cached_tokens_details") or {}).items():
+            self.tier_hit_tokens.inc(n, tier=tier)
         self.spec_draft_tokens.inc(meta.get("spec_draft_token_num", 0))
         self.spec_accepted_tokens.inc(meta.get("spec_accept_token_num", 0))
         self.spec_verify.inc(meta.get("spec_verify_ct", 0))
@@ -67,6 +79,13 @@ class ServerMetrics:
         self.kv_free.set(cache.get("free", 0))
         self.kv_evictable.set(cache.get("evictable", 0))
         self.kv_protected.set(cache.get("protected", 0))
+        tiers = info.get("hicache") or {}
+        host, disk = tiers.get("host") or {}, tiers.get("disk") or {}
+        self.host_tier_used.set(host.get("used_tokens", 0))
+        self.host_tier_total.set(host.get("capacity_tokens", 0))
+        self.disk_tier_pages.set(disk.get("pages", 0))
+        self.disk_tier_bytes.set(disk.get("bytes", 0))
+        self.disk_tier_on.set(1 if disk.get("enabled") else 0)
 
     def all(self) -> list:
         return [v for v in vars(self).values() if isinstance(v, (Counter, Gauge, Histogram))]

@@ -1,0 +1,357 @@
+"""The hierarchical cache: the tiers under the radix tree's device pool, as the KV cache manager's lower tier.
+
+Tier 0 is the KV pool. Tier 1 is host memory (executor.kv_pool.HostKVPool: pinned on CUDA; on the CPU by default the
+compact 8-bit format), rows handed out here, named in the tree by their row indices (a node's `KVLocation(HOST,
+rows)`). Tier 2 is a directory of page files (disk.DiskStore), content-addressed by the hash of each page's token
+chain: the tree does not mirror it; a match that ends where the tree's tiers end looks the following pages up by
+name (what lets a restarted server, or another replica, find pages it never held).
+
+Policy:
+- a device node evicted from the pool moves to tier 1 (`demote`: a DEVICE_TO_HOST copy order), making room there
+  by evicting tier 1's least recently used nodes; a tier-1 node evicted leaves the tree, its pages written to
+  tier 2 first with write-back (with write-through every page is written to tier 2 when it is cached, `cached`);
+- a request whose prefix reaches tier 1 or 2 waits (waits.KVLoadBack) while its pages come back: tier-2 pages are
+  read on the store's threads into tier-1 rows held by the load, then (`load_back`) the tier-1 rows are copied into
+  fresh pool slots (HOST_TO_DEVICE orders) and inserted into the tree, before the request's admission, so its
+  prefill starts from the whole prefix; other requests step meanwhile.
+The copy orders run at once (the model runner's `apply_kv_copies`): the host tier lives in this process (tensor and
+pipeline parallelism are refused with it), and running them before the slots they read are reused keeps every
+order's source valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import torch
+
+from radixgen.kernels.kv_quant import quantize_kv_ref
+from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, SlotAllocator, one_thread
+from radixgen.runtime.executor.step_messages import CopyDirection
+from radixgen.runtime.scheduler.radix_cache import KVLocation, Tier, TreeNode
+from radixgen.runtime.scheduler.tiers.disk import DiskStore, Page, page_names
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # of the page files' contents; part of the fingerprint
+MAX_LOAD_WAIT = 64  # polls (steps) a load waits for pool room before it loads what fits
+
+
+def storable(namespace) -> bool:
+    """Namespaces whose pages may go to disk: the default one and cache salts (API-key scopes). A LoRA adapter's
+    namespace names the adapter by a load id valid in this process only, so its pages stay in tiers 0 and 1."""
+    return namespace is None or isinstance(namespace, str)
+
+
+class Load:
+    """A request's load-back in progress: what the tree's tiers held at planning, and the disk pages being read into
+    tier-1 rows `rows` (held by the load until it ends)."""
+
+    def __init__(self, key: list[int], namespace, host_len: int, rest: int) -> None:
+        self.key, self.namespace, self.host_len = key, namespace, host_len
+        self.rest = rest  # pool slots the request needs beyond its device prefix (the load and its prefill)
+        self.polls = 0
+        self.disk_start = 0  # position of the first disk page
+        self.rows = None  # (pages * page_size,) tier-1 rows the pages are read into
+        self.future = None
+        self._read = None
+
+    def ready(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def pages_read(self) -> int:
+        """Once ready: how many leading pages the reads brought (blocks until then)."""
+        if self.future is None:
+            return 0
+        if self._read is None:
+            try:
+                self._read = self.future.result()
+            except Exception:  # noqa: BLE001 - a failed read is a miss
+                logger.exception("reading KV pages from the disk tier failed")
+                self._read = 0
+        return self._read
+
+
+class HierarchicalCache:
+    def __init__(self, kv, pool: KVPool, host: HostKVPool, copies, apply_copies, write_policy: str = "write_back",
+                 disk: DiskStore | None = None) -> None:
+        self.kv, self.tree = kv, kv.tree
+        self.pool, self.host = pool, host
+        self.copies, self.apply_copies = copies, apply_copies
+        self.rows = SlotAllocator(host.num_slots)  # tier-1 rows (row 0 is never handed out)
+        self.write_through = write_policy == "write_through"
+        self.write_policy = write_policy
+        self.disk = disk
+        self.page_size = kv.page_size
+        self.staged = 0  # tier-1 rows held by loads (disk pages read into them)
+        self.prefetched = 0  # pool tokens loaded back for requests not admitted yet
+        self.orphans: list[Load] = []  # loads of ended requests whose reads are still running
+        self.dropping = False  # flush: evicted nodes are dropped, not moved down
+        self.counts = dict(host_hit_tokens=0, disk_hit_tokens=0, demoted_tokens=0, host_evicted_tokens=0,
+                           dropped_tokens=0, loads=0)
+
+    @classmethod
+    def for_runner(cls, kv, runner) -> HierarchicalCache | None:
+        cfg = runner.runtime_config
+        if getattr(runner, "host_pool", None) is None:
+            return None
+        disk = None
+        if cfg.kv_cache_dir is not None:
+            disk = DiskStore(cfg.kv_cache_dir, fingerprint(runner, kv.page_size), int(cfg.hicache_disk_size * 2**30))
+        return cls(kv, runner.kv_pool, runner.host_pool, runner.kv_copies, runner.apply_kv_copies,
+                   cfg.hicache_write_policy, disk)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.disk.fingerprint if self.disk is not None else ""
+
+    # ------------------------------------------------------------------ the tree's hook: demote / discard
+
+    def demote(self, node: TreeNode) -> KVLocation | None:
+        if node.tier == Tier.DEVICE:
+            rows = None if self.dropping else self._host_rows(len(node))
+            if rows is None:
+                self.counts["dropped_tokens"] += len(node)
+                return None
+            self._copy(CopyDirection.DEVICE_TO_HOST, node.slots, rows)
+            self.counts["demoted_tokens"] += len(node)
+            return KVLocation(Tier.HOST, rows)
+        self.counts["host_evicted_tokens"] += len(node)
+        if self.disk is not None and not self.write_through and not self.dropping:
+            self._write_node(node)  # write-back: its pages go to disk as it leaves tier 1
+        return None  # tier 2 is content-addressed: the node leaves the tree
+
+    def discard(self, loc: KVLocation) -> None:
+        if loc.tier == Tier.HOST:
+            self.rows.free(loc.handle)
+
+    def _host_rows(self, n: int) -> torch.Tensor | None:
+        """n tier-1 rows, evicting tier 1's least recently used nodes for them; None when they cannot be had."""
+        if n > self.rows.capacity - self.staged:
+            return None
+        if not self.rows.can_allocate(n):
+            self.tree.evict_lower(Tier.HOST, n - self.rows.available())
+        return self.rows.allocate(n) if self.rows.can_allocate(n) else None
+
+    def _copy(self, direction: CopyDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.copies.order(direction, src, dst)
+        self.apply_copies()
+
+    # ------------------------------------------------------------------ writes to tier 2
+
+    def cached(self, tokens, slots: torch.Tensor, namespace) -> None:
+        """Write-through: the whole pages of `tokens` (whose KV is in pool `slots`) that the disk tier lacks go to
+        it now (their rows copied out here, written on the writer thread)."""
+        disk, p = self.disk, self.page_size
+        if disk is None or not self.write_through or not disk.enabled or not storable(namespace):
+            return
+        names = page_names(disk.fingerprint, namespace, tokens, p)
+        todo = [i for i, name in enumerate(names) if not disk.known(name) and not disk.has(name)]
+        if not todo:
+            return
+        index = torch.cat([slots[i * p:(i + 1) * p] for i in todo])
+        rows = self._host_format(self.pool.read_rows(index))
+        for k, i in enumerate(todo):
+            disk.write(Page(names[i], names[i - 1] if i else "", list(tokens[i * p:(i + 1) * p]),
+                            [r[k * p:(k + 1) * p] for r in rows]))
+
+    def _write_node(self, node: TreeNode) -> None:
+        namespace, tokens = self.tree.path_of(node)
+        if not storable(namespace) or not self.disk.enabled:
+            return
+        p, start = self.page_size, len(tokens) - len(node)
+        names = page_names(self.disk.fingerprint, namespace, tokens, p)
+        rows = self.host.read_rows(node.handle)
+        for i in range(start // p, len(names)):
+            a = i * p - start
+            self.disk.write(Page(names[i], names[i - 1] if i else "", list(tokens[i * p:(i + 1) * p]),
+                                 [r[a:a + p] for r in rows]))
+
+    def _host_format(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pool rows (`KVPool.read_rows`) in the host tier's format: as they are, or quantized to its codes."""
+        if self.host.format == self.pool.format:
+            return rows
+        with one_thread():
+            codes, scales = zip(*(quantize_kv_ref(r, self.host.code_dtype) for r in rows), strict=True)
+        return [*codes, *scales]
+
+    # ------------------------------------------------------------------ load-back
+
+    def plan(self, req) -> Load | None:
+        """What of the request's prefix lower tiers hold past the pool: tier-1 nodes of the tree, then the pages
+        tier 2 has; their reads start now (into tier-1 rows). None: nothing to load."""
+        self._reap()
+        key = req.radix_key[:req.max_cacheable()]
+        ns = req.namespace
+        m = self.tree.match_prefix(key, ns)
+        path = self.tree.lower_path(m.last_node, key, len(m.slots))  # refreshed: tier 1's LRU keeps them
+        load = Load(key, ns, sum(n for _, n in path), len(key) + 1 - len(m.slots))
+        reach = len(m.slots) + load.host_len
+        disk, p = self.disk, self.page_size
+        if disk is not None and disk.enabled and storable(ns) and reach + p <= len(key):
+            names = page_names(disk.fingerprint, ns, key, p)
+            run, room = [], (self.rows.capacity - self.staged) // p  # pages tier 1 could take for this load
+            for i in range(reach // p, len(names)):
+                if len(run) == room or not disk.has(names[i]):
+                    break
+                run.append(i)
+            rows = self._host_rows(len(run) * p) if run else None
+            if rows is not None:
+                self.staged += rows.numel()
+                load.rows, load.disk_start = rows, run[0] * p
+                host = self.host
+
+                def sink(j: int, tensors: list[torch.Tensor]) -> None:  # on a reader thread: rows held by this load
+                    host.write_rows(rows[j * p:(j + 1) * p], tensors)
+
+                load.future = disk.read([names[i] for i in run], [names[i - 1] if i else "" for i in run],
+                                        [key[i * p:(i + 1) * p] for i in run], sink)
+        if not load.host_len and load.future is None:
+            return None
+        return load
+
+    def may_load(self, load: Load) -> bool:
+        """Whether the pool may take this load now: when the request would fit beside what running requests hold
+        (else the load would be cut short, or evicted again before the request runs), and within the budget of
+        loads for requests still queued (half the pool, or one at a time: prefetching a long queue must not evict
+        what was just loaded for the requests ahead). After MAX_LOAD_WAIT polls it loads what fits."""
+        load.polls += 1
+        if load.polls > MAX_LOAD_WAIT:
+            return True
+        need = load.host_len + (load.pages_read() * self.page_size if load.future is not None else 0)
+        budget = self.prefetched == 0 or self.prefetched + need <= self.kv.capacity // 2
+        return budget and load.rest <= self.kv.available()
+
+    def admitted(self, req) -> None:
+        """The request's prefix is locked by its admission (or it ended): its loaded tokens leave the prefetch
+        budget."""
+        self.prefetched -= req.tier_prefetched
+        req.tier_prefetched = 0
+
+    def load_back(self, req, load: Load) -> None:
+        """Bring the planned prefix into the pool and the tree (as far as it is still there and fits)."""
+        try:
+            self._load_back(req, load)
+        finally:
+            self._release(load)
+
+    def _load_back(self, req, load: Load) -> None:
+        key, ns, p = load.key, load.namespace, self.page_size
+        read = load.pages_read() * p
+        m = self.tree.match_prefix(key, ns)
+        dev = len(m.slots)
+        self.tree.lock(m.last_node)  # the device prefix stays while slots are allocated below
+        try:
+            host_len = sum(n for _, n in self.tree.lower_path(m.last_node, key, dev))
+            d0, d1 = load.disk_start, load.disk_start + read
+            disk_len = d1 - (dev + host_len) if d0 <= dev + host_len < d1 else 0
+            total = min(host_len + disk_len, self.kv.available()) // p * p
+            if total <= 0:
+                return
+            slots = self.kv.allocate(total)  # may demote other nodes, and evict tier-1 nodes of this path
+            path = self.tree.lower_path(m.last_node, key, dev)
+            now = min(sum(n for _, n in path), total)
+            if now < min(host_len, total):
+                disk_len = 0  # the path lost tier-1 nodes: the disk pages no longer follow on
+            disk_len = max(0, min(disk_len, total - now))
+            used = now + disk_len
+            if now:
+                src = torch.cat([node.handle[:n] for node, n in path])[:now]
+                self._copy(CopyDirection.HOST_TO_DEVICE, src, slots[:now])
+            if disk_len:
+                skip = dev + now - d0
+                self._copy(CopyDirection.HOST_TO_DEVICE, load.rows[skip:skip + disk_len], slots[now:used])
+            already = self.tree.insert(key[:dev + used], torch.cat([m.slots, slots[:used]]), ns)
+            if already > dev:  # held on the device meanwhile (not possible in one thread; kept exact anyway)
+                self.kv.free(slots[:min(already, dev + used) - dev])
+            self.kv.free(slots[used:])
+        finally:
+            self.tree.unlock(m.last_node)
+        req.tier_loaded = (dev, now, disk_len)
+        self.admitted(req)  # a retracted request loading again: its earlier load no longer counts
+        req.tier_prefetched = now + disk_len
+        self.prefetched += now + disk_len
+        self.counts["host_hit_tokens"] += now
+        self.counts["disk_hit_tokens"] += disk_len
+        self.counts["loads"] += 1
+
+    def cancel(self, req) -> None:
+        """The request ends before its load-back or its admission: its tier-1 rows go back (once its reads have
+        stopped), its loaded tokens leave the prefetch budget."""
+        self.admitted(req)
+        load, req.kv_load = req.kv_load, None
+        if load is not None:
+            if load.ready():
+                self._release(load)
+            else:
+                self.orphans.append(load)
+
+    def _release(self, load: Load) -> None:
+        if load.rows is not None:
+            self.rows.free(load.rows)
+            self.staged -= load.rows.numel()
+            load.rows = None
+
+    def _reap(self) -> None:
+        for load in [o for o in self.orphans if o.ready()]:
+            self.orphans.remove(load)
+            self._release(load)
+
+    def split(self, req, cached: int) -> dict:
+        """cached_tokens by tier for a request admitted with `cached` tokens from the tree: what its load-back
+        brought from tiers 1 and 2 (as far as the admission's match still covers it), the rest the pool's."""
+        dev, host, disk = getattr(req, "tier_loaded", None) or (cached, 0, 0)
+        from_host = max(0, min(cached - dev, host))
+        from_disk = max(0, min(cached - dev - host, disk))
+        return {"device": cached - from_host - from_disk, "host": from_host, "disk": from_disk}
+
+    # ------------------------------------------------------------------ the whole
+
+    def settle_reads(self) -> None:
+        """Wait for every disk read of ended requests (the idle invariant counts their rows as in use until then)."""
+        for load in self.orphans:
+            load.pages_read()
+        self._reap()
+
+    def invariant_holds(self) -> bool:
+        self.settle_reads()
+        used = self.tree.lower_size(Tier.HOST)
+        ok = (self.rows.available() + used + self.staged == self.rows.capacity and self.staged == 0
+              and self.prefetched == 0)
+        if not ok:
+            logger.error("host tier leak: free %d + in the tree %d + held by loads %d != %d rows (or %d tokens "
+                         "counted as prefetched)", self.rows.available(), used, self.staged, self.rows.capacity,
+                         self.prefetched)
+        return ok
+
+    def info(self) -> dict:
+        host = {"capacity_tokens": self.rows.capacity, "used_tokens": self.tree.lower_size(Tier.HOST),
+                "free_tokens": self.rows.available(), "format": str(self.host.format).removeprefix("torch."),
+                "memory_bytes": self.host.nbytes(), "pinned": self.host.k_buffers[0].is_pinned()}
+        return {"write_policy": self.write_policy, "host": host,
+                "disk": self.disk.info() if self.disk is not None else None, **self.counts}
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+
+def fingerprint(runner, page_size: int) -> str:
+    """What makes two servers' pages interchangeable: the model (config, weight files by name and size, the dummy
+    weights' seed), the weight quantization, the dtype, the pool's and the host tier's formats, the page size, the
+    rank's shard. Anything else differing gives another fingerprint, so a page is never read by a server that would
+    have computed other KV."""
+    cfg, path = runner.runtime_config, runner.model_path
+    if path.is_dir():
+        files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
+                       if f.suffix in (".safetensors", ".gguf", ".bin", ".pt"))
+    else:
+        files = [(path.name, path.stat().st_size)]
+    par = runner.parallel
+    parts = {"version": FORMAT_VERSION, "config": runner.hf_config, "files": files, "load_format": cfg.load_format,
+             "seed": cfg.seed if cfg.load_format == "dummy" else None, "quantization": str(runner.quantization),
+             "dtype": str(runner.dtype), "pool": str(runner.kv_pool.format), "host": str(runner.host_pool.format),
+             "page_size": page_size, "tp": [par.tp_rank, par.tp_size], "pp": [par.pp_rank, par.pp_size]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

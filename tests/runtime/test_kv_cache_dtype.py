@@ -149,6 +149,7 @@ def test_fused_decode_step_over_the_8bit_pool(kv):
     real = fused.fused_decode.__call__
     fd = fused.fused_decode
     fused.fused_decode = type("Counted", (), {"applies": fd.applies, "logits": fd.logits,
+                                              "positions_fit": fd.positions_fit,
                                               "__call__": lambda self, *a: calls.append(1) or real(*a)})()
     got, want = drive(fused, prompts()), drive(plain, prompts())
     assert len(calls) == 4

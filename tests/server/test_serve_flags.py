@@ -100,7 +100,8 @@ def _other_value(f: dataclasses.Field, hint: Any) -> tuple[list[str], Any]:
 # fields valid only beside others (a group over several nodes): the flags that make them so
 COMPANIONS = {"nnodes": {"tp_size": 4, "dist_init_addr": "127.0.0.1:29500"},
               "node_rank": {"nnodes": 4, "tp_size": 4, "dist_init_addr": "127.0.0.1:29500"},
-              "ep_size": {"tp_size": 4}}
+              "ep_size": {"tp_size": 4},
+              "kv_cache_dir": {"page_size": 16}}  # the disk tier's files are whole pages
 
 
 def test_every_runtime_field_reaches_the_config():

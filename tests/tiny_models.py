@@ -62,26 +62,39 @@ def tiny_model_dir(arch: str = "llama", root: str | os.PathLike | None = None) -
     """Build (once per root) and return a folder with config, safetensors weights and tokenizer."""
     import transformers as tf
 
-    from radixgen.runtime.loader import resolve_model_path
+    def build(tmp: Path) -> None:
+        torch.manual_seed(1234)
+        model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
+        with torch.no_grad():  # larger than the default init, so logits are far from uniform
+            for p in model.parameters():
+                if p.dim() >= 2:  # (an MoE's experts are stacked (E, out, in) in transformers)
+                    p.normal_(0.0, 0.08)
+        model.save_pretrained(tmp)
+        copy_default_tokenizer(tmp)
 
+    return build_once(arch, root, build)
+
+
+def build_once(name: str, root: str | os.PathLike | None, build) -> Path:
+    """The tiny-model folder `name` under root (default $RADIXGEN_CACHE or ~/.cache/radixgen) /tiny, made by
+    build(tmp folder) the first time, published whole (another process may build it at the same time)."""
     root = Path(root or os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen")) / "tiny"
-    out = root / arch
+    out = root / name
     if (out / "DONE").exists():
         return out
-    tmp = root / f"{arch}.tmp{os.getpid()}"
+    tmp = root / f"{name}.tmp{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(1234)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init, so logits are far from uniform
-        for p in model.parameters():
-            if p.dim() >= 2:  # (an MoE's experts are stacked (E, out, in) in transformers)
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(tmp)
-    default = resolve_model_path(None)
-    for f in default.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, tmp / f.name)
+    build(tmp)
     return _publish(tmp, out)
+
+
+def copy_default_tokenizer(folder: Path) -> None:
+    """The default model's tokenizer and chat template files into `folder`."""
+    from radixgen.runtime.loader import resolve_model_path
+
+    for f in resolve_model_path(None).iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, folder / f.name)
 
 
 def _publish(tmp: Path, out: Path) -> Path:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
-from tiny_models import PADDED_VOCAB, _publish
+from tiny_models import PADDED_VOCAB, build_once, copy_default_tokenizer
 
 IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 49200, 49201, 49202, 49203
 TEXT = dict(vocab_size=PADDED_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -50,21 +49,14 @@ def hf_vl_model(arch: str):
 
 def tiny_vl_dir(arch: str = "qwen2_vl", root: str | os.PathLike | None = None) -> Path:
     """Build (once per root) and return a folder with config, safetensors weights, tokenizer."""
-    from radixgen.runtime.loader import resolve_model_path
 
-    root = Path(root or os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen")) / "tiny"
-    out = root / arch
-    if (out / "DONE").exists():
-        return out
-    tmp = root / f"{arch}.tmp{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    hf_vl_model(arch).save_pretrained(tmp)
-    # small images (at most 64 merged patch blocks, 256 patches): fast tests
-    (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-    for f in resolve_model_path(None).iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, tmp / f.name)
-    return _publish(tmp, out)
+    def build(tmp: Path) -> None:
+        hf_vl_model(arch).save_pretrained(tmp)
+        # small images (at most 64 merged patch blocks, 256 patches): fast tests
+        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+        copy_default_tokenizer(tmp)
+
+    return build_once(arch, root, build)
 
 
 def random_image(seed: int, height: int, width: int):

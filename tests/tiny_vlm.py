@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from tiny_models import PADDED_VOCAB, _publish
+from tiny_models import PADDED_VOCAB, build_once
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 49152
@@ -37,27 +37,22 @@ def tiny_llava_dir(text: str = "llama", root: str | os.PathLike | None = None, *
 
     from radixgen.runtime.loader import resolve_model_path
 
-    name = f"llava-{text}" + "".join(f"-{k}{v}" for k, v in sorted(over.items()))
-    root = Path(root or os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen")) / "tiny"
-    out = root / name
-    if (out / "DONE").exists():
-        return out
-    tmp = root / f"{name}.tmp{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(1234)
-    model = tf.LlavaForConditionalGeneration(llava_config(text, **over)).to(torch.float32)
-    with torch.no_grad():  # larger than the default init, so logits are far from uniform
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(tmp)
-    tok = tf.AutoTokenizer.from_pretrained(resolve_model_path(None))
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    assert tok.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
-    tok.save_pretrained(tmp)
-    tf.CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
-                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(tmp)
-    return _publish(tmp, out)
+    def build(tmp: Path) -> None:
+        torch.manual_seed(1234)
+        model = tf.LlavaForConditionalGeneration(llava_config(text, **over)).to(torch.float32)
+        with torch.no_grad():  # larger than the default init, so logits are far from uniform
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.08)
+        model.save_pretrained(tmp)
+        tok = tf.AutoTokenizer.from_pretrained(resolve_model_path(None))
+        tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+        assert tok.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
+        tok.save_pretrained(tmp)
+        tf.CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                 crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(tmp)
+
+    return build_once(f"llava-{text}" + "".join(f"-{k}{v}" for k, v in sorted(over.items())), root, build)
 
 
 def make_image(seed: int = 0, size: tuple[int, int] = (48, 40)):

@@ -102,7 +102,14 @@ def to_data_url(source: Any, fmt: str = "PNG") -> str:
         source.save(buf, format=fmt)
         data, mime = buf.getvalue(), f"image/{fmt.lower()}"
     else:
-        data, mime = source_bytes(source), "application/octet-stream"
+        data = source_bytes(source)
+        mime = "application/octet-stream"  # what no image header names (the server says why it cannot decode it)
+        try:
+            with Image.open(io.BytesIO(data)) as img:  # reads the header only
+                if img.format:
+                    mime = Image.MIME.get(img.format, f"image/{img.format.lower()}")
+        except Exception:  # noqa: BLE001 - any unreadable header keeps the generic type
+            pass
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 

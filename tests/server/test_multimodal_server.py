@@ -212,3 +212,46 @@ def test_sglang_programs_with_sgl_image_run_unchanged(server, tmp_path):
                                            "image_data": base64.b64encode(path.read_bytes()).decode(),
                                            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     assert direct["text"] == state["answer"]
+
+
+def test_the_dsl_openai_backend_sends_images_as_image_url_parts(server):
+    """rg.image under the language's OpenAI backend: each image goes to the chat API as an image_url part (a data
+    URL) in its place in the message; the answer is the one the `openai` client gets for those parts."""
+    import openai
+
+    from radixgen.lang.interpreter.errors import ProgramError
+
+    backend = rg.OpenAI(server.model, base_url=f"{server.url}/v1", api_key=server.api_key)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key)
+
+    @rg.function
+    def describe(s, img):
+        s += rg.system("You describe pictures.")
+        s += rg.user("Look: " + rg.image(img) + " What is it?")
+        s += rg.assistant(rg.gen("answer", max_tokens=6, temperature=0, ignore_eos=True))
+
+    answers = []
+    for seed in (12, 13):
+        state = describe.run(img=png_bytes(small(seed)), backend=backend)
+        direct = client.chat.completions.create(
+            model=server.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, messages=[
+                {"role": "system", "content": "You describe pictures."},
+                {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                             {"type": "image_url", "image_url": {"url": data_url(small(seed))}},
+                                             {"type": "text", "text": " What is it?"}]}])
+        assert state["answer"] == direct.choices[0].message.content
+        assert state.get_meta_info("answer")["prompt_tokens"] == direct.usage.prompt_tokens
+        answers.append(state["answer"])
+    assert answers[0] != answers[1]  # the image reached the model
+
+    @rg.function
+    def outside(s, img):
+        s += rg.image(img)
+
+    with pytest.raises(ProgramError, match=r"ValueError: image\(\): with a chat model an image goes inside a turn"):
+        outside.run(img=small(12), backend=backend)
+    completions = rg.OpenAI(server.model, is_chat_model=False, base_url=f"{server.url}/v1", api_key=server.api_key)
+    with pytest.raises(ProgramError, match=r"the completions API of .* takes no images; use a chat model"):
+        describe.run(img=small(12), backend=completions)
+    backend.shutdown()
+    completions.shutdown()

@@ -255,3 +255,41 @@ def test_the_dsl_openai_backend_sends_images_as_image_url_parts(server):
         describe.run(img=small(12), backend=completions)
     backend.shutdown()
     completions.shutdown()
+
+
+def test_select_after_an_image_over_runtime_endpoint(server, tmp_path):
+    """select after an image over HTTP (the pieces tokenized by /tokenize): each choice's score is its mean logprob
+    read off a /generate of the prompt and the choice with the image, every prompt logprob asked for (no cache
+    use); the image given as a path and as a data URL scores the same."""
+    backend = rg.RuntimeEndpoint(server.url, api_key=server.api_key)
+    choices = ["yes", "no"]
+
+    @rg.function
+    def qa(s, img):
+        s += rg.user(rg.image(img) + "Is it a cat?")
+        s += rg.assistant(rg.select("a", choices=choices))
+
+    path = tmp_path / "cat.png"
+    path.write_bytes(png_bytes(small(14)))
+    state = qa.run(img=str(path), backend=backend)
+    meta = state.get_meta_info("a")
+    assert meta["cached_tokens"] >= len(choices) * N_IMG  # the image's KV from the tree for each choice
+    text = state.text()
+    prompt = text[: text.index(state["a"], text.index("Is it a cat?"))]
+    with server.client() as c:
+        tok = c.post("/tokenize", json={"text": [prompt.split("<image>")[1]], "add_special_tokens": False}).json()
+        want = []
+        for choice in choices:
+            out = c.post("/generate", json={"text": prompt + choice, "image_data": data_url(small(14)),
+                                            "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                                            "logprob_start_len": 0}).json()
+            full = out["meta_info"]["input_token_logprobs"]
+            tail = c.post("/tokenize", json={"text": [prompt.split("<image>")[1] + choice],
+                                             "add_special_tokens": False}).json()[0]["tokens"]
+            k = next(i for i, t in enumerate(tail) if i >= len(tok[0]["tokens"]) or t != tok[0]["tokens"][i])
+            span = [lp for lp, _, _ in full[len(full) - (len(tail) - k):]]
+            want.append(sum(span) / len(span))
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
+    as_url = qa.run(img=data_url(small(14)), backend=backend)
+    assert as_url.get_meta_info("a")["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
+    backend.shutdown()

@@ -87,7 +87,8 @@ def choice_mean_logprobs(logits_of, prompt_ids: list[int], fulls: list[list[int]
     prompt's (a choice may merge with the prompt's last token)."""
     out = []
     for full in fulls:
-        k = next((i for i, (a, b) in enumerate(zip(prompt_ids, full)) if a != b), min(len(prompt_ids), len(full)))
+        k = next((i for i, (a, b) in enumerate(zip(prompt_ids, full, strict=False)) if a != b),
+                 min(len(prompt_ids), len(full)))
         logprobs = torch.log_softmax(logits_of(full).double(), dim=-1)
         out.append(sum(logprobs[j - 1, full[j]].item() for j in range(k, len(full))) / (len(full) - k))
     return out

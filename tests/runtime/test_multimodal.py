@@ -333,8 +333,9 @@ def test_select_after_an_image_scores_the_choices_over_the_cached_image_prefix(e
         ids = tok(head).input_ids + [IMAGE_TOKEN_ID] * N_IMG
         fulls = [ids + tok(tail + c, add_special_tokens=False).input_ids for c in choices]
         with torch.no_grad():
-            want = choice_mean_logprobs(lambda x: hf(input_ids=torch.tensor([x]), pixel_values=hf_pixels(d, img))
-                                        .logits[0], ids + tok(tail, add_special_tokens=False).input_ids, fulls)
+            px = hf_pixels(d, img)
+            want = choice_mean_logprobs(lambda x, px=px: hf(input_ids=torch.tensor([x]), pixel_values=px).logits[0],
+                                        ids + tok(tail, add_special_tokens=False).input_ids, fulls)
         assert meta["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
         assert state["a"] == choices[max(range(3), key=lambda i: want[i])]
         assert meta["cached_tokens"] >= len(choices) * (len(ids))  # each choice: the image's KV from the tree

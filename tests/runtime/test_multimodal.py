@@ -342,4 +342,14 @@ def test_select_after_an_image_scores_the_choices_over_the_cached_image_prefix(e
         assert state["why"]
         scores.append(meta["normalized_prompt_logprobs"])
     assert scores[0] != scores[1]  # the image reached the scoring
+
+    @rg.function
+    def unconditional(s, img):  # the "no context" prompt holds no image: scored as text beside the image prompt
+        s += rg.user(rg.image(img) + "Is it a cat?")
+        s += rg.assistant(rg.select("a", choices=choices, choices_method=rg.unconditional_likelihood_normalized))
+
+    meta = unconditional.run(img=make_image(31), backend=backend).get_meta_info("a")
+    assert [t[0] for t in meta["input_token_logprobs"][0]] == pytest.approx(
+        [t[0] for t in state.get_meta_info("a")["input_token_logprobs"][0]], abs=1e-5)
+    assert len(meta["unconditional_token_logprobs"]) == len(choices)
     idle_and_consistent(engine)

@@ -32,10 +32,17 @@ def data_url(img) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
+def media_dir(tmp_path_factory) -> Path:
+    """The folder whose images clients may name by path (--allowed-local-media-path)."""
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def server(media_dir):
     srv = start_server("--model", str(tiny_llava_dir()), "--max-total-tokens", "2048", "--allow-remote-media",
                        "--dtype", "float32", "--speculative-algorithm", "ngram",
-                       "--max-media-bytes", str(MAX_BYTES), "--max-images-per-request", "2")
+                       "--max-media-bytes", str(MAX_BYTES), "--max-images-per-request", "2",
+                       "--allowed-local-media-path", str(media_dir))
     yield srv
     assert stop_server(srv) == 0, srv.log_tail()
 
@@ -293,3 +300,21 @@ def test_select_after_an_image_over_runtime_endpoint(server, tmp_path):
     as_url = qa.run(img=data_url(small(14)), backend=backend)
     assert as_url.get_meta_info("a")["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
     backend.shutdown()
+
+
+def test_a_client_names_local_files_only_under_the_allowed_folder(server, media_dir, tmp_path):
+    """A path in image_data or an image_url is read only under --allowed-local-media-path: there it is the same
+    image as its data URL; elsewhere (or climbing out with ..) a 400, whether the file exists or not."""
+    (media_dir / "cat.png").write_bytes(png_bytes(small(15)))
+    (tmp_path / "secret.png").write_bytes(png_bytes(small(16)))
+    body = {"text": "<image> What is it?", "sampling_params": GREEDY}
+    with server.client() as c:
+        want = c.post("/generate", json={**body, "image_data": data_url(small(15))}).json()["output_ids"]
+        got = c.post("/generate", json={**body, "image_data": str(media_dir / "cat.png")})
+        assert got.status_code == 200 and got.json()["output_ids"] == want
+        for path in (tmp_path / "secret.png", media_dir / ".." / tmp_path.name / "secret.png", tmp_path / "no.png"):
+            r = c.post("/generate", json={**body, "image_data": str(path)})
+            assert r.status_code == 400 and "outside the folder this server reads images from" in r.text, r.text
+        chat = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/secret.png"}}]}]})
+        assert chat.status_code == 400 and "outside the folder" in chat.json()["error"]["message"]

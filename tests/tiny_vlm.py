@@ -79,3 +79,16 @@ def hf_pixels(model_dir: Path, img) -> torch.Tensor:
 
 def clear(model_dir: Path) -> None:
     shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def choice_mean_logprobs(logits_of, prompt_ids: list[int], fulls: list[list[int]]) -> list[float]:
+    """By hand: each choice's mean token logprob after the prompt, from the logits of a whole forward over the
+    prompt and the choice (`logits_of(ids)` -> (len(ids), vocab)); the span starts where the ids part from the
+    prompt's (a choice may merge with the prompt's last token)."""
+    out = []
+    for full in fulls:
+        k = next((i for i, (a, b) in enumerate(zip(prompt_ids, full, strict=False)) if a != b),
+                 min(len(prompt_ids), len(full)))
+        logprobs = torch.log_softmax(logits_of(full).double(), dim=-1)
+        out.append(sum(logprobs[j - 1, full[j]].item() for j in range(k, len(full))) / (len(full) - k))
+    return out

@@ -35,6 +35,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
 
 
 IMAGE_DETAILS = ("auto", "low", "high")
+_OTHER_MEDIA = {"video_url": "video", "input_audio": "audio", "audio_url": "audio"}  # parts of media not taken
 
 
 def content_text(content: Any, image_token: str | None, where: str) -> tuple[str, list[Any]]:
@@ -55,6 +56,9 @@ def content_text(content: Any, image_token: str | None, where: str) -> tuple[str
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
             continue
+        if kind in _OTHER_MEDIA:
+            raise ValueError(f"{where}[{k}]: {_OTHER_MEDIA[kind]} input ({kind} parts) is not supported "
+                             f"(image_url parts are)")
         if kind not in ("image_url", "image_pil"):
             raise ValueError(f"{where}[{k}]: unsupported content part type {kind!r} (text, image_url)")
         if image_token is None:

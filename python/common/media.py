@@ -5,6 +5,12 @@ A source is a `PIL.Image.Image`, raw bytes of an image file, a local path (a `st
 caller allows remote media (`allow_remote=True`), with a size limit and a timeout. Every failure is a
 `MediaError` (a ValueError) naming the problem: a malformed data URL, bytes no decoder reads, a missing file, a
 refused or failed fetch. Decoding is Pillow's; the result is always an RGB image, fully loaded.
+
+A source string from a network client is a `ClientSource` (the HTTP APIs wrap them): it is never read as a file
+of the server's disk, unless it is an absolute path (or a file:// URL) under the folder the server allows
+(`local_root`: --allowed-local-media-path); otherwise a client could read any image the server can, and learn
+from the errors which files exist. Without that folder the decision is made from the string alone (no file is
+looked at): a path-like string is refused, anything else is read as base64.
 """
 
 from __future__ import annotations
@@ -27,14 +33,30 @@ class MediaError(ValueError):
     """An image source that cannot be read or decoded; the message names why."""
 
 
+class ClientSource(str):
+    """An image source string sent by a network client (see the module docstring)."""
+
+
+def client_sources(data: Any) -> Any:
+    """`image_data` (a source, or lists of them, None for none) with every string a ClientSource."""
+    if isinstance(data, str):
+        return ClientSource(data)
+    if isinstance(data, (list, tuple)):
+        return [client_sources(x) for x in data]
+    return data
+
+
 def is_url(source: Any) -> bool:
     return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
 
 
 def source_bytes(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
-                 timeout_s: float = 10.0) -> bytes:
+                 timeout_s: float = 10.0, local_root: str | None = None) -> bytes:
     """The encoded bytes of a source that is not a PIL image (see the module docstring)."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
+    if isinstance(source, ClientSource) and not source.startswith("data:") and not is_url(source):
+        path = _client_path(source, local_root)
+        data = _base64_bytes(source, "image") if path is None else _read_file(path, max_bytes)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, os.PathLike):
         data = _read_file(Path(source), max_bytes)
@@ -61,15 +83,16 @@ def source_bytes(source: Any, *, allow_remote: bool = False, max_bytes: int = DE
 
 
 def load_image(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
-               timeout_s: float = 10.0, max_pixels: int | None = None):
+               timeout_s: float = 10.0, max_pixels: int | None = None, local_root: str | None = None):
     """The source as an RGB `PIL.Image.Image`; `max_pixels`: width * height above it is a MediaError (checked
-    from the header, before the pixels are decoded)."""
+    from the header, before the pixels are decoded); `local_root`: the folder a ClientSource path may name."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(source, Image.Image):
         img = source
     else:
-        data = source_bytes(source, allow_remote=allow_remote, max_bytes=max_bytes, timeout_s=timeout_s)
+        data = source_bytes(source, allow_remote=allow_remote, max_bytes=max_bytes, timeout_s=timeout_s,
+                            local_root=local_root)
         try:
             img = Image.open(io.BytesIO(data))
         except UnidentifiedImageError:
@@ -102,7 +125,14 @@ def to_data_url(source: Any, fmt: str = "PNG") -> str:
         source.save(buf, format=fmt)
         data, mime = buf.getvalue(), f"image/{fmt.lower()}"
     else:
-        data, mime = source_bytes(source), "application/octet-stream"
+        data = source_bytes(source)
+        mime = "application/octet-stream"  # what no image header names (the server says why it cannot decode it)
+        try:
+            with Image.open(io.BytesIO(data)) as img:  # reads the header only
+                if img.format:
+                    mime = Image.MIME.get(img.format, f"image/{img.format.lower()}")
+        except Exception:  # noqa: BLE001 - any unreadable header keeps the generic type
+            pass
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
@@ -124,6 +154,26 @@ def fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
             return b"".join(chunks)
     except httpx.HTTPError as e:
         raise MediaError(f"image: fetching {url[:200]} failed: {type(e).__name__}: {e}") from None
+
+
+def _client_path(source: str, local_root: str | None) -> Path | None:
+    """The file a client's source names (None: it is base64), decided from the string; a MediaError for a path
+    the server does not read. base64 has no "." and no ":", so a string with either and a leading "/" (or a
+    file:// URL) is a path; a bare "/9j/4AAQ..." (a JPEG's base64) is not."""
+    text = source[len("file://"):] if source.startswith("file://") else None
+    if text is None:
+        if not source.startswith("/") or _BASE64.fullmatch(source):
+            return None
+        text = source
+    if local_root is None:
+        raise MediaError("image: local file paths are not read on this server (start it with "
+                         "--allowed-local-media-path DIR); send the image as a data URL or base64")
+    root = os.path.realpath(local_root)
+    path = os.path.realpath(text)
+    if os.path.commonpath([root, path]) != root:
+        raise MediaError("image: the path is outside the folder this server reads images from "
+                         "(--allowed-local-media-path)")
+    return Path(path)
 
 
 def _read_file(path: Path, max_bytes: int) -> bytes:

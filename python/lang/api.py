@@ -233,7 +233,7 @@ def image(expr: Any) -> Node:
 
 
 def video(path: str, num_frames: int) -> Node:
-    raise NotImplementedError("video(): radixgen serves text-only models")
+    raise NotImplementedError("video(): video input is not supported (images are: image(x))")
 
 
 def flush_cache(backend: Any = None) -> bool:

@@ -165,6 +165,11 @@ class BaseBackend:
         """The text that marks an image's place in a prompt (the served model's; None: it takes no images)."""
         return self.model_info.get("image_token")
 
+    @property
+    def no_image_message(self) -> str:
+        """Why `image()` is refused when `image_token` is None."""
+        return "image(): the backend's model takes text only (it has no image placeholder)"
+
     def single_token_id(self, text: str) -> int | None:
         """The id of `text` if it is exactly one token (end-of-turn markers usually are)."""
         known = self.__dict__.setdefault("_single_token_ids", {})  # asked once per role begin: cache
@@ -189,8 +194,8 @@ class BaseBackend:
         return _regroup(requests, flat)
 
     def score_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                      lora_path: str | None = None) -> ScoredChoices:
-        steps = self._score_steps(prompt, choices, unconditional, lora_path)
+                      lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
+        steps = self._score_steps(prompt, choices, unconditional, lora_path, tuple(images))
         results = None
         while True:
             try:
@@ -200,8 +205,8 @@ class BaseBackend:
             results = self.generate(requests)
 
     async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                             lora_path: str | None = None) -> ScoredChoices:
-        steps = self._score_steps(prompt, choices, unconditional, lora_path)
+                             lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
+        steps = self._score_steps(prompt, choices, unconditional, lora_path, tuple(images))
         results = None
         while True:
             try:
@@ -211,8 +216,16 @@ class BaseBackend:
             results = await self.agenerate(requests)
 
     def _score_steps(
-        self, prompt: str, choices: list[str], unconditional: str | None, lora_path: str | None
+        self, prompt: str, choices: list[str], unconditional: str | None, lora_path: str | None,
+        images: tuple = (),
     ) -> Generator[list[GenRequest], list[dict], ScoredChoices]:
+        if images:  # the prompt with images; the unconditional context holds none
+            scored = yield from self._image_score_steps(prompt, choices, lora_path, images)
+            if unconditional is None:
+                return scored
+            plain = yield from self._score_steps(unconditional, choices, None, lora_path)
+            total = {k: scored.usage[k] + plain.usage[k] for k in scored.usage}
+            return ScoredChoices(scored.input_token_logprobs, plain.input_token_logprobs, total)
         prompts = [prompt] if unconditional is None else [prompt, unconditional]
         ids = self.tokenize([t for p in prompts for t in (p, *(p + c for c in choices))])
         n = len(choices)
@@ -225,6 +238,44 @@ class BaseBackend:
         results = yield [r for p in plans for r in p.requests]
         parsed = [parse_choices(p, results[i * n : (i + 1) * n]) for i, p in enumerate(plans)]
         return ScoredChoices(parsed[0], parsed[1] if unconditional is not None else None, usage(warmed + results))
+
+    def _image_score_steps(
+        self, prompt: str, choices: list[str], lora_path: str | None, images: tuple
+    ) -> Generator[list[GenRequest], list[dict], ScoredChoices]:
+        """Choices after a prompt with images. The scoring requests are text with the images (so each is keyed in
+        the radix tree exactly as the warm request that caches the prompt and its images), and the choice's span is
+        found in the ids the runtime makes of them: the text is cut at the image placeholders and each piece
+        tokenized apart (the first one as a plain prompt), as the runtime does; the warm request's prompt length
+        says how many ids the images add."""
+        mark = self.image_token
+        pieces = prompt.split(mark) if mark else [prompt]
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"select: the text holds {len(pieces) - 1} image placeholders ({mark!r}) for "
+                             f"{len(images)} images")
+        for c in choices:
+            if mark in c:
+                raise ValueError(f"select: choice {c!r} holds the image placeholder {mark!r}")
+        last = pieces[-1]
+        first, *rest = self.tokenize([pieces[0]]) + self.tokenize([*pieces[1:-1], last, *(last + c for c in choices)],
+                                                                  add_special_tokens=False)
+        head = first + [t for ids in rest[: len(pieces) - 2] for t in ids]  # every piece before the last
+        prompt_ids = head + rest[len(pieces) - 2]
+        fulls = [head + ids for ids in rest[len(pieces) - 1 :]]
+        starts = [common_prefix_len(prompt_ids, f) for f in fulls]
+        for c, f, k in zip(choices, fulls, starts, strict=True):
+            if k >= len(f):
+                raise ValueError(f"select: choice {c!r} adds no token after the prompt")
+        [warmed] = yield [GenRequest(prompt, None, dict(PREFILL_ONLY), lora_path=lora_path, images=images)]
+        extra = warmed["meta_info"]["prompt_tokens"] - len(prompt_ids)  # the images' ids beyond the text's
+        k_min = min(starts)
+        results = yield [GenRequest(prompt + c, None, dict(PREFILL_ONLY), True, k_min + extra, 0, True,
+                                    lora_path=lora_path, images=images) for c in choices]
+        for c, f, r in zip(choices, fulls, results, strict=True):
+            if r["meta_info"]["prompt_tokens"] != len(f) + extra:
+                raise RuntimeError(f"select: the runtime tokenized the prompt with choice {c!r} into "
+                                   f"{r['meta_info']['prompt_tokens']} ids, not the {len(f) + extra} expected")
+        plan = ScorePlan(list(choices), None, [], [k - k_min for k in starts])
+        return ScoredChoices(parse_choices(plan, results), None, usage([warmed, *results]))
 
 
 def usage(results: list[dict]) -> dict[str, int]:

@@ -4,6 +4,10 @@ Chat models get the conversation as messages (a gen must open an assistant turn)
 models get the text. `regex` and `json_schema` go in the request (extra body / response_format)
 for servers that accept them. `select` needs prompt logprobs, which only the completions API
 gives (`echo` + `logprobs`): with a chat model it is refused with a clear error.
+
+Images (`image(x)` inside a turn) go to a chat model as OpenAI's content parts: the state's text holds
+`IMAGE_MARK` where each image stands, and every request's messages carry, in place of each mark, an
+`image_url` part with the image as a data URL (an http(s) URL as it is, for the server to fetch).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from radixgen.lang.chat import ChatTemplate
 from radixgen.lang.choices import TokenLogprobs
 
 COMPLETION_ONLY_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
+IMAGE_MARK = "<image>"  # an image's place in the state's text (and in the messages, until they are sent)
 
 
 class OpenAI(BaseBackend):
@@ -45,6 +50,15 @@ class OpenAI(BaseBackend):
     @property
     def model_info(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "chat_template": self._template_source}
+
+    @property
+    def image_token(self) -> str | None:
+        return IMAGE_MARK if self.is_chat_model else None
+
+    @property
+    def no_image_message(self) -> str:
+        return (f"image(): the completions API of {self.model_name!r} takes no images; use a chat model "
+                "(OpenAI(..., is_chat_model=True)), which gets them as image_url content parts")
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -124,7 +138,7 @@ class OpenAI(BaseBackend):
                 f"with the chat model {self.model_name!r}, a gen must come first in its assistant turn: "
                 "the chat API cannot continue a partial message"
             )
-        return chat.messages
+        return with_image_parts(chat.messages, request.images) if request.images else chat.messages
 
     def _result(self, response: Any) -> list[dict]:
         out = []
@@ -199,7 +213,7 @@ class OpenAI(BaseBackend):
         }
 
     def score_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                      lora_path: str | None = None) -> ScoredChoices:
+                      lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
         def score(context: str) -> list[TokenLogprobs]:
             return [
                 choice_span(self.client.completions.create(**self._score_kwargs(context, c, lora_path)), context, c)
@@ -209,7 +223,7 @@ class OpenAI(BaseBackend):
         return ScoredChoices(score(prompt), None if unconditional is None else score(unconditional))
 
     async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                             lora_path: str | None = None) -> ScoredChoices:
+                             lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
         async def score(context: str) -> list[TokenLogprobs]:
             out = []
             for c in choices:
@@ -221,6 +235,31 @@ class OpenAI(BaseBackend):
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def with_image_parts(messages: list[dict], images: tuple) -> list[dict]:
+    """The messages with each IMAGE_MARK in their text replaced by an image_url part (the images in order)."""
+    marks = sum(m["content"].count(IMAGE_MARK) for m in messages if isinstance(m.get("content"), str))
+    if marks != len(images):
+        raise ValueError(f"image(): the messages hold {marks} image places ({IMAGE_MARK!r}) for {len(images)} "
+                         f"images (is {IMAGE_MARK!r} written in the text itself?)")
+    from radixgen.common.media import to_data_url
+
+    sources = iter(images)
+    out = []
+    for m in messages:
+        pieces = m["content"].split(IMAGE_MARK) if isinstance(m.get("content"), str) else [None]
+        if len(pieces) == 1:
+            out.append(m)
+            continue
+        parts: list[dict] = []
+        for k, piece in enumerate(pieces):
+            if k:
+                parts.append({"type": "image_url", "image_url": {"url": to_data_url(next(sources))}})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**m, "content": parts})
+    return out
 
 
 def choice_span(response: Any, prompt: str, choice: str) -> TokenLogprobs:

@@ -7,6 +7,7 @@ request belongs to that worker; if the worker then dies, the stream ends with an
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
 
@@ -62,16 +63,40 @@ def response_headers(response: httpx.Response) -> dict[str, str]:
 def prompt_text(payload: Any) -> str:
     """The text a request's prompt starts with, for prefix matching: chat messages serialized in order,
     else `text` / `prompt` / `input_ids` (a batch: its prompts one after another), led by the LoRA adapter
-    or model it names (a worker caches each adapter's prefixes apart)."""
+    or model it names (a worker caches each adapter's prefixes apart). Images count by a digest of their
+    source (`image_key`), as a worker keys an image's tokens by its pixels: a chat message's image_url part in
+    its place; /generate's `image_data` ahead of its prompt's text (where the model's placeholder puts them is
+    the worker's business), so that the same text with another image is never taken for a cache hit."""
     if not isinstance(payload, dict):
         return ""
     head = _adapter_key(payload)
     if isinstance(payload.get("messages"), list):
         return head + "".join(_message_text(m) for m in payload["messages"])
     for key in ("text", "prompt", "input_ids"):
-        if payload.get(key) is not None:
-            return head + _flatten(payload[key])
+        value = payload.get(key)
+        if value is not None:
+            images = payload.get("image_data")
+            if isinstance(value, list) and value and not all(isinstance(i, int) for i in value):  # a batch
+                per_prompt = images if isinstance(images, list) and len(images) == len(value) else [None] * len(value)
+                return head + "\n".join(image_key(i) + _flatten(v) for v, i in zip(value, per_prompt, strict=True))
+            return head + image_key(images) + _flatten(value)
     return head
+
+
+def image_key(images: Any) -> str:
+    """Each image source (a data URL, base64, a URL, a path) as a short digest, in a form no prompt text holds
+    ("" for none). Equal sources give equal keys; one image sent once as base64 and once as a data URL gives two
+    (the router does not decode images): a missed routing hint, never a false one."""
+    if images is None:
+        return ""
+    sources = images if isinstance(images, list) else [images]
+    out = []
+    for src in sources:
+        if src is None:
+            continue
+        raw = src.encode("utf-8", "surrogatepass") if isinstance(src, str) else orjson.dumps(src, default=str)
+        out.append(f"\x01{hashlib.blake2b(raw, digest_size=10).hexdigest()}\x01")
+    return "".join(out)
 
 
 def _adapter_key(payload: dict) -> str:
@@ -89,9 +114,16 @@ def _message_text(message: Any) -> str:
     if not isinstance(message, dict):
         return ""
     content = message.get("content")
-    if isinstance(content, list):  # content parts: their text in order
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if isinstance(content, list):  # content parts: their text in order, each image as its digest
+        content = "".join(_part_text(p) for p in content if isinstance(p, dict))
     return f"<{message.get('role', '')}>{content if isinstance(content, str) else ''}\n"
+
+
+def _part_text(part: dict) -> str:
+    if part.get("type") == "image_url":
+        spec = part.get("image_url")
+        return image_key(spec.get("url") if isinstance(spec, dict) else spec)
+    return part["text"] if isinstance(part.get("text"), str) else ""
 
 
 def _flatten(x: Any) -> str:

@@ -301,6 +301,9 @@ class RuntimeConfig:
     allow_remote_media: bool = option(False, "fetch http(s) image URLs (OpenAI image_url, image_data); off: only "
                                       "data URLs, base64, paths and bytes")
     max_media_bytes: int = option(20 << 20, "largest image file read or fetched, in bytes")
+    allowed_local_media_path: str | None = option(
+        None, "a folder whose image files HTTP clients may name by path (image_data, image_url: an absolute path or "
+        "file:// URL under it); none: the HTTP APIs read no local file (in-process callers may pass any path)")
     media_fetch_timeout_s: float = option(10.0, "seconds: an http(s) image fetch that takes longer fails its request")
     encoder_cache_tokens: int = option(32768, "encoder outputs kept for reuse (LRU, by image content hash), in "
                                        "image tokens; 0: none kept")

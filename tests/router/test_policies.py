@@ -185,3 +185,42 @@ def test_make_policy():
         make_policy("fastest")
     with pytest.raises(ValueError, match="balance"):
         CacheAware(balance_rel=0.5)
+
+
+# ------------------------------------------------------------ image requests
+
+
+def test_cache_aware_tells_image_requests_with_the_same_text_apart():
+    """Two requests with the same text and different images are no cache hit of each other (the router's key holds
+    a digest of each image, as a worker's radix key holds the image's hash); the same image again is one, and a
+    chat message keys its image_url part in its place."""
+    from radixgen.router.proxy import prompt_text
+
+    text = "USER: <image>\nWhat is in this picture? Describe every detail you can see."
+    cat, dog = "data:image/png;base64,Y2F0IGltYWdl", "data:image/png;base64,ZG9nIGltYWdl"
+    p = CacheAware(cache_threshold=0.5)
+    first = p.choose(prompt_text({"text": text, "image_data": cat}), cands(w1=0, w2=0))
+    other = p.choose(prompt_text({"text": text, "image_data": dog}), cands(w1=0, w2=0))
+    assert other.matched < 2 and other.url != first.url  # no hit: it goes to the emptier worker
+    again = p.choose(prompt_text({"text": text, "image_data": [cat]}), cands(w1=0, w2=0))
+    assert again.url == first.url and again.matched == len(prompt_text({"text": text, "image_data": cat}))
+    text_only = p.choose(prompt_text({"text": text}), cands(w1=0, w2=0))
+    assert text_only.matched == 0  # the text alone is not what either worker holds
+    # a batch: one entry per prompt
+    batch = prompt_text({"text": [text, text], "image_data": [cat, None]})
+    assert batch.startswith(prompt_text({"text": text, "image_data": cat}) + "\n" + text)
+
+    def chat(url: str) -> dict:
+        return {"model": "m", "messages": [{"role": "system", "content": "You describe pictures."}, {
+            "role": "user", "content": [{"type": "text", "text": "Look: "},
+                                        {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+                                        {"type": "text", "text": " What is it?"}]}]}
+
+    a, b = prompt_text(chat(cat)), prompt_text(chat(dog))
+    assert a != b and a.endswith(" What is it?\n")
+    q = CacheAware(cache_threshold=0.9)
+    first = q.choose(a, cands(w1=0, w2=0))
+    other = q.choose(b, cands(w1=0, w2=0))
+    shared = a.index("\x01") + 1  # the system turn and "Look: " are shared; the image is not
+    assert other.url != first.url and shared <= q.tree(first.url).match_len(b) < shared + 3
+    assert q.choose(a, cands(w1=0, w2=0)) == (first.url, len(a))

@@ -296,3 +296,60 @@ def test_offline_generate_with_multi_modal_data_and_chat_with_image_parts(llm, e
         llm.generate({"prompt": "x", "multi_modal_data": {"video": img}}, sp, use_tqdm=False)
     with pytest.raises(RequestError, match=r"cannot decode the image data"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"image": b"junk"}}, sp, use_tqdm=False)
+
+
+# ---------------------------------------------------------------- the DSL: select after an image
+
+
+def test_select_after_an_image_scores_the_choices_over_the_cached_image_prefix(engine):
+    """`select` after an image: each choice's score equals its mean logprob computed by hand from transformers'
+    forward over the same ids and pixels; the image's KV comes from the radix tree for every choice."""
+    import transformers as tf
+    from tiny_vlm import choice_mean_logprobs
+
+    import radixgen as rg
+    from radixgen.lang.backend_engine import EngineBackend
+
+    choices = ["yes", "no", "a dog"]
+
+    @rg.function
+    def qa(s, img):
+        s += rg.user(rg.image(img) + "Is it a cat?")
+        s += rg.assistant(rg.select("a", choices=choices))
+        s += rg.user("Why?") + rg.assistant(rg.gen("why", max_tokens=4, temperature=0))
+
+    d = tiny_llava_dir()
+    hf = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    backend, tok = EngineBackend(engine), engine.tokenizer
+    engine.flush_cache()
+    scores = []
+    for seed in (30, 31):
+        img = make_image(seed)
+        state = qa.run(img=img, backend=backend)
+        meta = state.get_meta_info("a")
+        text = state.text()
+        prompt = text[: text.index(state["a"], text.index("Is it a cat?"))]  # the text the choices follow
+        head, tail = prompt.split("<image>")
+        ids = tok(head).input_ids + [IMAGE_TOKEN_ID] * N_IMG
+        fulls = [ids + tok(tail + c, add_special_tokens=False).input_ids for c in choices]
+        with torch.no_grad():
+            px = hf_pixels(d, img)
+            want = choice_mean_logprobs(lambda x, px=px: hf(input_ids=torch.tensor([x]), pixel_values=px).logits[0],
+                                        ids + tok(tail, add_special_tokens=False).input_ids, fulls)
+        assert meta["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
+        assert state["a"] == choices[max(range(3), key=lambda i: want[i])]
+        assert meta["cached_tokens"] >= len(choices) * (len(ids))  # each choice: the image's KV from the tree
+        assert state["why"]
+        scores.append(meta["normalized_prompt_logprobs"])
+    assert scores[0] != scores[1]  # the image reached the scoring
+
+    @rg.function
+    def unconditional(s, img):  # the "no context" prompt holds no image: scored as text beside the image prompt
+        s += rg.user(rg.image(img) + "Is it a cat?")
+        s += rg.assistant(rg.select("a", choices=choices, choices_method=rg.unconditional_likelihood_normalized))
+
+    meta = unconditional.run(img=make_image(31), backend=backend).get_meta_info("a")
+    assert [t[0] for t in meta["input_token_logprobs"][0]] == pytest.approx(
+        [t[0] for t in state.get_meta_info("a")["input_token_logprobs"][0]], abs=1e-5)
+    assert len(meta["unconditional_token_logprobs"]) == len(choices)
+    idle_and_consistent(engine)

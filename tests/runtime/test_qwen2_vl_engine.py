@@ -105,3 +105,49 @@ def test_bad_image_inputs_are_refused(vl):
         eng.generate(input_ids=BEFORE + [IMAGE_TOKEN] * 4, sampling_params=GREEDY)
     ok = eng.generate(Prompt.of(BEFORE, MediaSegment.image(random_image(8, 56, 56)), AFTER), {"max_new_tokens": 2})
     assert ok["meta_info"]["completion_tokens"] == 2 and eng.get_server_info()["invariant_ok"]
+
+
+def test_select_after_an_image_scores_the_choices_over_the_cached_image_prefix(vl):
+    """`select` after an image (M-RoPE positions continue after it): each choice's score equals its mean logprob
+    by hand from transformers' forward over the same ids and pixels; the image's KV is reused for each choice."""
+    import transformers as tf
+    from tiny_vlm import choice_mean_logprobs
+
+    import radixgen as rg
+    from radixgen.lang.backend_engine import EngineBackend
+    from radixgen.runtime.loader import read_hf_config
+    from radixgen.runtime.media import processor_for
+
+    arch, folder, eng = vl
+    choices = ["yes", "no", "a red car"]
+
+    @rg.function
+    def qa(s, img):
+        s += rg.user("Look. " + rg.image(img) + "Is it a cat?")
+        s += rg.assistant(rg.select("a", choices=choices))
+
+    img = random_image(9, 70, 110)
+    state = qa.run(img=img, backend=EngineBackend(eng))
+    meta = state.get_meta_info("a")
+    text = state.text()
+    mark = eng.model_info["image_token"]
+    head, tail = text[: text.index(state["a"], text.index("Is it a cat?"))].split(mark)
+    proc = processor_for(arch, read_hf_config(folder), folder)
+    px = proc.process(img)
+    tok = eng.tokenizer
+    ids = tok(head).input_ids + proc.tokens(px).ids
+    fulls = [ids + tok(tail + c, add_special_tokens=False).input_ids for c in choices]
+    cls = {"qwen2_vl": tf.Qwen2VLForConditionalGeneration, "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration}[arch]
+    ref = cls.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def logits_of(x):
+        t = torch.tensor([x])
+        return ref(input_ids=t, pixel_values=px.pixel_values, image_grid_thw=torch.tensor([px.grid]),
+                   mm_token_type_ids=(t == IMAGE_TOKEN).int()).logits[0]
+
+    with torch.no_grad():
+        want = choice_mean_logprobs(logits_of, ids + tok(tail, add_special_tokens=False).input_ids, fulls)
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
+    assert state["a"] == choices[max(range(len(choices)), key=lambda i: want[i])]
+    assert meta["cached_tokens"] >= len(choices) * len(ids)  # the text and the image from the tree, each choice
+    assert eng.get_server_info()["invariant_ok"]

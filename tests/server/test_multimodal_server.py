@@ -32,10 +32,17 @@ def data_url(img) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
+def media_dir(tmp_path_factory) -> Path:
+    """The folder whose images clients may name by path (--allowed-local-media-path)."""
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def server(media_dir):
     srv = start_server("--model", str(tiny_llava_dir()), "--max-total-tokens", "2048", "--allow-remote-media",
                        "--dtype", "float32", "--speculative-algorithm", "ngram",
-                       "--max-media-bytes", str(MAX_BYTES), "--max-images-per-request", "2")
+                       "--max-media-bytes", str(MAX_BYTES), "--max-images-per-request", "2",
+                       "--allowed-local-media-path", str(media_dir))
     yield srv
     assert stop_server(srv) == 0, srv.log_tail()
 
@@ -212,3 +219,102 @@ def test_sglang_programs_with_sgl_image_run_unchanged(server, tmp_path):
                                            "image_data": base64.b64encode(path.read_bytes()).decode(),
                                            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     assert direct["text"] == state["answer"]
+
+
+def test_the_dsl_openai_backend_sends_images_as_image_url_parts(server):
+    """rg.image under the language's OpenAI backend: each image goes to the chat API as an image_url part (a data
+    URL) in its place in the message; the answer is the one the `openai` client gets for those parts."""
+    import openai
+
+    from radixgen.lang.interpreter.errors import ProgramError
+
+    backend = rg.OpenAI(server.model, base_url=f"{server.url}/v1", api_key=server.api_key)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key)
+
+    @rg.function
+    def describe(s, img):
+        s += rg.system("You describe pictures.")
+        s += rg.user("Look: " + rg.image(img) + " What is it?")
+        s += rg.assistant(rg.gen("answer", max_tokens=6, temperature=0, ignore_eos=True))
+
+    answers = []
+    for seed in (12, 13):
+        state = describe.run(img=png_bytes(small(seed)), backend=backend)
+        direct = client.chat.completions.create(
+            model=server.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, messages=[
+                {"role": "system", "content": "You describe pictures."},
+                {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                             {"type": "image_url", "image_url": {"url": data_url(small(seed))}},
+                                             {"type": "text", "text": " What is it?"}]}])
+        assert state["answer"] == direct.choices[0].message.content
+        assert state.get_meta_info("answer")["prompt_tokens"] == direct.usage.prompt_tokens
+        answers.append(state["answer"])
+    assert answers[0] != answers[1]  # the image reached the model
+
+    @rg.function
+    def outside(s, img):
+        s += rg.image(img)
+
+    with pytest.raises(ProgramError, match=r"ValueError: image\(\): with a chat model an image goes inside a turn"):
+        outside.run(img=small(12), backend=backend)
+    completions = rg.OpenAI(server.model, is_chat_model=False, base_url=f"{server.url}/v1", api_key=server.api_key)
+    with pytest.raises(ProgramError, match=r"the completions API of .* takes no images; use a chat model"):
+        describe.run(img=small(12), backend=completions)
+    backend.shutdown()
+    completions.shutdown()
+
+
+def test_select_after_an_image_over_runtime_endpoint(server, tmp_path):
+    """select after an image over HTTP (the pieces tokenized by /tokenize): each choice's score is its mean logprob
+    read off a /generate of the prompt and the choice with the image, every prompt logprob asked for (no cache
+    use); the image given as a path and as a data URL scores the same."""
+    backend = rg.RuntimeEndpoint(server.url, api_key=server.api_key)
+    choices = ["yes", "no"]
+
+    @rg.function
+    def qa(s, img):
+        s += rg.user(rg.image(img) + "Is it a cat?")
+        s += rg.assistant(rg.select("a", choices=choices))
+
+    path = tmp_path / "cat.png"
+    path.write_bytes(png_bytes(small(14)))
+    state = qa.run(img=str(path), backend=backend)
+    meta = state.get_meta_info("a")
+    assert meta["cached_tokens"] >= len(choices) * N_IMG  # the image's KV from the tree for each choice
+    text = state.text()
+    prompt = text[: text.index(state["a"], text.index("Is it a cat?"))]
+    with server.client() as c:
+        tok = c.post("/tokenize", json={"text": [prompt.split("<image>")[1]], "add_special_tokens": False}).json()
+        want = []
+        for choice in choices:
+            out = c.post("/generate", json={"text": prompt + choice, "image_data": data_url(small(14)),
+                                            "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                                            "logprob_start_len": 0}).json()
+            full = out["meta_info"]["input_token_logprobs"]
+            tail = c.post("/tokenize", json={"text": [prompt.split("<image>")[1] + choice],
+                                             "add_special_tokens": False}).json()[0]["tokens"]
+            k = next(i for i, t in enumerate(tail) if i >= len(tok[0]["tokens"]) or t != tok[0]["tokens"][i])
+            span = [lp for lp, _, _ in full[len(full) - (len(tail) - k):]]
+            want.append(sum(span) / len(span))
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
+    as_url = qa.run(img=data_url(small(14)), backend=backend)
+    assert as_url.get_meta_info("a")["normalized_prompt_logprobs"] == pytest.approx(want, abs=1e-4)
+    backend.shutdown()
+
+
+def test_a_client_names_local_files_only_under_the_allowed_folder(server, media_dir, tmp_path):
+    """A path in image_data or an image_url is read only under --allowed-local-media-path: there it is the same
+    image as its data URL; elsewhere (or climbing out with ..) a 400, whether the file exists or not."""
+    (media_dir / "cat.png").write_bytes(png_bytes(small(15)))
+    (tmp_path / "secret.png").write_bytes(png_bytes(small(16)))
+    body = {"text": "<image> What is it?", "sampling_params": GREEDY}
+    with server.client() as c:
+        want = c.post("/generate", json={**body, "image_data": data_url(small(15))}).json()["output_ids"]
+        got = c.post("/generate", json={**body, "image_data": str(media_dir / "cat.png")})
+        assert got.status_code == 200 and got.json()["output_ids"] == want
+        for path in (tmp_path / "secret.png", media_dir / ".." / tmp_path.name / "secret.png", tmp_path / "no.png"):
+            r = c.post("/generate", json={**body, "image_data": str(path)})
+            assert r.status_code == 400 and "outside the folder this server reads images from" in r.text, r.text
+        chat = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/secret.png"}}]}]})
+        assert chat.status_code == 400 and "outside the folder" in chat.json()["error"]["message"]

@@ -42,8 +42,8 @@ def perform_sync(core: StateCore, call: Any) -> Any:
                 on_chunk(chunk)
                 last = chunk
             return [last]
-        case Score(prompt, choices, unconditional, lora_path):
-            return core.backend.score_choices(prompt, choices, unconditional, lora_path)
+        case Score(prompt, choices, unconditional, lora_path, images):
+            return core.backend.score_choices(prompt, choices, unconditional, lora_path, images)
         case Wait(notifier, pred):
             notifier.wait(pred)
             return None
@@ -76,8 +76,8 @@ async def perform_async(core: StateCore, call: Any) -> Any:
                 on_chunk(chunk)
                 last = chunk
             return [last]
-        case Score(prompt, choices, unconditional, lora_path):
-            return await core.backend.ascore_choices(prompt, choices, unconditional, lora_path)
+        case Score(prompt, choices, unconditional, lora_path, images):
+            return await core.backend.ascore_choices(prompt, choices, unconditional, lora_path, images)
         case Wait(notifier, pred):
             await notifier.wait_async(pred)
             return None

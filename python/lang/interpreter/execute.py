@@ -55,6 +55,7 @@ class Score(NamedTuple):
     choices: list[str]
     unconditional: str | None
     lora_path: str | None = None
+    images: tuple = ()  # the sources of the images whose placeholders `prompt` holds, in order
 
 
 class Wait(NamedTuple):
@@ -109,12 +110,11 @@ def execute(core: StateCore, node: Node) -> Generator[Any, Any, None]:
 
 def append_image(core: StateCore, source: Any) -> None:
     """The backend's image placeholder into the text; the source goes with every request over this text."""
-    if core.backend.is_chat_model:
-        raise ValueError("image(): this backend takes chat messages (an OpenAI-compatible API); send images "
-                         "through a radixgen Engine or server backend")
     token = core.backend.image_token
     if token is None:
-        raise ValueError("image(): the backend's model takes text only (it has no image placeholder)")
+        raise ValueError(core.backend.no_image_message)
+    if core.backend.is_chat_model and core.role is None:  # text outside a turn is not sent to a chat model
+        raise ValueError("image(): with a chat model an image goes inside a turn: user(image(x) + ...)")
     core.images.append(source)
     core.append(token)
 
@@ -245,14 +245,12 @@ def execute_gen(core: StateCore, node: Gen) -> Generator[Any, Any, None]:
 
 
 def execute_select(core: StateCore, node: Select) -> Generator[Any, Any, None]:
-    if core.images:
-        raise ValueError("select() after an image is not supported (choices are scored from token ids, which "
-                         "carry no image); use gen(..., regex=...) or a JSON schema over the choices instead")
     unconditional = None
     if getattr(node.method, "requires_unconditional_logprobs", False):
         # "No context": just the turn's header when inside a turn, else the BOS/EOS token.
         unconditional = core.role.frame.prefix if core.role else core.backend.unconditional_prompt()
-    scored: ScoredChoices = yield Score(core.text, list(node.choices), unconditional, core.defaults.lora_path)
+    scored: ScoredChoices = yield Score(core.text, list(node.choices), unconditional, core.defaults.lora_path,
+                                        tuple(core.images))
     decision = decide(
         node.method,
         list(node.choices),

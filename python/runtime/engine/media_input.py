@@ -130,7 +130,8 @@ class MediaFrontEnd:
         c = self.config
         try:
             image = load_image(seg.payload, allow_remote=c.allow_remote_media, max_bytes=c.max_media_bytes,
-                               timeout_s=c.media_fetch_timeout_s, max_pixels=c.max_image_pixels)
+                               timeout_s=c.media_fetch_timeout_s, max_pixels=c.max_image_pixels,
+                               local_root=c.allowed_local_media_path)
             item = self.processor.process(image)
         except MediaError as e:
             raise RequestError(f"{where}: {str(e).removeprefix('image: ')}") from None

@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from radixgen.common.chat_render import render_chat
 from radixgen.common.http_errors import APIError, JSONResponse, bad_request, error_body, error_of
+from radixgen.common.media import client_sources
 from radixgen.common.sampling_params import choice_seeds
 from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.server.native_protocol import (
@@ -126,7 +127,8 @@ class NativeServing:
                 "return_text_in_logprobs": req.return_text_in_logprobs,
                 "cache_salt": _salt(_pick(req.cache_salt, i, None), _pick(req.extra_key, i, None)),
                 "lora_path": _pick(req.lora_path, i, None),
-                "image_data": req.image_data if size is None else req.image_data[i] if req.image_data else None,
+                "image_data": client_sources(req.image_data if size is None else req.image_data[i] if req.image_data
+                                             else None),  # a client's strings: no local file unless allowed
             }
             ids = None if ids_list is None else list(ids_list[i])
             items.append(_Item(None if texts is None else texts[i], ids, params[i], rid, kwargs))

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from radixgen.common.chat_render import content_text, render_chat
 from radixgen.common.http_errors import JSONResponse, bad_request, error_of
+from radixgen.common.media import client_sources
 from radixgen.common.parsers import (
     ReasoningParser,
     detect_reasoning_format,
@@ -149,7 +150,7 @@ class ChatServing:
                                        f"messages[{i}].content")
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
-        images += found
+        images += client_sources(found)  # a client's strings: no local file unless allowed
         return text
 
     def output(self, req: ChatCompletionRequest, prompt: str, tools: Any) -> ChatOutput:

@@ -61,7 +61,7 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
     """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy). `quantized`: the
     weight format (layers.quantization), named in the error when the checkpoint's tensors do not fit it."""
     if load_format == "dummy":
-        if quantized not in ("none", "int8", "fp8"):
+        if quantized not in ("none", "int8", "int4", "fp8"):
             raise ModelLoadError(f"load_format dummy makes float weights; quantization {quantized!r} needs its "
                                  f"checkpoint")
         with torch.no_grad():

@@ -99,24 +99,13 @@ INT8_EXPERTS = Int8Experts()
 
 
 class Int4Experts(ExpertFormat):
-    """int4 per group of `group` input columns (64, or 32 where the input size is no multiple of 64), asymmetric:
-    w = scale * q + offset, q in 0..15, scale = (max - min) / 15 and offset = min of the group, both held as fp16
-    values (the C layout stores them so; q is computed against the rounded ones)."""
+    """int4 per group of 64 input columns (or 32), asymmetric, fp16 scale and offset: QuantizedWeight.int4_from,
+    what quantization="int4" makes of the dense layers too."""
 
     name = "int4"
 
     def quantize(self, w):
-        w = w.float()
-        k = w.shape[1]
-        group = 64 if k % 64 == 0 else 32
-        if k % group:
-            raise ValueError(f"int4 experts need an input size that is a multiple of 32, got {k}")
-        g = w.view(w.shape[0], k // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = ((hi - lo) / 15).clamp_min(1e-6).half().float()  # (n, groups)
-        offsets = lo.half().float()
-        q = torch.round((g - offsets[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
-        return QuantizedWeight(4, q.view_as(w), scales, group, offsets, zero_points=False)
+        return QuantizedWeight.int4_from(w)
 
 
 INT4_EXPERTS = Int4Experts()
@@ -207,6 +196,8 @@ def grouped_method(quantization: str, ops: str = "torch", kl=None, layer: Groupe
         raise ValueError(f"quantization {quantization!r} has no grouped-expert form yet (supported for experts: "
                          f"none, {', '.join(_FORMATS)})")
     fmt = _FORMATS.get(quantization)
+    if fmt is INT4_EXPERTS and ops == "triton":
+        raise ValueError("int4 experts run on the CPU (the C int4 kernels); CUDA has no int4 expert kernel")
     if ops == "cpu" and kl is not None and layer is not None and _c_takes(layer, fmt, kl):
         return CpuGroupedLinear(kl, fmt)
     return DENSE_GROUPED if fmt is None else QuantizedGroupedLinear(fmt)

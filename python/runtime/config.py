@@ -233,7 +233,8 @@ class RuntimeConfig:
         "a .gguf file dequantized), none, int8 (per output channel, quantized at load), int4 (CPU: groups of 64 "
         "input columns, fp16 scale and offset, quantized at load; experts and every linear layer but the LM head), "
         "awq / gptq (int4 checkpoints), gguf (a .gguf file run from its own Q4_0 / Q4_1 / Q8_0 / Q6_K blocks; an "
-        "expert block's too), fp8 (e4m3 checkpoints, or quantized at load)", choices=QUANTIZATIONS, flags=("--quantization", "-q"))
+        "expert block's too), fp8 (e4m3 checkpoints, or quantized at load)", choices=QUANTIZATIONS,
+        flags=("--quantization", "-q"))
     # ---- KV cache quantization (issue 15)
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
                                  "bf16 scale per token and KV head (about twice the tokens in the same memory)",

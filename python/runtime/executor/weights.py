@@ -83,7 +83,8 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
 
 def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a native folder's GGUF file: matmul weights as GGUFTensors (their blocks, rows in our order;
-    an expert block's stacks as GGUFStacks), everything else (norms, biases, an untied embedding) dequantized to float32."""
+    an expert block's stacks as GGUFStacks), everything else (norms, biases, an untied embedding) dequantized to
+    float32."""
     from radixgen.runtime.layers.quantization.gguf import GGUFStack, GGUFTensor
 
     path = Path(json.loads((folder / GGUF_SOURCE).read_text())["path"])

@@ -131,3 +131,33 @@ def test_int4_is_refused_where_it_cannot_run(case, folders, tmp_path):
     else:
         with pytest.raises(ValueError, match="int4 needs input sizes that are multiples of 32, got 129"):
             runner(tiny_model_dir("llama-odd"), quantization="int4")
+
+
+def test_attention_lora_over_int4_matches_peft_on_the_dequantized_model(folders, tmp_path):
+    """An attention adapter over the int4 MoE: the LoRA layers wrap the int4 C matmuls as they wrap any method."""
+    import peft
+    import transformers as tf
+    from lora_helpers import make_adapter
+
+    from kv_helpers import kv_of
+
+    from radixgen.runtime.executor.model_runner import ForwardInput
+    from radixgen.runtime.lora.adapter import load_lora_adapter
+
+    src, deq, _ = folders
+    make_adapter("qwen3_moe", tmp_path / "attn", targets=("q_proj", "v_proj", "o_proj"), seed=4)
+    r = runner(src, quantization="int4", enable_lora=True, max_loras=1, max_lora_rank=8)
+    r.lora_pool.write(0, r.lora_pool.stage(load_lora_adapter("attn", tmp_path / "attn")))
+    p = prompts(1, [10], seed=9)[0]
+    kv = kv_of(r)
+    row, slots = kv.table.allocate(), kv.allocator.allocate(len(p))
+    kv.table.write(row, 0, slots)
+    got = r.forward(ForwardInput(torch.tensor(p), torch.arange(len(p)), slots, torch.tensor([row]), [0], [len(p)],
+                                 torch.arange(len(p)), lora_slots=[0]))
+    base = tf.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(base, str(tmp_path / "attn")).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([p])).logits[0]
+        with ref.disable_adapter():
+            plain = ref(torch.tensor([p])).logits[0]
+    assert rel_err(got, want) < 1e-4 and rel_err(plain, want) > 1e-3

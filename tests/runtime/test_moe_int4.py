@@ -137,9 +137,8 @@ def test_attention_lora_over_int4_matches_peft_on_the_dequantized_model(folders,
     """An attention adapter over the int4 MoE: the LoRA layers wrap the int4 C matmuls as they wrap any method."""
     import peft
     import transformers as tf
-    from lora_helpers import make_adapter
-
     from kv_helpers import kv_of
+    from lora_helpers import make_adapter
 
     from radixgen.runtime.executor.model_runner import ForwardInput
     from radixgen.runtime.lora.adapter import load_lora_adapter

@@ -1,7 +1,8 @@
 """Expert parallelism (--ep-size, SGLang's layout: expert groups of the tensor-parallel ranks) in spawned gloo
 groups, one thread per rank, against one process on the same weights and steps (parallel_helpers.drive): tp 2 x
 ep 2 (each rank 4 of the 8 experts), tp 2 x ep 1 (every rank half of each expert's columns), and tp 2 x ep 2 x
-pp 2 (four ranks), float32 logits within rounding and the same argmax everywhere; then the Engine (scheduler,
+pp 2 (four ranks), float32 logits within rounding and the same argmax everywhere (also a GGUF file's expert
+blocks at tp 2 x ep 2); then the Engine (scheduler,
 paged KV, radix cache, ngram speculation's verification steps) at tp 2 x ep 2 gives transformers' greedy
 tokens (the ep 1 model's), in one launch and as two "nodes" on loopback (node 1 its own `radixgen serve
 --node-rank 1`, one rank each)."""
@@ -39,6 +40,22 @@ def test_expert_parallel_logits_equal_one_process(single, layout):
     assert got.shape == single["logits"].shape
     assert rel_max(got, single["logits"]) < TOL
     assert torch.equal(got.argmax(-1), single["logits"].argmax(-1))
+
+
+def test_gguf_expert_blocks_over_ep2_equal_one_process(tmp_path, monkeypatch):
+    """A .gguf file's Q4_0 / Q4_1 / Q8_0 expert stacks run from their blocks (quantization="gguf"), each rank
+    taking its experts' blocks: the same logits as one process."""
+    from test_moe_gguf import QUANTIZED_EXPERTS, write_moe_gguf
+
+    from radixgen.runtime.loader import resolve_model_path
+
+    folder = tiny_model_dir("qwen3_moe")
+    monkeypatch.setenv("RADIXGEN_CACHE", str(tmp_path / "cache"))  # (the ranks inherit it)
+    write_moe_gguf("qwen3_moe", folder, tmp_path / "q.gguf", QUANTIZED_EXPERTS["qwen3_moe"][0])
+    native = str(resolve_model_path(str(tmp_path / "q.gguf"), "gguf"))
+    want = run_single(native, dtype="float32", quantization="gguf")["logits"]
+    got = run_group(native, dtype="float32", quantization="gguf", tp_size=2, ep_size=2)["logits"]
+    assert rel_max(got, want) < TOL and torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_engine_ep2_greedy_equals_transformers():

@@ -129,7 +129,7 @@ def test_int4_is_refused_where_it_cannot_run(case, folders, tmp_path):
             ModelRunner(RuntimeConfig(model=str(src), dtype="float32", quantization="int4", max_total_tokens=256,
                                       max_running_requests=2), ops=TritonOps())
     else:
-        with pytest.raises(ValueError, match="int4 needs input sizes that are multiples of 32, got 129"):
+        with pytest.raises(ValueError, match="int4 needs input sizes that are a multiple of 32, got 129"):
             runner(tiny_model_dir("llama-odd"), quantization="int4")
 
 

@@ -71,7 +71,7 @@ class QuantizedWeight:
         k = w.shape[1]
         group = 64 if k % 64 == 0 else 32
         if k % group:
-            raise ValueError(f"int4 needs input sizes that are multiples of 32, got {k}")
+            raise ValueError(f"int4 needs input sizes that are a multiple of 32, got {k}")
         g = w.view(w.shape[0], k // group, group)
         lo, hi = g.amin(-1), g.amax(-1)
         scales = ((hi - lo) / 15).clamp_min(1e-6).half().float()  # (n, groups)

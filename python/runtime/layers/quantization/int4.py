@@ -29,7 +29,7 @@ def refuse_on_cuda(ops: str) -> None:
 def method(ops: str, spec, layer, kl):
     refuse_on_cuda(ops)
     if layer.in_features % 32:
-        raise ValueError(f"int4 needs input sizes that are multiples of 32, got {layer.in_features} "
+        raise ValueError(f"int4 needs input sizes that are a multiple of 32, got {layer.in_features} "
                          f"({type(layer).__name__})")
     if ops == "cpu" and kl is not None:
         return CpuPackedLinear(kl, INT4)

@@ -53,9 +53,14 @@ def _unconverted(qc: dict, method: str) -> None:
             raise ValueError(f"{method} quantization_config {key} {extra}: only the LM head may stay unquantized")
 
 
-def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> QuantSpec:
-    """The format of a checkpoint (config.json `hf_config`; gguf_native: a GGUF run from its own blocks) under the
-    requested quantization; auto takes the checkpoint's. A request the checkpoint does not match is an error."""
+EXPERT_FORMATS = ("none", "int8", "int4", "gguf")  # the formats an expert block's experts have a grouped form in
+
+
+def resolve(requested: str, hf_config: dict, gguf_native: bool = False, experts: bool = False) -> QuantSpec:
+    """The format of a checkpoint (config.json `hf_config`; gguf_native: a GGUF run from its own blocks; experts: a
+    mixture of experts') under the requested quantization; auto takes the checkpoint's. A request the checkpoint
+    does not match is an error, as is a format an expert block has no kernel for (before the checkpoint's own
+    details: an AWQ MoE's unconverted router is not the reason it cannot run)."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {requested!r}")
     qc = hf_config.get("quantization_config") or {}
@@ -65,6 +70,10 @@ def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> Quant
                          f"support (supported: {', '.join(CHECKPOINT_METHODS)})")
     if requested == "auto":
         requested = found or "none"
+    if experts and requested not in EXPERT_FORMATS:
+        what = f"{requested} checkpoints" if requested == found else f"quantization={requested!r}"
+        raise ValueError(f"{what} of mixture-of-experts models are not supported: the experts have no grouped "
+                         f"{requested} kernel (supported with experts: {', '.join(EXPERT_FORMATS)})")
     if requested in ("int8", "int4", "fp8") and found is None:
         return QuantSpec(requested, from_float=True)
     if requested != (found or "none"):

@@ -305,8 +305,10 @@ class GGUFGroupedLinear:
                 raise ValueError(f"expert {e} of a GGUF expert block has {sum(p.rows for p in parts)} of its "
                                  f"{layer.out_features} rows")
         names = ", ".join(dict.fromkeys(f"{p.name.split('[')[0]} ({p.type_name})" for p in experts[0]))
-        decoded = [None if any(p.quantized() is None for p in parts) else
-                   QuantizedWeight.cat([p.quantized() for p in parts]) for parts in experts]
+        decoded = []
+        for parts in experts:
+            qws = [p.quantized() for p in parts]
+            decoded.append(None if any(q is None for q in qws) else QuantizedWeight.cat(qws))
         first = decoded[0]
         native = first is not None and all(
             d is not None and (d.bits, d.group, d.zero_points) == (first.bits, first.group, first.zero_points)
@@ -325,6 +327,8 @@ class GGUFGroupedLinear:
             final = grouped_method("none", self.ops, self.kl, layer)
         layer.method = final
         final.process_weights(layer)
+        if native:
+            fmt.parts = None  # the method holds its own layout now
 
     def nbytes(self, layer):
         return 0

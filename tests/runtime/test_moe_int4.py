@@ -3,7 +3,9 @@ and offset). The oracle is the dequantized-weight model: a copy of the tiny Qwen
 is replaced by its int4 values dequantized (QuantizedWeight.int4_from, per tensor row, as the load does), run by
 transformers and by us unquantized. int4 at load must give that model's logits (float32: the same weights, only the
 C kernels' accumulation order differs) and its greedy tokens, through the Engine, `radixgen serve`'s flags and the
-offline LLM; its experts take about a quarter of the bf16 bytes. Where int4 cannot run it is refused at start."""
+offline LLM; its experts take about a quarter of the bf16 bytes; an attention LoRA adapter over it gives PEFT's
+logits on the dequantized model. Where int4 cannot run it is refused at start, as are the checkpoint formats that
+have no expert kernel (AWQ, GPTQ, FP8), naming the mixture of experts."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Mixture-of-experts decode on the CPU, one run: a random Qwen3-MoE checkpoint written by transformers (default 32
 experts, top 4, hidden 1024, 12 layers, expert width 768, vocabulary 8192: 0.95B parameters, 0.15B active a token;
 the experts alone 1/8 active), decoded at batch 1 and 8 over 128-token contexts by
-  - radixgen with bf16 experts and with int4 experts (quantized at load: experts.Int4Experts, group 64), both on the
-    fused decode step (routing and the selected experts inside its one C call),
+  - radixgen with bf16 experts, with int4 experts only ("moe int4x": quantized after loading, experts.convert to
+    Int4Experts, group 64) and with --quantization int4 ("moe int4": the experts and the attention, the LM head
+    kept bf16), all on the fused decode step (routing and the selected experts inside its one C call),
   - radixgen on a dense Qwen3 of the same active size (MLP width = top_k x expert width; same attention, vocabulary),
   - transformers' generate on the same MoE checkpoint (bf16, greedy, the tokens it generates per second),
 the radixgen engines taking turns inside each measurement window with a copy and a sum of a 256 MiB tensor (the
@@ -31,6 +32,7 @@ from report import Report, add_report_arg
 from radixgen.runtime.executor.cpu_decode import FusedDecode
 from radixgen.runtime.executor.kv_pool import KVPool
 from radixgen.runtime.layers.linear import LinearBase
+from radixgen.runtime.layers.quantization import weight_bytes
 from radixgen.runtime.layers.quantization.experts import INT4_EXPERTS, CpuGroupedLinear, GroupedLinear, convert
 
 CTX = 128
@@ -126,13 +128,16 @@ def main() -> None:
         print(f"torch threads: {torch.get_num_threads()}; MoE: {n_exp} experts, top {top_k}, hidden {hidden}, "
               f"{layers} layers, expert width {width}, vocabulary {vocab}: {total / 1e9:.3f}B parameters, "
               f"{active / 1e9:.3f}B active ({active / total:.3f} of them); the experts {top_k}/{n_exp} active")
-        engines = {"moe bf16": OurModel(moe_dir, "bfloat16", 8, CTX), "moe int4": OurModel(moe_dir, "bfloat16", 8, CTX),
+        engines = {"moe bf16": OurModel(moe_dir, "bfloat16", 8, CTX),
+                   "moe int4x": OurModel(moe_dir, "bfloat16", 8, CTX),
+                   "moe int4": OurModel(moe_dir, "bfloat16", 8, CTX, quantization="int4"),
                    "dense": OurModel(dense_dir, "bfloat16", 8, CTX)}
-        to_int4(engines["moe int4"])
+        to_int4(engines["moe int4x"])
         for name, e in engines.items():
             grouped = sorted({m.method.name for m in e.runner.model.modules() if isinstance(m, GroupedLinear)})
             print(f"  {name}: {'fused decode step' if e.runner.fused_decode is not None else 'layer by layer'}"
-                  f"{'; experts ' + ', '.join(grouped) if grouped else ''}")
+                  f"{'; experts ' + ', '.join(grouped) if grouped else ''}; weights "
+                  f"{weight_bytes(e.runner.model) / 1e6:.1f} MB")
         rows = {}
         for b in (1, 8):
             fis = {n: e.setup_decode(b, CTX) for n, e in engines.items()}

@@ -18,7 +18,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
 JSON_WHITESPACE = ("compact", "flexible")  # grammar_json_whitespace
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("auto", "none", "int8", "awq", "gptq", "gguf", "fp8")  # quantization
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "awq", "gptq", "gguf", "fp8")  # quantization
 # kv_cache_dtype: auto (the model dtype) or the code dtype of an 8-bit pool (radixgen.kernels.kv_quant)
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 HICACHE_WRITE_POLICIES = ("write_back", "write_through")
@@ -230,9 +230,11 @@ class RuntimeConfig:
     # ---- quantized weights (layers/quantization)
     quantization: str = option(
         "auto", "linear layers' weights: auto (the checkpoint's quantization_config: awq, gptq or fp8; else none; "
-        "a .gguf file dequantized), none, int8 (per output channel, quantized at load), awq / gptq (int4 "
-        "checkpoints), gguf (a .gguf file run from its own Q4_0 / Q4_1 / Q8_0 / Q6_K blocks), fp8 (e4m3 "
-        "checkpoints, or quantized at load)", choices=QUANTIZATIONS, flags=("--quantization", "-q"))
+        "a .gguf file dequantized), none, int8 (per output channel, quantized at load), int4 (CPU: groups of 64 "
+        "input columns, fp16 scale and offset, quantized at load; experts and every linear layer but the LM head), "
+        "awq / gptq (int4 checkpoints), gguf (a .gguf file run from its own Q4_0 / Q4_1 / Q8_0 / Q6_K blocks; an "
+        "expert block's too), fp8 (e4m3 checkpoints, or quantized at load)", choices=QUANTIZATIONS,
+        flags=("--quantization", "-q"))
     # ---- KV cache quantization (issue 15)
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
                                  "bf16 scale per token and KV head (about twice the tokens in the same memory)",

@@ -93,3 +93,20 @@ def test_an_8bit_kv_cache_stays_near_the_float_pool():
     ps = prompts(1, [14], seed=8)
     a, b = (Driver(r).step({"a": ps[0]})["a"] for r in runners)
     assert 0 < rel_err(b, a) < 0.05
+
+
+def test_a_draft_model_the_targets_weight_format_cannot_load_is_refused_naming_the_draft():
+    """The draft takes the target's config (quantization included): an MoE run from a .gguf file's blocks with a
+    safetensors draft is refused at start naming the draft, not as if the target's checkpoint were wrong."""
+    import dataclasses
+
+    from radixgen.runtime.loader import load_tokenizer
+    from radixgen.runtime.speculative.draft_model import DraftModelDrafter
+
+    folder, draft = tiny_model_dir("qwen3_moe"), tiny_model_dir("llama")
+    cfg = RuntimeConfig(model=str(folder), dtype="float32", max_total_tokens=256, max_running_requests=2,
+                        speculative_algorithm="draft", speculative_draft_model=str(draft))
+    target = ModelRunner(cfg)
+    with pytest.raises(ValueError, match=r"speculative_draft_model .*quantization='gguf'.*needs a \.gguf file"):
+        DraftModelDrafter(dataclasses.replace(cfg, quantization="gguf"), target, load_tokenizer(str(folder)), None,
+                          lambda req: ())

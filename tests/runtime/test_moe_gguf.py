@@ -2,7 +2,8 @@
 names (ffn_gate_inp, ffn_{gate,up,down}_exps stacked over the experts, Qwen2-MoE's ffn_*_shexp and
 ffn_gate_inp_shexp; Mixtral as llama.cpp writes it: architecture "llama" with an expert count, Q / K rows in its
 interleaved rotary order): loaded through the converted folder, our logits equal transformers' on the HF folder.
-Run from the file's own blocks (quantization="gguf"), expert blocks are refused naming the combination."""
+Run from the file's own blocks (quantization="gguf"), Q4_0 / Q4_1 / Q8_0 expert stacks stay in their blocks (the
+grouped C layouts hold their exact values): the logits equal the dequantized file's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from test_model_forward import Driver, prompts, ref_logits, rel_err
 from tiny_models import tiny_model_dir
 
+from radixgen.kernels import cpu
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.loader import read_hf_config
@@ -47,7 +49,10 @@ def byte_tokens() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
-def write_moe_gguf(arch: str, folder, path) -> None:
+def write_moe_gguf(arch: str, folder, path, types: dict | None = None) -> None:
+    """`types`: (layer, projection gate / up / down / shexp) -> the GGML type its tensor is quantized to by the
+    gguf package (others float32)."""
+    types = types or {}
     hf, tensors = read_hf_config(folder), load_file(str(folder / "model.safetensors"))
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
@@ -77,8 +82,12 @@ def write_moe_gguf(arch: str, folder, path) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-    def add(name, t: torch.Tensor):
-        w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
+    def add(name, t: torch.Tensor, kind=None):
+        values = np.ascontiguousarray(t.float().numpy())
+        if kind is None:
+            w.add_tensor(name, values)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
     add("token_embd.weight", tensors["model.embed_tokens.weight"])
     add("output_norm.weight", tensors["model.norm.weight"])
@@ -94,9 +103,12 @@ def write_moe_gguf(arch: str, folder, path) -> None:
             continue
         if arch == "mixtral" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             t = permute_rope(t, heads if "q_proj" in rest else kv_heads)
-        add(f"blk.{layer}.{BLOCK[rest]}", t.reshape(-1) if rest == "mlp.shared_expert_gate.weight" else t)
+        shexp = types.get((int(layer), "shexp")) if rest.startswith("mlp.shared_expert.") and t.shape[-1] % 32 == 0 \
+            else None  # (Q8_0 blocks of 32: the shared expert's down, 48 columns, stays float)
+        add(f"blk.{layer}.{BLOCK[rest]}", t.reshape(-1) if rest == "mlp.shared_expert_gate.weight" else t, shexp)
     for name, experts in stacks.items():
-        add(name, torch.stack([experts[e] for e in sorted(experts)]))  # (E, out, in)
+        kind = types.get((int(name.split(".")[1]), name.split("_")[1]))  # blk.N.ffn_<proj>_exps.weight
+        add(name, torch.stack([experts[e] for e in sorted(experts)]), kind)  # (E, out, in)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -120,6 +132,61 @@ def test_gguf_experts_round_trip(arch, tmp_path, monkeypatch):
     ps = prompts(2, [11, 4], seed=4)
     out = Driver(runner).step({"a": ps[0], "b": ps[1]})
     assert rel_err(out["a"], ref_logits(ref, ps[0])) < 1e-4 and rel_err(out["b"], ref_logits(ref, ps[1])) < 1e-4
+    if arch == "qwen2_moe":  # float stacks from the file itself: dense experts, the same logits
+        native = ModelRunner(RuntimeConfig(model=str(path), dtype="float32", quantization="gguf",
+                                           max_total_tokens=1024, max_running_requests=4))
+        assert rel_err(Driver(native).step({"a": ps[0]})["a"], ref_logits(ref, ps[0])) < 1e-4
+
+
+Q = gguf.GGMLQuantizationType
+QUANTIZED_EXPERTS = {  # (layer, projection) -> type; what each expert GroupedLinear's method then is
+    "qwen3_moe": ({(0, "gate"): Q.Q4_1, (0, "up"): Q.Q4_1, (0, "down"): Q.Q4_0, (1, "gate"): Q.Q4_0,
+                   (1, "up"): Q.Q4_0, (1, "down"): Q.Q8_0},
+                  ["gguf Q4_1 (grouped, C)", "gguf Q4_0 (grouped, C)", "gguf Q4_0 (grouped, C)",
+                   "gguf Q8_0 (grouped, C)"]),
+    # gate Q4_0 and up Q4_1 differ in kind: dequantized (a log line); the shared expert's in Q8_0 blocks
+    "qwen2_moe": ({(0, "gate"): Q.Q4_0, (0, "up"): Q.Q4_1, (0, "down"): Q.Q4_1, (0, "shexp"): Q.Q8_0},
+                  ["dense", "gguf Q4_1 (grouped, C)"]),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_quantized_gguf_experts_run_from_their_blocks(arch, tmp_path, monkeypatch, caplog):
+    """quantization="gguf": Q4_0 / Q4_1 / Q8_0 expert stacks in the grouped C layouts, their exact values (the
+    logits equal the dequantized file's, float32, up to the kernels' summation order) in a fraction of the bytes."""
+    import logging
+
+    from test_gguf_native import logits_of, rel
+
+    from radixgen.runtime.layers.quantization.experts import GroupedLinear
+
+    folder = tiny_model_dir(arch)  # in the shared cache; the GGUF's converted folders go beside the file
+    monkeypatch.setenv("RADIXGEN_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / f"{arch}-q.gguf"
+    types, want = QUANTIZED_EXPERTS[arch]
+    write_moe_gguf(arch, folder, path, types)
+    kw = {"dtype": "float32", "max_total_tokens": 1024, "max_running_requests": 4}
+    with caplog.at_level(logging.INFO, logger="radixgen.runtime.layers.quantization.gguf"):
+        native = ModelRunner(RuntimeConfig(model=str(path), quantization="gguf", **kw))
+    ref = ModelRunner(RuntimeConfig(model=str(path), **kw))  # the default for a .gguf: dequantized at conversion
+    experts = [m for m in native.model.modules() if isinstance(m, GroupedLinear)]
+    got = [m.method.name for m in experts]
+    if cpu.available():
+        assert [("dense" if "gguf" not in g else g) for g in got] == want
     if arch == "qwen2_moe":
-        with pytest.raises(ValueError, match="expert blocks: quantization 'gguf' has no grouped-expert form"):
-            ModelRunner(RuntimeConfig(model=str(path), quantization="gguf", max_total_tokens=256))
+        assert any("ffn_gate_exps" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+        assert "gguf Q8_0 (C)" in native.ops.linear_methods(native.model) or not cpu.available()
+    assert rel(logits_of(native), logits_of(ref)) < 1e-4
+    held = [m.method.nbytes(m) for m in experts]
+    dense = [m.method.nbytes(m) for m in ref.model.modules() if isinstance(m, GroupedLinear)]
+    assert all(h < 0.4 * d for h, d, g in zip(held, dense, got, strict=True) if "gguf" in g)  # int4: ~1/6 of f32
+    if arch == "qwen3_moe":  # the torch reference of the same layouts
+        torch_path = ModelRunner(RuntimeConfig(model=str(path), quantization="gguf", disable_cpu_kernels=True, **kw))
+        assert rel(logits_of(torch_path), logits_of(ref)) < 1e-4
+    if arch == "qwen3_moe" and cpu.available() and cpu.lib().has_decode_step:  # bf16: inside the fused step
+        kw["dtype"] = "bfloat16"
+        native, ref = (ModelRunner(RuntimeConfig(model=str(path), quantization=q, **kw)) for q in ("gguf", "auto"))
+        assert native.fused_decode is not None
+        a, b = logits_of(native), logits_of(ref)  # the reference's weights rounded to bf16, ours exact: a token
+        rows = sorted(rel(a[i], b[i]) for i in range(len(a)))  # near a routing tie may take another expert
+        assert rows[-2] < 2e-2, rows

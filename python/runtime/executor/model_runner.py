@@ -107,9 +107,10 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model, cfg.quantization)
         self.hf_config = read_hf_config(self.model_path)
-        self.quantization = quantization.resolve(cfg.quantization, self.hf_config, is_gguf_native(self.model_path))
         self.model_config = ModelConfig.from_hf(self.hf_config)
         mc = self.model_config
+        self.quantization = quantization.resolve(cfg.quantization, self.hf_config, is_gguf_native(self.model_path),
+                                                 experts=mc.moe is not None)
         self.context_length = cfg.context_length or min(mc.max_position_embeddings, 8192)
         if cfg.context_length > mc.max_position_embeddings:
             raise ValueError(f"context_length={cfg.context_length} exceeds the model's "

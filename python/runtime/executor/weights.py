@@ -61,7 +61,7 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
     """Fill `model`'s parameters in place from `folder` (or with seeded random values for dummy). `quantized`: the
     weight format (layers.quantization), named in the error when the checkpoint's tensors do not fit it."""
     if load_format == "dummy":
-        if quantized not in ("none", "int8", "fp8"):
+        if quantized not in ("none", "int8", "int4", "fp8"):
             raise ModelLoadError(f"load_format dummy makes float weights; quantization {quantized!r} needs its "
                                  f"checkpoint")
         with torch.no_grad():
@@ -82,9 +82,10 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
 
 
 def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a native folder's GGUF file: matmul weights as GGUFTensors (their blocks, rows in our order),
-    everything else (norms, biases, an untied embedding) dequantized to float32."""
-    from radixgen.runtime.layers.quantization.gguf import GGUFTensor
+    """The tensors of a native folder's GGUF file: matmul weights as GGUFTensors (their blocks, rows in our order;
+    an expert block's stacks as GGUFStacks), everything else (norms, biases, an untied embedding) dequantized to
+    float32."""
+    from radixgen.runtime.layers.quantization.gguf import GGUFStack, GGUFTensor
 
     path = Path(json.loads((folder / GGUF_SOURCE).read_text())["path"])
     if not path.is_file():
@@ -103,6 +104,10 @@ def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         heads = rope_heads(mapping, t.name, meta)
         if heads is not None:  # the permutation moves whole rows: it applies to the blocks as they are
             raw = unpermute_rope(raw, heads)
+        if raw.dim() == 3:  # an expert stack (E, rows, row bytes): handed over in its blocks, dense otherwise
+            g = GGUFStack(t.name, t.tensor_type.name, raw, int(t.shape[0]))
+            yield hf_name, (g if mapping.is_gguf_matmul(t.name) else g.dense())
+            continue
         g = GGUFTensor(t.name, t.tensor_type.name, raw, int(t.shape[0]))
         # handed over as stored: the matmul weights (and the embedding when it is the LM head's)
         if mapping.is_gguf_matmul(t.name) or t.name == "output.weight" or (tied and t.name == "token_embd.weight"):

@@ -67,21 +67,22 @@ class Experts(nn.Module):
             raise ValueError(f"{what}: expected {shape}, got {tuple(t.shape)}")
 
     def _load_gate_up(self, param, loaded, shard: ExpertShard) -> None:
-        s, n, full, h = self.i_start, self.i_local, self.intermediate, param.shape[2]
+        """(the parts go through the layer's method: a GGUF file's blocks are collected, not copied)"""
+        s, n, full, h = self.i_start, self.i_local, self.intermediate, self.gate_up.in_features
+        put = self.gate_up.method.load
         for e, t in self._local(loaded, shard):
             if shard.part == "gate_up":  # (2I, H): gate rows then up rows
                 self._check(t, (2 * full, h), f"expert {e + self.first}'s gate_up")
-                param.data[e, :n].copy_(t[s:s + n])
-                param.data[e, n:].copy_(t[full + s:full + s + n])
+                put(self.gate_up, e, 0, t.narrow(0, s, n))
+                put(self.gate_up, e, n, t.narrow(0, full + s, n))
             else:
                 self._check(t, (full, h), f"expert {e + self.first}'s {shard.part}")
-                half = 0 if shard.part == "gate" else n
-                param.data[e, half:half + n].copy_(t[s:s + n])
+                put(self.gate_up, e, 0 if shard.part == "gate" else n, t.narrow(0, s, n))
 
     def _load_down(self, param, loaded, shard: ExpertShard) -> None:
         for e, t in self._local(loaded, shard):
-            self._check(t, (param.shape[1], self.intermediate), f"expert {e + self.first}'s down")
-            param.data[e].copy_(t[:, self.i_start:self.i_start + self.i_local])
+            self._check(t, (self.down.out_features, self.intermediate), f"expert {e + self.first}'s down")
+            self.down.method.load(self.down, e, 0, t.narrow(1, self.i_start, self.i_local))
 
 
 class SharedExpert(nn.Module):

@@ -121,14 +121,16 @@ GATED_MLP_WEIGHTS = WeightMapping(
 # expert blocks (models/moe_block.py): the router `mlp.gate`, the experts, Qwen2-MoE's shared expert and its gate
 _MOE_GGUF = WeightMapping(
     gguf_block=(("ffn_gate_inp.weight", "mlp.gate.weight"), ("ffn_gate_exps.weight", "mlp.experts.gate_proj"),
-                ("ffn_up_exps.weight", "mlp.experts.up_proj"), ("ffn_down_exps.weight", "mlp.experts.down_proj")))
+                ("ffn_up_exps.weight", "mlp.experts.up_proj"), ("ffn_down_exps.weight", "mlp.experts.down_proj")),
+    gguf_matmuls=frozenset({"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}))
 QWEN_MOE_WEIGHTS = _MOE_GGUF + WeightMapping(
     experts=(("gate_proj", "gate_up", "gate"), ("up_proj", "gate_up", "up"), ("down_proj", "down", "down")))
 SHARED_EXPERT_WEIGHTS = WeightMapping(
     gguf_block=(("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
                 ("ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"),
                 ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
-                ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight")))
+                ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight")),
+    gguf_matmuls=frozenset({"ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"}))
 MIXTRAL_WEIGHTS = _MOE_GGUF + WeightMapping(
     experts=(("w1", "gate_up", "gate"), ("w3", "gate_up", "up"), ("w2", "down", "down")),
     renames=((".block_sparse_moe.", ".mlp."),))

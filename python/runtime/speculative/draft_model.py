@@ -37,7 +37,12 @@ class DraftModelDrafter:
                                         speculative_draft_model=None, enable_lora=False, lora_paths=(),
                                         context_length=target.context_length,
                                         max_total_tokens=target.kv_pool.num_slots - 1)
-        self.runner = ModelRunner(draft_cfg, req_to_slot=target.req_to_slot)
+        try:
+            self.runner = ModelRunner(draft_cfg, req_to_slot=target.req_to_slot)
+        except ValueError as e:  # (the draft takes the target's weight format, dtype and device)
+            kind = type(e) if type(e).__init__ is ValueError.__init__ else ValueError
+            raise kind(f"speculative_draft_model {cfg.speculative_draft_model!r}, loaded with the target's "
+                          f"quantization={cfg.quantization!r}: {e}") from e
         self.vocab_size = min(self.runner.vocab_size, target.vocab_size)  # beyond: padding rows of either model
         self.grammar = grammar
         self.stop_token_ids = stop_token_ids

@@ -1,6 +1,6 @@
 """Weight quantization: the format of a model's linear layers (`resolve`: RuntimeConfig.quantization checked against
 the checkpoint's config.json) and the linear method each layer gets for it on a device (`linear_method`, which
-the ops sets call before the weights are loaded). One module per format: unquantized, int8, awq, gptq, gguf, fp8;
+the ops sets call before the weights are loaded). One module per format: unquantized, int8, int4, awq, gptq, gguf, fp8;
 base.py holds what they share (the values-and-scales record, the C-packed method, the torch reference method).
 """
 
@@ -53,9 +53,14 @@ def _unconverted(qc: dict, method: str) -> None:
             raise ValueError(f"{method} quantization_config {key} {extra}: only the LM head may stay unquantized")
 
 
-def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> QuantSpec:
-    """The format of a checkpoint (config.json `hf_config`; gguf_native: a GGUF run from its own blocks) under the
-    requested quantization; auto takes the checkpoint's. A request the checkpoint does not match is an error."""
+EXPERT_FORMATS = ("none", "int8", "int4", "gguf")  # the formats an expert block's experts have a grouped form in
+
+
+def resolve(requested: str, hf_config: dict, gguf_native: bool = False, experts: bool = False) -> QuantSpec:
+    """The format of a checkpoint (config.json `hf_config`; gguf_native: a GGUF run from its own blocks; experts: a
+    mixture of experts') under the requested quantization; auto takes the checkpoint's. A request the checkpoint
+    does not match is an error, as is a format an expert block has no kernel for (before the checkpoint's own
+    details: an AWQ MoE's unconverted router is not the reason it cannot run)."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {requested!r}")
     qc = hf_config.get("quantization_config") or {}
@@ -65,12 +70,16 @@ def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> Quant
                          f"support (supported: {', '.join(CHECKPOINT_METHODS)})")
     if requested == "auto":
         requested = found or "none"
-    if requested in ("int8", "fp8") and found is None:
+    if experts and requested not in EXPERT_FORMATS:
+        what = f"{requested} checkpoints" if requested == found else f"quantization={requested!r}"
+        raise ValueError(f"{what} of mixture-of-experts models are not supported: the experts have no grouped "
+                         f"{requested} kernel (supported with experts: {', '.join(EXPERT_FORMATS)})")
+    if requested in ("int8", "int4", "fp8") and found is None:
         return QuantSpec(requested, from_float=True)
     if requested != (found or "none"):
         have = f"quantized with {found}" if found else "not quantized"
         where = {"gguf": "a .gguf file", "none": "an unquantized checkpoint", "int8": "a float checkpoint",
-                 "fp8": "an fp8 or float checkpoint", "awq": "an AWQ checkpoint",
+                 "int4": "a float checkpoint", "fp8": "an fp8 or float checkpoint", "awq": "an AWQ checkpoint",
                  "gptq": "a GPTQ checkpoint"}[requested]
         raise ValueError(f"quantization={requested!r} needs {where}, but the checkpoint is {have}"
                          + ("" if found is None or found == "gguf" else " (config.json quantization_config)"))
@@ -103,13 +112,16 @@ def resolve(requested: str, hf_config: dict, gguf_native: bool = False) -> Quant
 
 def linear_method(ops: str, spec: QuantSpec, layer, kl):
     """The method of linear `layer` for format `spec` under the ops set named `ops` ("torch", "cpu", "triton"; kl:
-    its C kernels or None). Checkpoint formats leave the LM head unquantized."""
+    its C kernels or None). Checkpoint formats and int4 leave the LM head unquantized."""
     from radixgen.runtime.layers.embedding import ParallelLMHead
-    from radixgen.runtime.layers.quantization import awq, fp8, gguf, gptq, int8, unquantized
+    from radixgen.runtime.layers.quantization import awq, fp8, gguf, gptq, int4, int8, unquantized
 
-    if spec.method == "none" or (spec.method in CHECKPOINT_METHODS and isinstance(layer, ParallelLMHead)):
+    if spec.method == "none" or (spec.method in (*CHECKPOINT_METHODS, "int4") and isinstance(layer, ParallelLMHead)):
+        if spec.method == "int4":
+            int4.refuse_on_cuda(ops)
         return unquantized.method(ops, layer, kl)
-    return {"int8": int8, "awq": awq, "gptq": gptq, "gguf": gguf, "fp8": fp8}[spec.method].method(ops, spec, layer, kl)
+    return {"int8": int8, "int4": int4, "awq": awq, "gptq": gptq, "gguf": gguf,
+            "fp8": fp8}[spec.method].method(ops, spec, layer, kl)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -63,6 +63,23 @@ class QuantizedWeight:
         return QuantizedWeight(8, q, scales, w.shape[1])
 
     @staticmethod
+    def int4_from(w: torch.Tensor) -> QuantizedWeight:
+        """Asymmetric int4 per group of 64 input columns (32 where the input size is no multiple of 64): w = scale *
+        q + offset, q in 0..15, scale = (max - min) / 15 and offset = min of the group, both rounded to fp16 first
+        (the C layout stores them so), q computed against the rounded ones."""
+        w = w.float()
+        k = w.shape[1]
+        group = 64 if k % 64 == 0 else 32
+        if k % group:
+            raise ValueError(f"int4 needs input sizes that are a multiple of 32, got {k}")
+        g = w.view(w.shape[0], k // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = ((hi - lo) / 15).clamp_min(1e-6).half().float()  # (n, groups)
+        offsets = lo.half().float()
+        q = torch.round((g - offsets[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
+        return QuantizedWeight(4, q.view_as(w), scales, group, offsets, zero_points=False)
+
+    @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         """The parts stacked along the rows (a merged layer's projections), or None where they are not of one
         kind (bits, group, offsets' meaning, column order)."""

@@ -39,6 +39,11 @@ class GroupedLinearMethod:
     def create_weights(self, layer: GroupedLinear) -> None:
         """Before loading (default: the dense (E, out, in) weight the layer made)."""
 
+    def load(self, layer: GroupedLinear, expert: int, row: int, loaded) -> None:
+        """Rows [row, row + loaded's rows) of expert `expert`'s (out, in) weight from a checkpoint tensor (this
+        rank's rows and columns of it already); a format that keeps its checkpoint's blocks collects them here."""
+        layer.weight.data[expert, row:row + loaded.shape[0]].copy_(loaded)
+
     def process_weights(self, layer: GroupedLinear) -> None:
         """After loading."""
 
@@ -85,6 +90,10 @@ class ExpertFormat:
     def quantize(self, w: torch.Tensor) -> QuantizedWeight:
         raise NotImplementedError
 
+    def expert(self, layer: GroupedLinear, e: int) -> QuantizedWeight:
+        """Expert e's values and scales once the layer is loaded (default: quantized from its float weight)."""
+        return self.quantize(layer.weight[e].detach())
+
 
 class Int8Experts(ExpertFormat):
     """int8 per output channel, as the dense layers' int8 (w = scale * q, scale = max |row| / 127)."""
@@ -99,24 +108,13 @@ INT8_EXPERTS = Int8Experts()
 
 
 class Int4Experts(ExpertFormat):
-    """int4 per group of `group` input columns (64, or 32 where the input size is no multiple of 64), asymmetric:
-    w = scale * q + offset, q in 0..15, scale = (max - min) / 15 and offset = min of the group, both held as fp16
-    values (the C layout stores them so; q is computed against the rounded ones)."""
+    """int4 per group of 64 input columns (or 32), asymmetric, fp16 scale and offset: QuantizedWeight.int4_from,
+    what quantization="int4" makes of the dense layers too."""
 
     name = "int4"
 
     def quantize(self, w):
-        w = w.float()
-        k = w.shape[1]
-        group = 64 if k % 64 == 0 else 32
-        if k % group:
-            raise ValueError(f"int4 experts need an input size that is a multiple of 32, got {k}")
-        g = w.view(w.shape[0], k // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = ((hi - lo) / 15).clamp_min(1e-6).half().float()  # (n, groups)
-        offsets = lo.half().float()
-        q = torch.round((g - offsets[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
-        return QuantizedWeight(4, q.view_as(w), scales, group, offsets, zero_points=False)
+        return QuantizedWeight.int4_from(w)
 
 
 INT4_EXPERTS = Int4Experts()
@@ -131,7 +129,7 @@ class QuantizedGroupedLinear(GroupedLinearMethod):
         self.name = f"{fmt.name} (grouped, torch)"
 
     def process_weights(self, layer):
-        parts = [self.fmt.quantize(layer.weight[e].detach()) for e in range(layer.num_experts)]
+        parts = [self.fmt.expert(layer, e) for e in range(layer.num_experts)]
         first = parts[0]
         if any((p.bits, p.group, p.zero_points, p.perm is None) != (first.bits, first.group, first.zero_points, True)
                for p in parts):
@@ -170,9 +168,8 @@ class CpuGroupedLinear(GroupedLinearMethod):
     def process_weights(self, layer):
         from radixgen.kernels import cpu_linear, cpu_moe
 
-        ws = layer.weight.detach()
-        packed = [cpu_linear.pack_bf16(ws[e]) if self.fmt is None else self.fmt.quantize(ws[e]).pack()
-                  for e in range(layer.num_experts)]
+        packed = [cpu_linear.pack_bf16(layer.weight[e].detach()) if self.fmt is None else
+                  self.fmt.expert(layer, e).pack() for e in range(layer.num_experts)]
         layer.weight = None
         layer.packed = cpu_moe.PackedExperts(packed)
 
@@ -203,10 +200,16 @@ def grouped_method(quantization: str, ops: str = "torch", kl=None, layer: Groupe
     quantized at load) under the ops set named `ops` (kl: its C kernels, or None): the C one on the CPU where the
     kernels take it (quantized experts; bf16 ones on AVX512-BF16 builds: float32 keeps its exact torch reference),
     else the torch reference."""
+    if quantization == "gguf":  # the file's blocks, as they are where a kernel takes them (layers/quantization/gguf)
+        from radixgen.runtime.layers.quantization.gguf import GGUFGroupedLinear
+
+        return GGUFGroupedLinear(ops, kl if ops == "cpu" else None)
     if quantization != "none" and quantization not in _FORMATS:
         raise ValueError(f"quantization {quantization!r} has no grouped-expert form yet (supported for experts: "
-                         f"none, {', '.join(_FORMATS)})")
+                         f"none, {', '.join(_FORMATS)}, gguf)")
     fmt = _FORMATS.get(quantization)
+    if fmt is INT4_EXPERTS and ops == "triton":
+        raise ValueError("int4 experts run on the CPU (the C int4 kernels); CUDA has no int4 expert kernel")
     if ops == "cpu" and kl is not None and layer is not None and _c_takes(layer, fmt, kl):
         return CpuGroupedLinear(kl, fmt)
     return DENSE_GROUPED if fmt is None else QuantizedGroupedLinear(fmt)

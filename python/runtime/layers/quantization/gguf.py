@@ -13,7 +13,10 @@ Blocks (per row of K values, K / block_size blocks; fp16 scales):
         128 values, l < 32: value l takes ql[l] low nibble and qh[l] bits 0-1, value l + 32 ql[l + 32] low and
         qh[l] bits 2-3, value l + 64 ql[l] high and bits 4-5, value l + 96 ql[l + 32] high and bits 6-7 (ql, qh
         offset by 64 h and 32 h)                   -> int8 (q - 32), scale d * scales[e / 16], group 16
-A merged layer (qkv, gate|up) whose parts differ in kind is dequantized as a whole.
+A merged layer (qkv, gate|up) whose parts differ in kind is dequantized as a whole. An expert block's stacks
+(ffn_{gate,up,down}_exps, one type per stack) the same way per expert (`GGUFGroupedLinear`): the experts' exact
+values in the grouped C layouts (cpu_moe), or all dequantized where a stack has no native kernel or gate and up
+differ in kind.
 """
 
 from __future__ import annotations
@@ -100,6 +103,36 @@ class GGUFTensor:
             raise GGUFError(f"GGUF tensor {self.name!r} has type {self.type_name}, which radixgen can neither run "
                             f"nor dequantize ({e})") from e
         return torch.from_numpy(data.copy()).float().reshape(self.rows, self.columns)
+
+
+@dataclass(eq=False)
+class GGUFStack:
+    """An expert block's GGUF tensor as stored: `raw` (E, rows, bytes per row) uint8 (or float values), one
+    GGUFTensor per expert (iteration); `narrow` on dim 0 takes experts, as a stacked checkpoint tensor's."""
+
+    name: str
+    type_name: str
+    raw: torch.Tensor
+    columns: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.raw.shape[0], self.raw.shape[1], self.columns
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFStack:
+        if dim != 0:
+            raise ValueError(f"GGUF expert stack {self.name!r}: only whole experts can be taken")
+        return GGUFStack(self.name, self.type_name, self.raw.narrow(0, start, length), self.columns)
+
+    def __len__(self) -> int:
+        return self.raw.shape[0]
+
+    def __iter__(self):
+        for e in range(len(self)):
+            yield GGUFTensor(f"{self.name}[{e}]", self.type_name, self.raw[e], self.columns)
+
+    def dense(self) -> torch.Tensor:
+        return torch.stack([t.dense() for t in self])
 
 
 def _blocks(raw: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
@@ -219,3 +252,83 @@ def method(ops: str, spec, layer, kl):
         raise ValueError("quantization=gguf runs on the CPU (its kernels are the C ones); on CUDA load the .gguf "
                          "file with quantization auto (dequantized)")
     return GGUFLinear(ops, kl if ops == "cpu" else None)
+
+
+class DecodedExperts:
+    """The experts' values decoded from their GGUF blocks (an experts.ExpertFormat: `expert(layer, e)`)."""
+
+    def __init__(self, parts: list[QuantizedWeight], name: str) -> None:
+        self.parts, self.name = parts, name
+
+    def expert(self, layer, e):
+        return self.parts[e]
+
+
+class GGUFGroupedLinear:
+    """An expert block's GroupedLinear from GGUF stacks (an experts.GroupedLinearMethod): `load` collects each
+    expert's blocks (gate and up rows apart), `process_weights` hands the layer to the grouped method of what
+    they hold: the grouped C kernels over the exact values (TorchOps: the torch reference) where every expert's
+    gate_up (and down) is of one native kind, else the dense experts of the model's dtype, dequantized."""
+
+    name = "gguf (grouped)"
+
+    def __init__(self, ops: str, kl) -> None:
+        if ops == "triton":
+            raise ValueError("quantization=gguf runs on the CPU (its kernels are the C ones); on CUDA load the .gguf "
+                             "file with quantization auto (dequantized)")
+        self.ops, self.kl = ops, kl
+
+    def create_weights(self, layer):
+        loader = layer.weight.weight_loader
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # what the loader addresses
+        layer.weight.weight_loader = loader
+        layer.gguf_parts = {}
+
+    def load(self, layer, expert, row, loaded):
+        if not isinstance(loaded, GGUFTensor):
+            raise ValueError(f"expected a GGUF expert stack, got {type(loaded).__name__}")
+        layer.gguf_parts[(expert, row)] = loaded
+
+    def process_weights(self, layer):
+        from radixgen.runtime.layers.quantization.experts import (
+            CpuGroupedLinear,
+            QuantizedGroupedLinear,
+            grouped_method,
+        )
+
+        collected = layer.gguf_parts
+        del layer.gguf_parts
+        experts = [[collected[key] for key in sorted(k for k in collected if k[0] == e)]
+                   for e in range(layer.num_experts)]
+        for e, parts in enumerate(experts):
+            if sum(p.rows for p in parts) != layer.out_features:
+                raise ValueError(f"expert {e} of a GGUF expert block has {sum(p.rows for p in parts)} of its "
+                                 f"{layer.out_features} rows")
+        names = ", ".join(dict.fromkeys(f"{p.name.split('[')[0]} ({p.type_name})" for p in experts[0]))
+        decoded = []
+        for parts in experts:
+            qws = [p.quantized() for p in parts]
+            decoded.append(None if any(q is None for q in qws) else QuantizedWeight.cat(qws))
+        first = decoded[0]
+        native = first is not None and all(
+            d is not None and (d.bits, d.group, d.zero_points) == (first.bits, first.group, first.zero_points)
+            for d in decoded) and first.group % (16 if first.bits == 8 else 32) == 0 \
+            and layer.in_features % first.group == 0
+        if native:
+            layer.weight = None
+            fmt = DecodedExperts(decoded, f"gguf {'/'.join(sorted({p.type_name for p in experts[0]}))}")
+            final = CpuGroupedLinear(self.kl, fmt) if self.kl is not None else QuantizedGroupedLinear(fmt)
+        else:
+            if any(p.type_name not in FLOAT for p in experts[0]):
+                logger.info("GGUF experts %s: no native kernel for them together, dequantized to %s", names,
+                            layer.dtype)
+            dense = torch.stack([torch.cat([p.dense() for p in parts]) for parts in experts]).to(layer.dtype)
+            layer.weight = torch.nn.Parameter(dense, requires_grad=False)
+            final = grouped_method("none", self.ops, self.kl, layer)
+        layer.method = final
+        final.process_weights(layer)
+        if native:
+            fmt.parts = None  # the method holds its own layout now
+
+    def nbytes(self, layer):
+        return 0

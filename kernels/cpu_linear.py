@@ -155,6 +155,14 @@ def unpack(pw: PackedWeight) -> torch.Tensor:
     return w.reshape(-1, k)[:n]
 
 
+def dense_bf16(pw: PackedWeight) -> torch.Tensor:
+    """The (n, k) row-major bf16 weight of a K-pair layout, copied out: each (row, pair) is one 32-bit word, so the
+    copy is a transpose of int32 blocks (K / 2, 16) -> (16, K / 2). What oneDNN's matmul reads (tiles on AMX)."""
+    expect(pw.kind == KIND_BF16, f"dense_bf16 reads bf16 K pairs, got {pw!r}")
+    words = pw.data.view(torch.int32).view(-1, pw.k // 2, 16)
+    return words.transpose(1, 2).contiguous().view(torch.bfloat16).view(-1, pw.k)[:pw.n]
+
+
 def linear_ref(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
                float_out: bool = False) -> torch.Tensor:
     """The reference of `linear`: x @ unpack(pw)^T (+ bias) in float32, rounded to x's dtype (and widened back with

@@ -7,14 +7,15 @@ config and model classes (nothing is downloaded):
             patches, 256 image tokens), M-RoPE
   llava     LLaVA: a ViT-B/16-shaped CLIP tower at 224 x 224 (196 image tokens), a two-layer projector
 
-(a) 8 questions about one image sent together, radix and encoder caches on (the scheduler computes the shared
-    image prefix once: the others wait a step and read it from the tree), against both off: requests/s.
+(a) 8 questions about one image sent together (12 question tokens each, answers of --max-new tokens: 8), radix
+    and encoder caches on (the scheduler computes the shared image prefix once: the others wait a step and read it
+    from the tree), against both off (requests arriving in one step still share one encoder call): requests/s.
 (b) batch 1: prefill of an image prompt (the image's processing and encoding included: the time to the first
     token) and decode tokens/s (the median time per token while streaming), ours in bf16 (the fused CPU decode
     step) against transformers' `generate` in whichever of bf16 and float32 it decodes faster here; the encoder
     time per image on each side.
 
-All in one run, on one machine.
+All in one run, on one machine. This process sets GOMP_SPINCOUNT as our rank processes do (see the import).
 
     python benchmarks/bench_multimodal.py [--models qwen2_vl,llava] [--quick] [--report DIR]
 """
@@ -28,12 +29,16 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-from report import Report, add_report_arg
+# transformers' side (this process) waits at OpenMP barriers as our rank processes do (engine/ranks.py): set before
+# torch loads libgomp, so that on a busy machine the comparison is of the two engines' work, not of spin policies
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-from radixgen.common.prompt import MediaSegment, Prompt
-from radixgen.runtime.engine import Engine
-from radixgen.runtime.loader import read_hf_config, resolve_model_path
+import torch  # noqa: E402
+from report import Report, add_report_arg  # noqa: E402
+
+from radixgen.common.prompt import MediaSegment, Prompt  # noqa: E402
+from radixgen.runtime.engine import Engine  # noqa: E402
+from radixgen.runtime.loader import read_hf_config, resolve_model_path  # noqa: E402
 
 VOCAB = 49216  # the bundled tokenizer's 49152, padded; the image / vision ids are in the padding
 IMAGE_ID, VISION_START, VISION_END, VIDEO_ID = 49200, 49201, 49202, 49203
@@ -114,14 +119,16 @@ def prompt(image, question: int) -> Prompt:
 
 
 def questions_run(eng: Engine, image, n: int, max_new: int) -> dict:
-    """n questions about one image, sent together; requests/s and cached tokens."""
+    """n questions about one image, sent together; requests/s, cached tokens, how often the image was encoded."""
     eng.flush_cache()
     sp = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+    before = eng.get_server_info()["encoder_cache"]["encoded_items"]
     t = time.perf_counter()
     outs = eng.generate([prompt(image, q) for q in range(n)], sp)
     seconds = time.perf_counter() - t
     return {"seconds": seconds, "rps": n / seconds, "cached": sum(r["meta_info"]["cached_tokens"] for r in outs),
-            "prompt": sum(r["meta_info"]["prompt_tokens"] for r in outs)}
+            "prompt": sum(r["meta_info"]["prompt_tokens"] for r in outs),
+            "encoded": eng.get_server_info()["encoder_cache"]["encoded_items"] - before}
 
 
 def rates(t0: float, marks: list[tuple[float, int]]) -> dict:
@@ -253,7 +260,8 @@ def run_model(kind: str, args) -> dict:
             eng.generate(prompt(image, 99), {"max_new_tokens": 2})  # warm up
             res[label] = questions_run(eng, image, 8, args.max_new)
             print(f"{kind:9} 8 questions, {label:10} {res[label]['rps']:6.2f} req/s  "
-                  f"cached {res[label]['cached'] / res[label]['prompt']:.0%} of prompt tokens", flush=True)
+                  f"cached {res[label]['cached'] / res[label]['prompt']:.0%} of prompt tokens, image encoded "
+                  f"{res[label]['encoded']}x", flush=True)
             if label == "caches on":
                 res["ours"] = ours_b1(eng, image, args.new_tokens, args.reps)
                 print(f"{kind:9} ours b1: prefill {res['ours']['prefill_s'] * 1e3:.0f} ms "

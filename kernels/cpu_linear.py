@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -153,6 +154,16 @@ def unpack(pw: PackedWeight) -> torch.Tensor:
     s, o = (t.transpose(1, 2)[..., None, None, None] for t in (s, o))
     w = s * (q - o) if pw.zero_points else s * q + o
     return w.reshape(-1, k)[:n]
+
+
+def dense_bf16(pw: PackedWeight) -> torch.Tensor:
+    """The (n, k) row-major bf16 weight of a K-pair layout, copied out: each (row, pair) is one 32-bit word, so the
+    copy is a transpose of int32 blocks (K / 2, 16) -> (16, K / 2). What oneDNN's matmul reads (tiles on AMX).
+    numpy's strided copy does it about 5x faster than torch's (0.9 against 4-8 ms for 896 x 4864 here)."""
+    expect(pw.kind == KIND_BF16, f"dense_bf16 reads bf16 K pairs, got {pw!r}")
+    words = pw.data.view(torch.int32).view(-1, pw.k // 2, 16).numpy()
+    rows = torch.from_numpy(np.ascontiguousarray(words.transpose(0, 2, 1)))
+    return rows.view(torch.bfloat16).view(-1, pw.k)[:pw.n]
 
 
 def linear_ref(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,

@@ -83,6 +83,39 @@ def test_cpu_bf16_linears_hold_the_k_pair_layout_only():
 
 
 @needs_c
+def test_bf16_matmuls_of_many_rows_run_on_onednn_where_it_has_amx(monkeypatch):
+    """From ONEDNN_MIN_ROWS rows a bf16 K-pair layer multiplies on oneDNN (AMX tiles) over the weight copied out of
+    its layout, and gives the C matmul's values within bf16 rounding; fewer rows, the deterministic mode and the
+    builds for other CPUs stay on the C kernels."""
+    from radixgen.kernels import cpu_linear
+    from radixgen.runtime.layers import fixed_order
+    from radixgen.runtime.layers.quantization import base
+
+    if not cpu.lib().has_decode_step:
+        pytest.skip("the K-pair layout needs AVX512-BF16")
+    model = _linear(torch.bfloat16)
+    ops = CpuOps(cpu.lib())
+    ops.prepare(model)
+    ops.install(model)
+    layer = model[1]
+    assert layer.method.onednn_rows == (base.ONEDNN_MIN_ROWS if base.onednn_has_amx() else 0)
+    assert torch.equal(cpu_linear.dense_bf16(layer.packed).float(), layer.method.dequantize(layer))
+    layer.method.onednn_rows = 8  # whatever this CPU has: the route itself
+    calls = []
+    real = cpu_linear._linear
+    monkeypatch.setattr(cpu_linear, "_linear", lambda *a, **kw: calls.append(a[2].shape[0]) or real(*a, **kw))
+    x = torch.randn(2, 5, 8).bfloat16()  # 10 rows
+    ref = (x.float() @ layer.method.dequantize(layer).t()).bfloat16()
+    y = layer(x)
+    assert calls == [] and y.shape == (2, 5, 4) and rel(y, ref) < 1e-2
+    assert rel(layer(x[0]), ref[0]) < 1e-2 and calls == [5]  # 5 rows: the C matmul
+    fixed_order.install(model, cpu.lib())
+    assert layer.method.onednn_rows == 0
+    monkeypatch.setattr(base, "onednn_has_amx", lambda: True)
+    assert CpuPackedLinear(cpu.load("cooperlake"), None).onednn_rows == 0  # an emulated CPU without AMX
+
+
+@needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_ops_match_torch_ops(dtype):
     gen = torch.Generator().manual_seed(0)

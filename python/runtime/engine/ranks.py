@@ -26,6 +26,24 @@ from radixgen.runtime.rank_args import RankArgs, node_ranks
 POLL_S = 0.5
 
 
+# libgomp's threads spin this many pauses at a barrier before they sleep (its default without OMP_WAIT_POLICY is
+# 300,000, milliseconds on this CPU). A fused decode step meets at about five barriers a layer; where other work
+# shares the cores, a thread spinning for a partner the kernel has descheduled burns the partner's time, and a
+# 0.5B model's batch-1 step took 3-5x longer (about 250 ms against 85 at a load of 5 on 2 cores). This short
+# spin (libgomp's own choice when it sees more threads than cores) still catches a partner that is running.
+GOMP_SPINCOUNT = "1000"
+
+
+def rank_env(environ) -> dict[str, str]:
+    """A rank process's environment: the caller's, with these defaults where it sets none of them."""
+    env = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch backs its large CPU allocations (weights, KV pool) with
+    # transparent huge pages when this is set before its first one: fewer TLB misses while decode streams the
+    # weights (about 3% at batch 1)
+    if "OMP_WAIT_POLICY" not in environ:  # a wait policy asked for is kept as it is
+        env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+    return {**env, **environ}
+
+
 class RankProcess:
     """One rank as a child process (a fresh interpreter, not multiprocessing's spawn, so the caller's script is
     never re-imported)."""
@@ -35,11 +53,8 @@ class RankProcess:
         args_file = os.path.join(folder, f"rank{args.rank}.pkl")
         with open(args_file, "wb") as f:
             pickle.dump(args, f)
-        # torch backs its large CPU allocations (weights, KV pool) with transparent huge pages when this is set
-        # before its first allocation: fewer TLB misses while decode streams the weights (about 3% at batch 1)
-        env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ}
         self.popen = subprocess.Popen([sys.executable, "-m", "radixgen.runtime.scheduler", args_file],
-                                      stdin=subprocess.DEVNULL, env=env)
+                                      stdin=subprocess.DEVNULL, env=rank_env(os.environ))
 
     @property
     def pid(self) -> int:

@@ -62,6 +62,7 @@ def install(model: nn.Module, kl) -> None:
         if not (isinstance(m.method, CpuPackedLinear) and m.method.fmt is None and m.packed is not None):
             raise ValueError(f"deterministic mode needs every linear layer on the C bf16 matmuls; {name} runs "
                              f"{m.method.name} (an odd input size, or a format without them)")
+        m.method.onednn_rows = 0  # oneDNN's blocking follows the row count: every row count on the C matmuls
         if isinstance(m, RowParallelLinear):
             _fix(name, m, kl)
 

@@ -67,16 +67,20 @@ class AdmissionPolicy:
     def shares_uncached_prefix(self, req: Req, admitted: list[Req], cached: int | None = None) -> bool:
         """Whether `req` shares a long not-yet-cached prefix with a request admitted this step (then it waits
         a step and reuses that prefix). `cached`: its cached prefix length if already measured this step; a
-        heuristic may use it even if an eviction since shortened the match (admission re-matches)."""
+        heuristic may use it even if an eviction since shortened the match (admission re-matches).
+
+        Prompts are compared by the tree's keys (`Req.radix_key`), not their ids: an image's placeholder ids are the
+        same for every image, its key ids follow its content hash, so requests about one image wait for the first
+        one's prefill and read its image's KV from the tree, and requests about different images never wait."""
         if self.kv.cache_disabled:
             return False
-        ids = req.fill_ids
+        key = req.radix_key
         if cached is None:
             cached = self.kv.cached_prefix_len(req)
         for other in admitted:
             if other.namespace != req.namespace:
                 continue
-            if common_prefix_len(ids, other.fill_ids) - cached >= SHARED_PREFIX_DEFER_TOKENS:
+            if common_prefix_len(key, other.radix_key) - cached >= SHARED_PREFIX_DEFER_TOKENS:
                 return True
         return False
 

@@ -5,6 +5,8 @@ the unquantized bf16 K-pair layout) and TorchQuantizedLinear (the plain-torch re
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +131,26 @@ class CheckpointLinear(LinearMethod):
         return self.fmt.quantized(layer).dequantize()
 
 
+# bf16 K-pair matmuls of at least this many rows run on oneDNN where it has AMX tiles: its tile GEMM is 5-20x the C
+# blocked GEMM's vdpbf16ps rate on the prefill and vision-encoder shapes, which pays for copying the weight out of
+# the K-pair layout (one pass over it) from about 48 rows up (crossover measured at 896 x 1152 and 896 x 4864).
+ONEDNN_MIN_ROWS = 64
+
+
+@functools.cache
+def onednn_has_amx() -> bool:
+    """Whether torch's oneDNN runs bf16 matmuls on AMX tiles here: the CPU has them and ONEDNN_MAX_CPU_ISA (how the
+    tests emulate older CPUs) does not hold oneDNN below them."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if cap and cap != "ALL" and "AMX" not in cap:
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
 def _rows_2d(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, layer.in_features)
 
@@ -141,6 +163,9 @@ class CpuPackedLinear(LinearMethod):
     def __init__(self, kl, fmt: Format | None) -> None:
         self.kl, self.fmt = kl, fmt
         self.name = "bf16 K pairs (C)" if fmt is None else f"{fmt.name} (C)"
+        # bf16 K pairs: matmuls of this many rows or more on oneDNN's AMX tiles (0: never; the deterministic mode's
+        # batch invariance and the emulated builds of other CPUs keep every row count on the C kernels)
+        self.onednn_rows = ONEDNN_MIN_ROWS if fmt is None and kl.isa == "native" and onednn_has_amx() else 0
 
     def create_weights(self, layer):
         if self.fmt is not None:
@@ -159,6 +184,9 @@ class CpuPackedLinear(LinearMethod):
         x2 = _rows_2d(layer, x)
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
+        if 0 < self.onednn_rows <= x2.shape[0] and x2.dtype == torch.bfloat16:
+            y = F.linear(x2, cpu_linear.dense_bf16(layer.packed), layer.bias)
+            return y.view(*x.shape[:-1], layer.out_features)
         y = cpu_linear._linear(self.kl, layer.packed, x2.contiguous(), layer.bias)
         return y.view(*x.shape[:-1], layer.out_features)
 

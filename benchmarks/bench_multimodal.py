@@ -5,7 +5,8 @@ config and model classes (nothing is downloaded):
 
   qwen2_vl  Qwen2-VL: an 8-block, 640-wide dynamic-resolution vision transformer (a 448 x 448 image: 1024
             patches, 256 image tokens), M-RoPE
-  llava     LLaVA: a ViT-B/16-shaped CLIP tower at 224 x 224 (196 image tokens), a two-layer projector
+  llava     LLaVA: a ViT-B-wide CLIP tower with LLaVA-1.5's geometry, 336 x 336 in patches of 14 (576 image
+            tokens, as every LLaVA-1.5 prompt carries), a two-layer projector
 
 (a) 8 questions about one image sent together (12 question tokens each, answers of --max-new tokens: 8), radix
     and encoder caches on (the scheduler computes the shared image prefix once: the others wait a step and read it
@@ -59,7 +60,7 @@ def hf_config(kind: str):
                                 video_token_id=VIDEO_ID, vision_start_token_id=VISION_START,
                                 vision_end_token_id=VISION_END, tie_word_embeddings=False)
     vision = tf.CLIPVisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                                 image_size=224, patch_size=16, projection_dim=512)
+                                 image_size=336, patch_size=14, projection_dim=512)
     return tf.LlavaConfig(vision_config=vision, text_config=tf.Qwen2Config(**TEXT, rope_theta=1e6),
                           image_token_index=IMAGE_ID, projector_hidden_act="gelu", tie_word_embeddings=False)
 
@@ -70,7 +71,7 @@ def checkpoint(kind: str) -> Path:
     import transformers as tf
 
     root = Path(os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen")) / "bench"
-    out = root / f"{kind}-0.5b"
+    out = root / f"{kind}-0.5b" if kind == "qwen2_vl" else root / f"{kind}-0.5b-336"
     if (out / "DONE").exists():
         return out
     tmp = root / f"{out.name}.tmp{os.getpid()}"
@@ -86,7 +87,7 @@ def checkpoint(kind: str) -> Path:
 
         Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280).save_pretrained(tmp)
     else:
-        clip = tf.CLIPImageProcessorPil(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+        clip = tf.CLIPImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
         clip.save_pretrained(tmp)
     (tmp / "DONE").write_text("ok\n")
     tmp.rename(out)
@@ -94,11 +95,11 @@ def checkpoint(kind: str) -> Path:
 
 
 def test_image(kind: str):
-    """A photo-like image (smooth gradients and a few shapes), 448 x 448 for Qwen2-VL, 320 x 240 for LLaVA (its
-    processor resizes and crops it to 224)."""
+    """A photo-like image (smooth gradients and a few shapes), 448 x 448 for Qwen2-VL, 480 x 360 for LLaVA (its
+    processor resizes and crops it to 336)."""
     from PIL import Image, ImageDraw
 
-    w, h = (448, 448) if kind == "qwen2_vl" else (320, 240)
+    w, h = (448, 448) if kind == "qwen2_vl" else (480, 360)
     img = Image.new("RGB", (w, h))
     px = img.load()
     for y in range(h):
@@ -197,7 +198,7 @@ class HF:
             n = int(grid.prod()) // 4
             image_ids = [VISION_START] + [IMAGE_ID] * n + [VISION_END]
         else:
-            n = (224 // 16) ** 2
+            n = (336 // 14) ** 2
             image_ids = [IMAGE_ID] * n
         t = torch.tensor([ids(0, SYSTEM_TOKENS) + image_ids + ids(100, QUESTION_TOKENS)])
         kw = {"input_ids": t, "pixel_values": pixels}

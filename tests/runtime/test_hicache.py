@@ -186,13 +186,13 @@ def test_restart_and_a_replica_find_the_disk_tier(model_dir, tokenizer, scratch,
 
 
 def test_write_back_writes_what_leaves_the_host_tier(model_dir, tokenizer, scratch, tmp_path):
-    sched = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.5)  # a host tier smaller than the pool
+    sched = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.2)  # a host tier smaller than the pool
     assert outputs(run_rounds(sched, turns())) == scratch[8]
     info = tiers(sched)
     assert info["host_evicted_tokens"] > 0
     sched.kv.hicache.disk.drain()
     assert tiers(sched)["disk"]["pages_written"] > 0
-    again = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.5)
+    again = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.2)
     assert outputs(run_rounds(again, turns())) == scratch[8] and tiers(again)["disk_hit_tokens"] > 0
 
 

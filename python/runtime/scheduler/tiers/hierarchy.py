@@ -87,10 +87,13 @@ class HierarchicalCache:
         self.page_size = kv.page_size
         self.staged = 0  # tier-1 rows held by loads (disk pages read into them)
         self.prefetched = 0  # pool tokens loaded back for requests not admitted yet
+        self.reserved = 0  # pool slots those requests' prefills will need (their loaded prefixes are held)
+        self.held: dict[int, object] = {}  # id -> those requests
+        self.paused = False  # holds were yielded: no load until a request is admitted
         self.orphans: list[Load] = []  # loads of ended requests whose reads are still running
         self.dropping = False  # flush: evicted nodes are dropped, not moved down
         self.counts = dict(host_hit_tokens=0, disk_hit_tokens=0, demoted_tokens=0, host_evicted_tokens=0,
-                           dropped_tokens=0, loads=0)
+                           dropped_tokens=0, loads=0, holds_yielded=0)
 
     @classmethod
     def for_runner(cls, kv, runner) -> HierarchicalCache | None:
@@ -209,26 +212,76 @@ class HierarchicalCache:
                 load.future = disk.read([names[i] for i in run], [names[i - 1] if i else "" for i in run],
                                         [key[i * p:(i + 1) * p] for i in run], sink)
         if not load.host_len and load.future is None:
-            return None
+            if not len(m.slots) or self.paused:
+                return None
+            self._hold(req, m.last_node, 0, load.rest)  # on the device now: held there until its admission
+            if req.tier_hold is not None:
+                return None
+            # no room to hold it now: the wait goes on, so that what is evicted meanwhile is loaded back then
         return load
 
+    def _hold(self, req, node: TreeNode, loaded: int, reserve: int) -> None:
+        """Lock the request's prefix under `node` until it gets slots of its own (`extending`) or ends, if the
+        pool still has room for the prefills of every held request then (`reserve`: this one's); `loaded` tokens
+        of the prefix came from lower tiers for it (the prefetch budget)."""
+        self.admitted(req)  # a retracted request loading again: its earlier hold ends
+        self.tree.lock(node)
+        if self.reserved + reserve > self.kv.available():
+            self.tree.unlock(node)  # not held: the holds must leave room for every held request's prefill
+            return
+        req.tier_hold, req.tier_prefetched, req.tier_reserved = node, loaded, reserve
+        self.prefetched += loaded
+        self.reserved += reserve
+        self.held[id(req)] = req
+
     def may_load(self, load: Load) -> bool:
-        """Whether the pool may take this load now: when the request would fit beside what running requests hold
-        (else the load would be cut short, or evicted again before the request runs), and within the budget of
-        loads for requests still queued (half the pool, or one at a time: prefetching a long queue must not evict
-        what was just loaded for the requests ahead). After MAX_LOAD_WAIT polls it loads what fits."""
+        """Whether the pool may take this load now: when the request (its loaded prefix and its prefill) would fit
+        beside what running requests hold and what the loads of queued requests ahead count on (`reserved`: else
+        the allocations of those ahead evict this load again before its request runs, or this one theirs;
+        measured: without it, a third of what was loaded in the agent benchmark was evicted so and computed
+        again), and within the budget of loads for queued requests (half the pool, or one at a time). After
+        MAX_LOAD_WAIT polls it loads what fits."""
+        if self.paused:
+            return False
         load.polls += 1
         if load.polls > MAX_LOAD_WAIT:
             return True
         need = load.host_len + (load.pages_read() * self.page_size if load.future is not None else 0)
         budget = self.prefetched == 0 or self.prefetched + need <= self.kv.capacity // 2
-        return budget and load.rest <= self.kv.available()
+        if not budget:
+            return False
+        m = self.tree.match_prefix(load.key, load.namespace)
+        self.tree.lock(m.last_node)  # the room beside its device prefix (held with the load)
+        room = self.kv.available()
+        self.tree.unlock(m.last_node)
+        return load.rest + self.reserved <= room
 
     def admitted(self, req) -> None:
-        """The request's prefix is locked by its admission (or it ended): its loaded tokens leave the prefetch
-        budget."""
+        """The request gets slots of its own, its prefix under its admission's lock (or it ended, or loads again):
+        its loaded tokens leave the prefetch budget, and its reservation ends."""
         self.prefetched -= req.tier_prefetched
         req.tier_prefetched = 0
+        self.reserved -= req.tier_reserved
+        req.tier_reserved = 0
+        self.held.pop(id(req), None)
+        if req.tier_hold is not None:
+            node, req.tier_hold = req.tier_hold, None
+            self.tree.unlock(node)
+
+    def extending(self, req) -> None:
+        """The request gets slots of its own: its hold ends (`admitted`), and loads may go on after a yield."""
+        self.paused = False
+        if req.tier_hold is not None or req.tier_prefetched:
+            self.admitted(req)
+
+    def yield_holds(self, req) -> None:
+        """`req` could not be admitted while none runs (the holds count on room that its prefill, or one not
+        held, needs): every other hold ends, so their prefixes may be evicted for it (and loaded or computed
+        again later). Keeps the holds from ever blocking the scheduler."""
+        for other in [r for r in self.held.values() if r is not req]:
+            self.admitted(other)
+        self.paused = True  # no new load (and hold) until some request has got slots
+        self.counts["holds_yielded"] += 1
 
     def load_back(self, req, load: Load) -> None:
         """Bring the planned prefix into the pool and the tree (as far as it is still there and fits)."""
@@ -247,8 +300,11 @@ class HierarchicalCache:
             host_len = sum(n for _, n in self.tree.lower_path(m.last_node, key, dev))
             d0, d1 = load.disk_start, load.disk_start + read
             disk_len = d1 - (dev + host_len) if d0 <= dev + host_len < d1 else 0
-            total = min(host_len + disk_len, self.kv.available()) // p * p
+            prefill = max(0, load.rest - host_len - disk_len)  # what it computes, beside the holds of others
+            total = min(host_len + disk_len, self.kv.available() - self.reserved - prefill) // p * p
             if total <= 0:
+                if dev:
+                    self._hold(req, m.last_node, 0, load.rest)
                 return
             slots = self.kv.allocate(total)  # may demote other nodes, and evict tier-1 nodes of this path
             path = self.tree.lower_path(m.last_node, key, dev)
@@ -267,12 +323,14 @@ class HierarchicalCache:
             if already > dev:  # held on the device meanwhile (not possible in one thread; kept exact anyway)
                 self.kv.free(slots[:min(already, dev + used) - dev])
             self.kv.free(slots[used:])
+            # held for the request until it gets slots of its own: else what is loaded for a queued request is
+            # evicted again by the allocations of those admitted before it (measured in the agent benchmark:
+            # a third of what was loaded, computed again)
+            self._hold(req, self.tree.match_prefix(key[:dev + used], ns).last_node, now + disk_len,
+                       max(0, load.rest - now - disk_len))
         finally:
             self.tree.unlock(m.last_node)
         req.tier_loaded = (dev, now, disk_len)
-        self.admitted(req)  # a retracted request loading again: its earlier load no longer counts
-        req.tier_prefetched = now + disk_len
-        self.prefetched += now + disk_len
         self.counts["host_hit_tokens"] += now
         self.counts["disk_hit_tokens"] += disk_len
         self.counts["loads"] += 1
@@ -319,7 +377,7 @@ class HierarchicalCache:
         self.settle_reads()
         used = self.tree.lower_size(Tier.HOST)
         ok = (self.rows.available() + used + self.staged == self.rows.capacity and self.staged == 0
-              and self.prefetched == 0)
+              and self.prefetched == 0 and self.reserved == 0)
         if not ok:
             logger.error("host tier leak: free %d + in the tree %d + held by loads %d != %d rows (or %d tokens "
                          "counted as prefetched)", self.rows.available(), used, self.staged, self.rows.capacity,

@@ -39,10 +39,18 @@ FORMAT_VERSION = 1  # of the page files' contents; part of the fingerprint
 MAX_LOAD_WAIT = 64  # polls (steps) a load waits for pool room before it loads what fits
 
 
-def storable(namespace) -> bool:
-    """Namespaces whose pages may go to disk: the default one and cache salts (API-key scopes). A LoRA adapter's
-    namespace names the adapter by a load id valid in this process only, so its pages stay in tiers 0 and 1."""
-    return namespace is None or isinstance(namespace, str)
+STAY = object()  # disk_namespace's answer for a namespace whose pages stay in tiers 0 and 1
+
+
+def disk_namespace(namespace, adapter_digest=None):
+    """The namespace a page file's name hashes, or STAY. The default one and cache salts (API-key scopes) are
+    themselves; a LoRA adapter's (salt, load id) becomes (salt, the digest of the adapter's weights): a load id
+    is valid in one process only, while the digest names the same weights in every process and replica, and
+    another adapter or the base model never meets its pages. STAY: an adapter whose digest is unknown."""
+    if namespace is None or isinstance(namespace, str):
+        return namespace
+    digest = adapter_digest(namespace[1]) if adapter_digest is not None and len(namespace) == 2 else None
+    return STAY if digest is None else ("lora", namespace[0], digest)
 
 
 class Load:
@@ -92,6 +100,7 @@ class HierarchicalCache:
         self.paused = False  # holds were yielded: no load until a request is admitted
         self.orphans: list[Load] = []  # loads of ended requests whose reads are still running
         self.dropping = False  # flush: evicted nodes are dropped, not moved down
+        self.adapter_digest = None  # LoRA load id -> the digest of its weights (the LoRA manager's digest_of)
         self.counts = dict(host_hit_tokens=0, disk_hit_tokens=0, demoted_tokens=0, host_evicted_tokens=0,
                            dropped_tokens=0, loads=0, holds_yielded=0)
 
@@ -148,9 +157,12 @@ class HierarchicalCache:
         """Write-through: the whole pages of `tokens` (whose KV is in pool `slots`) that the disk tier lacks go to
         it now (their rows copied out here, written on the writer thread)."""
         disk, p = self.disk, self.page_size
-        if disk is None or not self.write_through or not disk.enabled or not storable(namespace):
+        if disk is None or not self.write_through or not disk.enabled:
             return
-        names = page_names(disk.fingerprint, namespace, tokens, p)
+        ns = self._disk_ns(namespace)
+        if ns is STAY:
+            return
+        names = page_names(disk.fingerprint, ns, tokens, p)
         todo = [i for i, name in enumerate(names) if not disk.known(name) and not disk.has(name)]
         if not todo:
             return
@@ -162,15 +174,19 @@ class HierarchicalCache:
 
     def _write_node(self, node: TreeNode) -> None:
         namespace, tokens = self.tree.path_of(node)
-        if not storable(namespace) or not self.disk.enabled:
+        ns = self._disk_ns(namespace)
+        if ns is STAY or not self.disk.enabled:
             return
         p, start = self.page_size, len(tokens) - len(node)
-        names = page_names(self.disk.fingerprint, namespace, tokens, p)
+        names = page_names(self.disk.fingerprint, ns, tokens, p)
         rows = self.host.read_rows(node.handle)
         for i in range(start // p, len(names)):
             a = i * p - start
             self.disk.write(Page(names[i], names[i - 1] if i else "", list(tokens[i * p:(i + 1) * p]),
                                  [r[a:a + p] for r in rows]))
+
+    def _disk_ns(self, namespace):
+        return disk_namespace(namespace, self.adapter_digest)
 
     def _host_format(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Pool rows (`KVPool.read_rows`) in the host tier's format: as they are, or quantized to its codes."""
@@ -193,8 +209,9 @@ class HierarchicalCache:
         load = Load(key, ns, sum(n for _, n in path), len(key) + 1 - len(m.slots))
         reach = len(m.slots) + load.host_len
         disk, p = self.disk, self.page_size
-        if disk is not None and disk.enabled and storable(ns) and reach + p <= len(key):
-            names = page_names(disk.fingerprint, ns, key, p)
+        dns = self._disk_ns(ns) if disk is not None else STAY
+        if disk is not None and disk.enabled and dns is not STAY and reach + p <= len(key):
+            names = page_names(disk.fingerprint, dns, key, p)
             run, room = [], (self.rows.capacity - self.staged) // p  # pages tier 1 could take for this load
             for i in range(reach // p, len(names)):
                 if len(run) == room or not disk.has(names[i]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import resource
 import signal
+import threading
 import time
 
 import pytest
@@ -24,7 +25,7 @@ from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, new_req_to_slo
 from radixgen.runtime.executor.step_messages import KVCopyQueue
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.radix_cache import Tier
-from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req
+from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.tiers import HierarchicalCache
 
 POOL = 160  # tokens: the workload's working set (about 300) is larger; two requests at a time fit
@@ -281,3 +282,83 @@ def test_what_the_hierarchical_cache_refuses():
     assert cfg.hicache_enabled and cfg.hicache_code_dtype == torch.int8  # the CPU's compact default
     assert RuntimeConfig(enable_hierarchical_cache=True, hicache_kv_format="model").hicache_code_dtype is None
     assert RuntimeConfig(device="cuda", enable_hierarchical_cache=True).hicache_code_dtype is None
+
+
+def gated(store, method: str) -> threading.Event:
+    """Make `store.method` wait (on the store's own threads) until the returned event is set."""
+    gate, real = threading.Event(), getattr(store, method)
+
+    def wait_then(*a, **kw):
+        assert gate.wait(60), "the gate was never opened"
+        return real(*a, **kw)
+
+    setattr(store, method, wait_then)
+    return gate
+
+
+def step_until(sched, done, steps: int = 400) -> dict:
+    out = {}
+    for _ in range(steps):
+        sched.step()
+        for msg in sched.outbox:
+            if isinstance(msg, ReqOutput):
+                o = out.setdefault(msg.rid, {"ids": [], "finish": None})
+                o["ids"] += msg.new_ids
+                o["finish"] = msg.finish_reason
+        sched.outbox.clear()
+        if done(out):
+            return out
+        time.sleep(0.002)
+    raise AssertionError(f"not done after {steps} steps: {out}")
+
+
+def test_a_disk_load_in_flight_holds_up_only_its_request(model_dir, tokenizer, scratch, tmp_path):
+    """While a request's pages are read (held up here), another request is admitted, decodes and finishes with
+    its outputs unchanged; then the first one gets its pages and its outputs; an abort during a read leaks
+    nothing once the read ends."""
+    first = disk_sched(model_dir, tokenizer, tmp_path, hicache_write_policy="write_through")
+    rounds = turns()
+    run(first, rounds[0])
+    first.kv.hicache.disk.drain()
+    fresh = disk_sched(model_dir, tokenizer, tmp_path)
+    gate = gated(fresh.kv.hicache.disk, "read_page")
+    waiting, other = rounds[0][0], rounds[0][1]
+    alone = GenerateRequest("other", [7] + other.input_ids[1:], other.params)  # nothing of it on disk
+    expect = outputs(run(new_sched(model_dir, tokenizer, page_size=8, disable_radix_cache=True), [alone]))
+    fresh.handle_message(waiting)
+    fresh.step()  # planned: its reads are blocked
+    fresh.handle_message(alone)
+    out = step_until(fresh, lambda o: o.get("other", {}).get("finish") is not None)
+    assert out["other"]["ids"] == expect["other"] and waiting.rid not in out  # the other one ran meanwhile
+    assert len(fresh.waits) == 1
+    gate.set()
+    out = step_until(fresh, lambda o: o.get(waiting.rid, {}).get("finish") is not None)
+    assert out[waiting.rid]["ids"] == scratch[8][waiting.rid] and tiers(fresh)["disk_hit_tokens"] >= SYSTEM
+    assert fresh.is_idle() and fresh.invariant_holds()
+
+    aborting = disk_sched(model_dir, tokenizer, tmp_path)
+    gate = gated(aborting.kv.hicache.disk, "read_page")
+    aborting.handle_message(rounds[0][2])
+    aborting.step()
+    assert aborting.kv.hicache.staged > 0  # tier-1 rows held by the blocked read
+    aborting.handle_message(AbortRequest(rounds[0][2].rid))
+    out = step_until(aborting, lambda o: o.get(rounds[0][2].rid, {}).get("finish") is not None)
+    assert aborting.is_idle() and aborting.kv.hicache.staged > 0  # its rows stay with the read still running
+    gate.set()
+    assert aborting.invariant_holds() and aborting.kv.hicache.staged == 0  # then every row is back
+    assert aborting.kv.invariant_holds()
+
+
+def test_pages_written_down_are_found_while_still_queued(model_dir, tokenizer, scratch, tmp_path):
+    """Write-back with the writer held up: what leaves the host tier is matched again at once (the next pass)
+    and read from the writer's queue: the same outputs, and nothing leaks."""
+    sched = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.2)
+    gate = gated(sched.kv.hicache.disk, "_write")
+    res = run_rounds(sched, turns() + turns())
+    assert outputs(res) == scratch[8]
+    info = tiers(sched)
+    assert info["host_evicted_tokens"] > 0 and info["disk"]["pages_read_queued"] > 0
+    assert info["disk"]["pages_written"] == 0  # nothing reached the files yet
+    gate.set()
+    sched.kv.hicache.disk.drain()
+    assert tiers(sched)["disk"]["pages_written"] > 0 and sched.invariant_holds()

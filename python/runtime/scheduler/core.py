@@ -55,8 +55,7 @@ class Scheduler:
         self.grammar = grammar_backend
         self.kv = KVCacheManager.for_runner(runner, cfg.page_size, cfg.disable_radix_cache)
         self.lora = LoRAManager.for_scheduler(cfg, runner, self.kv.evict_namespaces)  # owns the adapter slots
-        if self.kv.hicache is not None:  # the disk tier names an adapter's pages by its weights' digest
-            self.kv.hicache.adapter_digest = self.lora.digest_of
+        self.kv.name_adapters(self.lora.digest_of)  # for the disk tier: an adapter's pages by its weights' digest
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
         self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,

@@ -105,6 +105,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ eviction: the demote hook
 
+    def name_adapters(self, digest_of) -> None:
+        """`digest_of(load id)`: a LoRA adapter's weights' digest, which names its pages in the disk tier."""
+        if self.hicache is not None:
+            self.hicache.adapter_digest = digest_of
+
     def attach_lower_tier(self, tier) -> None:
         """A store below the device pool (an object with the hook's `demote(node)` and `discard(loc)`)."""
         self.lower_tier = tier

@@ -13,7 +13,9 @@ Policy:
 - a request whose prefix reaches tier 1 or 2 waits (waits.KVLoadBack) while its pages come back: tier-2 pages are
   read on the store's threads into tier-1 rows held by the load, then (`load_back`) the tier-1 rows are copied into
   fresh pool slots (HOST_TO_DEVICE orders) and inserted into the tree, before the request's admission, so its
-  prefill starts from the whole prefix; other requests step meanwhile.
+  prefill starts from the whole prefix; other requests step meanwhile. What was loaded (or found in the pool) for
+  a queued request is held for it (locked) until it gets slots, so that those admitted before it do not evict it
+  again; holds leave room for every held request's prefill, and yield when they would block admission.
 The copy orders run at once (the model runner's `apply_kv_copies`): the host tier lives in this process (tensor and
 pipeline parallelism are refused with it), and running them before the slots they read are reused keeps every
 order's source valid.
@@ -21,8 +23,6 @@ order's source valid.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 
 import torch
@@ -32,25 +32,11 @@ from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, SlotAllocator,
 from radixgen.runtime.executor.step_messages import CopyDirection
 from radixgen.runtime.scheduler.radix_cache import KVLocation, Tier, TreeNode
 from radixgen.runtime.scheduler.tiers.disk import DiskStore, Page, page_names
+from radixgen.runtime.scheduler.tiers.names import STAY, disk_namespace, fingerprint
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # of the page files' contents; part of the fingerprint
 MAX_LOAD_WAIT = 64  # polls (steps) a load waits for pool room before it loads what fits
-
-
-STAY = object()  # disk_namespace's answer for a namespace whose pages stay in tiers 0 and 1
-
-
-def disk_namespace(namespace, adapter_digest=None):
-    """The namespace a page file's name hashes, or STAY. The default one and cache salts (API-key scopes) are
-    themselves; a LoRA adapter's (salt, load id) becomes (salt, the digest of the adapter's weights): a load id
-    is valid in one process only, while the digest names the same weights in every process and replica, and
-    another adapter or the base model never meets its pages. STAY: an adapter whose digest is unknown."""
-    if namespace is None or isinstance(namespace, str):
-        return namespace
-    digest = adapter_digest(namespace[1]) if adapter_digest is not None and len(namespace) == 2 else None
-    return STAY if digest is None else ("lora", namespace[0], digest)
 
 
 class Load:
@@ -412,21 +398,3 @@ class HierarchicalCache:
         if self.disk is not None:
             self.disk.close()
 
-
-def fingerprint(runner, page_size: int) -> str:
-    """What makes two servers' pages interchangeable: the model (config, weight files by name and size, the dummy
-    weights' seed), the weight quantization, the dtype, the pool's and the host tier's formats, the page size, the
-    rank's shard. Anything else differing gives another fingerprint, so a page is never read by a server that would
-    have computed other KV."""
-    cfg, path = runner.runtime_config, runner.model_path
-    if path.is_dir():
-        files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
-                       if f.suffix in (".safetensors", ".gguf", ".bin", ".pt"))
-    else:
-        files = [(path.name, path.stat().st_size)]
-    par = runner.parallel
-    parts = {"version": FORMAT_VERSION, "config": runner.hf_config, "files": files, "load_format": cfg.load_format,
-             "seed": cfg.seed if cfg.load_format == "dummy" else None, "quantization": str(runner.quantization),
-             "dtype": str(runner.dtype), "pool": str(runner.kv_pool.format), "host": str(runner.host_pool.format),
-             "page_size": page_size, "tp": [par.tp_rank, par.tp_size], "pp": [par.pp_rank, par.pp_size]}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -146,13 +146,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sessions and a shorter restart prefix")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     ap.add_argument("--max-new", type=int, default=4)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine (0: its default)")
     ap.add_argument("--part", choices=("all", "agent", "restart"), default="all")
     ap.add_argument("--hicache-ratio", type=float, default=8.0, help="host tier size as a multiple of the pool")
     add_report_arg(ap)
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
     sessions, turns, system, obs, pool = agent_sizes(args.quick, args.max_new)
-    common = dict(max_running_requests=2, page_size=PAGE, chunked_prefill_size=512)
+    common = dict(max_running_requests=2, page_size=PAGE, chunked_prefill_size=512, num_threads=args.num_threads)
     results = {}
     for label, extra in () if args.part == "restart" else (("LRU (tree only)", {}),
                          ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": args.hicache_ratio})):

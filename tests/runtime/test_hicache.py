@@ -27,6 +27,7 @@ from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.radix_cache import Tier
 from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.tiers import HierarchicalCache
+from radixgen.runtime.scheduler.tiers.hierarchy import Load
 
 POOL = 160  # tokens: the workload's working set (about 300) is larger; two requests at a time fit
 SYSTEM = 32
@@ -362,3 +363,34 @@ def test_pages_written_down_are_found_while_still_queued(model_dir, tokenizer, s
     gate.set()
     sched.kv.hicache.disk.drain()
     assert tiers(sched)["disk"]["pages_written"] > 0 and sched.invariant_holds()
+
+
+def test_holds_keep_loaded_prefixes_until_admission_and_yield_rather_than_block():
+    pool = KVPool(2, 40, 2, 8, torch.float32)
+    kv, hc = manager(pool)
+    prefixes = [list(range(100, 116)), list(range(200, 216))]
+    for tokens in prefixes:  # each computed once, then all of it to the host tier
+        r = request(tokens)
+        assert kv.admit(r)
+        kv.extend(r, len(tokens))
+        kv.release(r)
+    kv.free(kv.tree.evict(kv.tree.evictable_size()))
+    held = [request(tokens) for tokens in prefixes]
+    for r in held:
+        hc.load_back(r, hc.plan(r))
+        assert r.tier_hold is not None and r.tier_prefetched == 16
+    assert kv.tree.protected_size() == 32 and hc.reserved == 2  # held, and room kept for their prefills
+    kv.free(kv.tree.evict(kv.capacity))  # nothing held can be evicted (by those admitted first)
+    assert all(len(kv.match(t).slots) == 16 for t in prefixes)
+    other = request(list(range(300, 330)))  # does not fit beside the holds, and no request runs
+    assert kv.admit(other) and not kv.can_allocate(30)
+    kv.unadmit(other)  # what the scheduler does then: the holds yield
+    assert hc.counts["holds_yielded"] == 1 and kv.tree.protected_size() == 0 and kv.can_allocate(30)
+    assert hc.paused and not hc.may_load(Load(prefixes[0], None, 16, 17))  # no new load (and hold) meanwhile
+    assert kv.admit(other)
+    kv.extend(other, 30)  # a request got slots: loads may go on
+    assert not hc.paused
+    kv.release(other)
+    for r in held:
+        kv.release(r)
+    assert hc.prefetched == 0 and hc.reserved == 0 and kv.invariant_holds()

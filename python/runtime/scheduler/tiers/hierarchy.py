@@ -145,7 +145,7 @@ class HierarchicalCache:
         disk, p = self.disk, self.page_size
         if disk is None or not self.write_through or not disk.enabled:
             return
-        ns = self._disk_ns(namespace)
+        ns = disk_namespace(namespace, self.adapter_digest)
         if ns is STAY:
             return
         names = page_names(disk.fingerprint, ns, tokens, p)
@@ -160,7 +160,7 @@ class HierarchicalCache:
 
     def _write_node(self, node: TreeNode) -> None:
         namespace, tokens = self.tree.path_of(node)
-        ns = self._disk_ns(namespace)
+        ns = disk_namespace(namespace, self.adapter_digest)
         if ns is STAY or not self.disk.enabled:
             return
         p, start = self.page_size, len(tokens) - len(node)
@@ -170,9 +170,6 @@ class HierarchicalCache:
             a = i * p - start
             self.disk.write(Page(names[i], names[i - 1] if i else "", list(tokens[i * p:(i + 1) * p]),
                                  [r[a:a + p] for r in rows]))
-
-    def _disk_ns(self, namespace):
-        return disk_namespace(namespace, self.adapter_digest)
 
     def _host_format(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Pool rows (`KVPool.read_rows`) in the host tier's format: as they are, or quantized to its codes."""
@@ -195,7 +192,7 @@ class HierarchicalCache:
         load = Load(key, ns, sum(n for _, n in path), len(key) + 1 - len(m.slots))
         reach = len(m.slots) + load.host_len
         disk, p = self.disk, self.page_size
-        dns = self._disk_ns(ns) if disk is not None else STAY
+        dns = disk_namespace(ns, self.adapter_digest) if disk is not None else STAY
         if disk is not None and disk.enabled and dns is not STAY and reach + p <= len(key):
             names = page_names(disk.fingerprint, dns, key, p)
             run, room = [], (self.rows.capacity - self.staged) // p  # pages tier 1 could take for this load
@@ -272,7 +269,7 @@ class HierarchicalCache:
             self.tree.unlock(node)
 
     def extending(self, req) -> None:
-        """The request gets slots of its own: its hold ends (`admitted`), and loads may go on after a yield."""
+        """The request gets slots: its hold ends (`admitted`); loads may go on after a yield."""
         self.paused = False
         if req.tier_hold is not None or req.tier_prefetched:
             self.admitted(req)
@@ -281,10 +278,12 @@ class HierarchicalCache:
         """`req` could not be admitted while none runs (the holds count on room that its prefill, or one not
         held, needs): every other hold ends, so their prefixes may be evicted for it (and loaded or computed
         again later). Keeps the holds from ever blocking the scheduler."""
-        for other in [r for r in self.held.values() if r is not req]:
+        others = [r for r in self.held.values() if r is not req]
+        for other in others:
             self.admitted(other)
-        self.paused = True  # no new load (and hold) until some request has got slots
-        self.counts["holds_yielded"] += 1
+        if others:
+            self.paused = True  # no new load (and hold) until some request has got slots
+            self.counts["holds_yielded"] += 1
 
     def load_back(self, req, load: Load) -> None:
         """Bring the planned prefix into the pool and the tree (as far as it is still there and fits)."""

@@ -27,7 +27,6 @@ from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.radix_cache import Tier
 from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.tiers import HierarchicalCache
-from radixgen.runtime.scheduler.tiers.hierarchy import Load
 
 POOL = 160  # tokens: the workload's working set (about 300) is larger; two requests at a time fit
 SYSTEM = 32
@@ -386,11 +385,18 @@ def test_holds_keep_loaded_prefixes_until_admission_and_yield_rather_than_block(
     assert kv.admit(other) and not kv.can_allocate(30)
     kv.unadmit(other)  # what the scheduler does then: the holds yield
     assert hc.counts["holds_yielded"] == 1 and kv.tree.protected_size() == 0 and kv.can_allocate(30)
-    assert hc.paused and not hc.may_load(Load(prefixes[0], None, 16, 17))  # no new load (and hold) meanwhile
     assert kv.admit(other)
-    kv.extend(other, 30)  # a request got slots: loads may go on
-    assert not hc.paused
-    kv.release(other)
-    for r in held:
+    kv.extend(other, 30)
+    for r in [*held, other]:
         kv.release(r)
+    kv.free(kv.tree.evict(kv.capacity))  # all of it to the host tier again
+    running = request(list(range(400, 420)))
+    assert kv.admit(running)
+    kv.extend(running, 20)
+    again = request(prefixes[0])
+    hc.load_back(again, hc.plan(again))
+    assert again.tier_hold is not None and not kv.can_allocate(9)
+    assert kv.can_allocate(9, running=True) and again.tier_hold is None  # a running request's need comes first
+    kv.release(again)
+    kv.release(running)
     assert hc.prefetched == 0 and hc.reserved == 0 and kv.invariant_holds()

@@ -208,7 +208,7 @@ class Scheduler:
 
         for req in self.idle_requests(self.prefilling):  # chunked requests continue first
             n = min(req.remaining_prefill, budget, chunk or budget)
-            if n <= 0 or not self.kv.can_allocate(n):
+            if n <= 0 or not self.kv.can_allocate(n, running=True):
                 break
             take(req, n)
             budget -= n
@@ -271,7 +271,7 @@ class Scheduler:
         reqs = self.decode_candidates()
         if not reqs:
             return None
-        while not self.kv.can_allocate(len(reqs)):
+        while not self.kv.can_allocate(len(reqs), running=True):
             prefilling = self.idle_requests(self.prefilling)
             if len(reqs) > 1:
                 self.retract(reqs.pop())

@@ -133,7 +133,11 @@ class KVCacheManager:
         """Slots free without evicting anything (what speculative drafts may take)."""
         return self.allocator.available()
 
-    def can_allocate(self, n: int) -> bool:
+    def can_allocate(self, n: int, running: bool = False) -> bool:
+        """Whether n slots can be had. `running`: for a request that runs already (its decode step, its prompt's
+        next chunk): the hierarchical cache's holds on queued requests' prefixes yield to it."""
+        if running and n > self.available() and self.hicache is not None:
+            self.hicache.yield_holds(None)
         return n <= self.available()
 
     def allocate(self, n: int) -> torch.Tensor:

@@ -81,9 +81,9 @@ class HierarchicalCache:
         self.page_size = kv.page_size
         self.staged = 0  # tier-1 rows held by loads (disk pages read into them)
         self.prefetched = 0  # pool tokens loaded back for requests not admitted yet
-        self.reserved = 0  # pool slots those requests' prefills will need (their loaded prefixes are held)
-        self.held: dict[int, object] = {}  # id -> those requests
-        self.paused = False  # holds were yielded: no load until a request is admitted
+        self.reserved = 0  # pool slots the prefills of held requests (self.held: id -> req) will need
+        self.held: dict[int, object] = {}
+        self.paused = False  # holds were yielded: no load until a request is admitted or none runs
         self.orphans: list[Load] = []  # loads of ended requests whose reads are still running
         self.dropping = False  # flush: evicted nodes are dropped, not moved down
         self.adapter_digest = None  # LoRA load id -> the digest of its weights (the LoRA manager's digest_of)
@@ -212,7 +212,7 @@ class HierarchicalCache:
                 load.future = disk.read([names[i] for i in run], [names[i - 1] if i else "" for i in run],
                                         [key[i * p:(i + 1) * p] for i in run], sink)
         if not load.host_len and load.future is None:
-            if not len(m.slots) or self.paused:
+            if not len(m.slots) or self._paused():
                 return None
             self._hold(req, m.last_node, 0, load.rest)  # on the device now: held there until its admission
             if req.tier_hold is not None:
@@ -221,9 +221,8 @@ class HierarchicalCache:
         return load
 
     def _hold(self, req, node: TreeNode, loaded: int, reserve: int) -> None:
-        """Lock the request's prefix under `node` until it gets slots of its own (`extending`) or ends, if the
-        pool still has room for the prefills of every held request then (`reserve`: this one's); `loaded` tokens
-        of the prefix came from lower tiers for it (the prefetch budget)."""
+        """Lock the request's prefix under `node` until it gets slots (`extending`) or ends, if room stays for every
+        held request's prefill (`reserve`: this one's); `loaded`: its tokens from lower tiers (prefetch budget)."""
         self.admitted(req)  # a retracted request loading again: its earlier hold ends
         self.tree.lock(node)
         if self.reserved + reserve > self.kv.available():
@@ -235,13 +234,10 @@ class HierarchicalCache:
         self.held[id(req)] = req
 
     def may_load(self, load: Load) -> bool:
-        """Whether the pool may take this load now: when the request (its loaded prefix and its prefill) would fit
-        beside what running requests hold and what the loads of queued requests ahead count on (`reserved`: else
-        the allocations of those ahead evict this load again before its request runs, or this one theirs;
-        measured: without it, a third of what was loaded in the agent benchmark was evicted so and computed
-        again), and within the budget of loads for queued requests (half the pool, or one at a time). After
-        MAX_LOAD_WAIT polls it loads what fits."""
-        if self.paused:
+        """Whether the pool may take this load now: the request (its load and its prefill) fits beside what running
+        requests lock and what held ones count on (`reserved`), within the budget of loads for queued requests
+        (half the pool, or one at a time). After MAX_LOAD_WAIT polls it loads what fits."""
+        if self._paused():
             return False
         load.polls += 1
         if load.polls > MAX_LOAD_WAIT:
@@ -274,10 +270,15 @@ class HierarchicalCache:
         if req.tier_hold is not None or req.tier_prefetched:
             self.admitted(req)
 
+    def _paused(self) -> bool:
+        """After a yield, until a request gets slots; never while no request runs (else nothing could lift it)."""
+        self.paused = self.paused and self.kv.table.available() < self.kv.table.max_reqs
+        return self.paused
+
     def yield_holds(self, req) -> None:
-        """`req` could not be admitted while none runs (the holds count on room that its prefill, or one not
-        held, needs): every other hold ends, so their prefixes may be evicted for it (and loaded or computed
-        again later). Keeps the holds from ever blocking the scheduler."""
+        """`req` could not be admitted while none runs, or (req None) a running request needs slots the holds
+        keep: every other hold ends, so their prefixes may be evicted (and loaded or computed again later).
+        Keeps the holds from ever blocking the scheduler."""
         others = [r for r in self.held.values() if r is not req]
         for other in others:
             self.admitted(other)

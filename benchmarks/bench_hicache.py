@@ -1,15 +1,20 @@
 """The hierarchical cache's payoff, in one run, with the default model (SmolLM2-135M-Instruct) unless --model says
 otherwise:
 
-  agent        sessions of an agent over one long system prompt and tool list, turn after turn (each turn's prompt
-               is the whole conversation so far), all sessions in flight each turn: a working set of at least 4x
-               the KV pool. Today's LRU tree recomputes every evicted conversation; the hierarchical cache loads it
-               back from its host tier. Prints requests/s and the median time to first token of both.
-  restart      a 2k-token shared prefix served by a server that is then shut down; a new server over the same
-               --kv-cache-dir (warm disk tier) against one over an empty folder (cold): the first request's time
-               to first token.
+  agent        agents' sessions over one long system prompt and tool list shared by all: turn after turn a tool
+               result and a short reply (a tool call); each turn's prompt is the whole conversation so far, and
+               every session's next turn is sent at once (the sessions take turns, as agents waiting on their
+               tools do). The pool holds about one conversation at
+               its longest: the working set is several times the pool (printed, with the host tier's size). Today's
+               LRU tree keeps the shared system prompt and recomputes every session's own turns; the hierarchical
+               cache keeps them in its host tier (--hicache-ratio x the pool, sized to hold the working set) and
+               loads them back. Prints requests/s, the median time to first token and where prompt tokens came
+               from (pool, host tier, disk tier, computed) for both.
+  restart      a 2k-token shared prefix (1k with --quick) served by a server that is then shut down; a new server
+               over the same --kv-cache-dir (warm disk tier) against one over an empty folder (cold): the first
+               request's time to first token.
 
-    python benchmarks/bench_hicache.py [--quick] [--model PATH] [--report DIR]
+    python benchmarks/bench_hicache.py [--quick] [--part all|agent|restart] [--model PATH] [--report DIR]
 """
 
 from __future__ import annotations
@@ -56,15 +61,37 @@ async def first_token(eng: Engine, ids: list[int], max_new: int) -> tuple[float,
     return ttft, out
 
 
-def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int, max_new: int) -> dict:
-    rng = random.Random(7)
+def agent_sessions(tok, rng: random.Random, sessions: int, system: int) -> tuple[list[int], list]:
+    """The shared system prompt and tool list, and each session's opening task."""
     prefix = agent_prefix(tok, rng, system)
-    convs = [prefix + tok(f"Task {s}: {text(rng, obs)}\n").input_ids for s in range(sessions)]
+    return prefix, [prefix + tok(f"Task {s}: {text(rng, 12)}\n").input_ids for s in range(sessions)]
+
+
+def next_turn(tok, rng: random.Random, conv: list[int], t: int, obs: int) -> list[int]:
+    """The conversation so far (the model's last reply included) and the tool's result for it."""
+    return conv + tok(f"\nTool result {t}: {text(rng, obs)}\nNext step:").input_ids
+
+
+def agent_sizes(quick: bool, max_new: int) -> tuple[int, int, int, int, int]:
+    """Sessions, turns, system prompt tokens, tool result words, and the pool's tokens: about one conversation at
+    its longest (a tool result of `obs` words is about 1.3 obs tokens), so the working set (the system prompt once,
+    every session's own turns) is several times the pool and LRU keeps little beyond the system prompt."""
+    sessions, turns, system, obs = (10, 6, 256, 32) if quick else (16, 8, 512, 40)
+    longest = system + 24 + turns * (int(1.3 * obs) + 10 + max_new)
+    return sessions, turns, system, obs, int(1.2 * longest)
+
+
+def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int, max_new: int) -> dict:
+    """Turn after turn, every session's next request at once (a turn's prompt: the whole conversation so far plus the
+    last tool result): the sessions take turns as agents do that wait on their tools, each one's conversation
+    coming back after all the others'."""
+    rng = random.Random(7)
+    prefix, convs = agent_sessions(tok, rng, sessions, system)
     ttfts: list[float] = []
     t0 = time.perf_counter()
 
     async def turn(t: int) -> None:
-        prompts = [c + tok(f"Observation {t}: {text(rng, obs)}\nNext step:").input_ids for c in convs]
+        prompts = [next_turn(tok, rng, c, t, obs) for c in convs]
         results = await asyncio.gather(*(first_token(eng, p, max_new) for p in prompts))
         for s, (ttft, out) in enumerate(results):
             ttfts.append(ttft)
@@ -76,7 +103,17 @@ def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int
     info = eng.get_server_info()
     return {"requests": sessions * turns, "seconds": seconds, "median_ttft": statistics.median(ttfts),
             "working_set": len(prefix) + sum(len(c) - len(prefix) for c in convs),
-            "hit_rate": info["cache_hit_rate"], "hicache": info.get("hicache")}
+            "longest": max(len(c) for c in convs), "hit_rate": info["cache_hit_rate"], "info": info,
+            "hicache": info.get("hicache")}
+
+
+def tier_split(r: dict) -> str:
+    """Prompt tokens served by each tier and computed, over the run (the warm-up included)."""
+    stats, tiers = r["info"]["stats"], r["hicache"] or {}
+    prompt, cached = stats["prompt_tokens"], stats["cached_tokens"]
+    host, disk = tiers.get("host_hit_tokens", 0), tiers.get("disk_hit_tokens", 0)
+    parts = {"pool": cached - host - disk, "host": host, "disk": disk, "computed": prompt - cached}
+    return ", ".join(f"{k} {v / prompt:.0%}" for k, v in parts.items())
 
 
 def restart_ttft(model, tok, kv_dir: str, prefix: list[int], question: str, common: dict) -> float:
@@ -86,37 +123,13 @@ def restart_ttft(model, tok, kv_dir: str, prefix: list[int], question: str, comm
     return ttft
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer sessions and a shorter restart prefix")
-    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--max-new", type=int, default=4)
-    add_report_arg(ap)
-    args = ap.parse_args()
-    tok = load_tokenizer(args.model)
-    sessions, turns, system, obs = (10, 3, 160, 96) if args.quick else (24, 4, 256, 160)
-    # the pool holds about one whole conversation at its longest (observations of `obs` words are about as many
-    # tokens, and each turn adds one and max_new output tokens), so the working set is >= 4x the pool
-    longest = system + 16 + (turns + 1) * (obs + 8) + turns * args.max_new
-    pool = int(1.3 * longest)
-    common = dict(max_running_requests=2, page_size=PAGE, chunked_prefill_size=512)
-    results = {}
-    for label, extra in (("LRU (tree only)", {}),
-                         ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": 10.0})):
-        with Engine(args.model, max_total_tokens=pool, **common, **extra) as eng:
-            asyncio.run(first_token(eng, tok("warm up").input_ids, 2))
-            r = results[label] = run_agent(eng, tok, sessions, turns, system, obs, args.max_new)
-        print(f"agent  {label:16} {r['requests'] / r['seconds']:6.2f} req/s  median TTFT {r['median_ttft']:.3f} s  "
-              f"hit rate {r['hit_rate']:.0%}  working set {r['working_set']} tokens = "
-              f"{r['working_set'] / pool:.1f}x the pool ({pool})", flush=True)
-    lru, hier = results["LRU (tree only)"], results["hierarchical"]
-    speed = (hier["requests"] / hier["seconds"]) / (lru["requests"] / lru["seconds"])
-    ttft_gain = lru["median_ttft"] / hier["median_ttft"]
-    print(f"agent  hierarchical vs LRU: {speed:.2f}x req/s, {ttft_gain:.2f}x better median TTFT "
-          f"(host hits {hier['hicache']['host_hit_tokens']} tokens)")
-
+def restart(args, tok, common: dict) -> tuple[float, float, list[int]]:
+    """A server computes a shared prefix and writes it to its disk tier, then exits; a new server over that folder
+    (warm) and one over an empty folder (cold) each serve a new question on the prefix: their first TTFT."""
     rng = random.Random(3)
-    prefix = tok("Reference document. " + text(rng, 1800)).input_ids[:2048 if not args.quick else 1024]
+    n = 1024 if args.quick else 2048
+    prefix = tok("Reference document. " + text(rng, 2400)).input_ids[:n]
+    assert len(prefix) == n, len(prefix)
     restart = dict(common, enable_hierarchical_cache=True, hicache_write_policy="write_through")
     with tempfile.TemporaryDirectory() as warm, tempfile.TemporaryDirectory() as cold:
         with Engine(args.model, kv_cache_dir=warm, **restart) as eng:  # the first server computes and writes it
@@ -124,7 +137,46 @@ def main() -> None:
         warm_ttft = restart_ttft(args.model, tok, warm, prefix, " Question 1?", restart)
         cold_ttft = restart_ttft(args.model, tok, cold, prefix, " Question 1?", restart)
     print(f"restart  {len(prefix)}-token prefix, first request TTFT: warm disk tier {warm_ttft:.3f} s, cold "
-          f"{cold_ttft:.3f} s: {cold_ttft / warm_ttft:.1f}x")
+          f"{cold_ttft:.3f} s: {cold_ttft / warm_ttft:.1f}x", flush=True)
+    return warm_ttft, cold_ttft, prefix
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer sessions and a shorter restart prefix")
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    ap.add_argument("--max-new", type=int, default=4)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine (0: its default)")
+    ap.add_argument("--part", choices=("all", "agent", "restart"), default="all")
+    ap.add_argument("--hicache-ratio", type=float, default=8.0, help="host tier size as a multiple of the pool")
+    add_report_arg(ap)
+    args = ap.parse_args()
+    tok = load_tokenizer(args.model)
+    sessions, turns, system, obs, pool = agent_sizes(args.quick, args.max_new)
+    common = dict(max_running_requests=2, page_size=PAGE, chunked_prefill_size=512, num_threads=args.num_threads)
+    results = {}
+    for label, extra in () if args.part == "restart" else (("LRU (tree only)", {}),
+                         ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": args.hicache_ratio})):
+        with Engine(args.model, max_total_tokens=pool, **common, **extra) as eng:
+            asyncio.run(first_token(eng, tok("warm up").input_ids, 2))
+            r = results[label] = run_agent(eng, tok, sessions, turns, system, obs, args.max_new)
+        host = r["hicache"]["host"] if r["hicache"] else None
+        sizes = f"pool {pool} tokens" + (f", host tier {host['capacity_tokens']} tokens ({host['format']}, "
+                                         f"{host['memory_bytes'] / 2**20:.0f} MiB)" if host else "")
+        print(f"agent  {label:16} {r['requests'] / r['seconds']:6.2f} req/s  median TTFT {r['median_ttft']:.3f} s  "
+              f"hit rate {r['hit_rate']:.0%} ({tier_split(r)})  working set {r['working_set']} tokens = "
+              f"{r['working_set'] / pool:.1f}x the pool; {sizes}", flush=True)
+    if args.part == "restart":
+        return restart(args, tok, common)
+    lru, hier = results["LRU (tree only)"], results["hierarchical"]
+    speed = (hier["requests"] / hier["seconds"]) / (lru["requests"] / lru["seconds"])
+    ttft_gain = lru["median_ttft"] / hier["median_ttft"]
+    print(f"agent  {sessions} sessions x {turns} turns, {system}-token system prompt, {obs}-word tool results, "
+          f"{args.max_new} new tokens a turn; hierarchical vs LRU: {speed:.2f}x req/s, {ttft_gain:.2f}x better "
+          f"median TTFT", flush=True)
+    if args.part == "agent":
+        return
+    warm_ttft, cold_ttft, prefix = restart(args, tok, common)
     if args.report:
         report = Report(args.report, "bench_hicache", "Hierarchical cache: host and disk tiers")
         report.text(f"Model: {args.model or 'the bundled SmolLM2-135M-Instruct'}; agent workload of {sessions} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import resource
 import signal
+import threading
 import time
 
 import pytest
@@ -24,7 +25,7 @@ from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, new_req_to_slo
 from radixgen.runtime.executor.step_messages import KVCopyQueue
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.radix_cache import Tier
-from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req
+from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.tiers import HierarchicalCache
 
 POOL = 160  # tokens: the workload's working set (about 300) is larger; two requests at a time fit
@@ -186,13 +187,13 @@ def test_restart_and_a_replica_find_the_disk_tier(model_dir, tokenizer, scratch,
 
 
 def test_write_back_writes_what_leaves_the_host_tier(model_dir, tokenizer, scratch, tmp_path):
-    sched = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.5)  # a host tier smaller than the pool
+    sched = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.2)  # a host tier smaller than the pool
     assert outputs(run_rounds(sched, turns())) == scratch[8]
     info = tiers(sched)
     assert info["host_evicted_tokens"] > 0
     sched.kv.hicache.disk.drain()
     assert tiers(sched)["disk"]["pages_written"] > 0
-    again = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.5)
+    again = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.2)
     assert outputs(run_rounds(again, turns())) == scratch[8] and tiers(again)["disk_hit_tokens"] > 0
 
 
@@ -281,3 +282,121 @@ def test_what_the_hierarchical_cache_refuses():
     assert cfg.hicache_enabled and cfg.hicache_code_dtype == torch.int8  # the CPU's compact default
     assert RuntimeConfig(enable_hierarchical_cache=True, hicache_kv_format="model").hicache_code_dtype is None
     assert RuntimeConfig(device="cuda", enable_hierarchical_cache=True).hicache_code_dtype is None
+
+
+def gated(store, method: str) -> threading.Event:
+    """Make `store.method` wait (on the store's own threads) until the returned event is set."""
+    gate, real = threading.Event(), getattr(store, method)
+
+    def wait_then(*a, **kw):
+        assert gate.wait(60), "the gate was never opened"
+        return real(*a, **kw)
+
+    setattr(store, method, wait_then)
+    return gate
+
+
+def step_until(sched, done, steps: int = 400) -> dict:
+    out = {}
+    for _ in range(steps):
+        sched.step()
+        for msg in sched.outbox:
+            if isinstance(msg, ReqOutput):
+                o = out.setdefault(msg.rid, {"ids": [], "finish": None})
+                o["ids"] += msg.new_ids
+                o["finish"] = msg.finish_reason
+        sched.outbox.clear()
+        if done(out):
+            return out
+        time.sleep(0.002)
+    raise AssertionError(f"not done after {steps} steps: {out}")
+
+
+def test_a_disk_load_in_flight_holds_up_only_its_request(model_dir, tokenizer, scratch, tmp_path):
+    """While a request's pages are read (held up here), another request is admitted, decodes and finishes with
+    its outputs unchanged; then the first one gets its pages and its outputs; an abort during a read leaks
+    nothing once the read ends."""
+    first = disk_sched(model_dir, tokenizer, tmp_path, hicache_write_policy="write_through")
+    rounds = turns()
+    run(first, rounds[0])
+    first.kv.hicache.disk.drain()
+    fresh = disk_sched(model_dir, tokenizer, tmp_path)
+    gate = gated(fresh.kv.hicache.disk, "read_page")
+    waiting, other = rounds[0][0], rounds[0][1]
+    alone = GenerateRequest("other", [7] + other.input_ids[1:], other.params)  # nothing of it on disk
+    expect = outputs(run(new_sched(model_dir, tokenizer, page_size=8, disable_radix_cache=True), [alone]))
+    fresh.handle_message(waiting)
+    fresh.step()  # planned: its reads are blocked
+    fresh.handle_message(alone)
+    out = step_until(fresh, lambda o: o.get("other", {}).get("finish") is not None)
+    assert out["other"]["ids"] == expect["other"] and waiting.rid not in out  # the other one ran meanwhile
+    assert len(fresh.waits) == 1
+    gate.set()
+    out = step_until(fresh, lambda o: o.get(waiting.rid, {}).get("finish") is not None)
+    assert out[waiting.rid]["ids"] == scratch[8][waiting.rid] and tiers(fresh)["disk_hit_tokens"] >= SYSTEM
+    assert fresh.is_idle() and fresh.invariant_holds()
+
+    aborting = disk_sched(model_dir, tokenizer, tmp_path)
+    gate = gated(aborting.kv.hicache.disk, "read_page")
+    aborting.handle_message(rounds[0][2])
+    aborting.step()
+    assert aborting.kv.hicache.staged > 0  # tier-1 rows held by the blocked read
+    aborting.handle_message(AbortRequest(rounds[0][2].rid))
+    out = step_until(aborting, lambda o: o.get(rounds[0][2].rid, {}).get("finish") is not None)
+    assert aborting.is_idle() and aborting.kv.hicache.staged > 0  # its rows stay with the read still running
+    gate.set()
+    assert aborting.invariant_holds() and aborting.kv.hicache.staged == 0  # then every row is back
+    assert aborting.kv.invariant_holds()
+
+
+def test_pages_written_down_are_found_while_still_queued(model_dir, tokenizer, scratch, tmp_path):
+    """Write-back with the writer held up: what leaves the host tier is matched again at once (the next pass)
+    and read from the writer's queue: the same outputs, and nothing leaks."""
+    sched = disk_sched(model_dir, tokenizer, tmp_path, hicache_ratio=0.2)
+    gate = gated(sched.kv.hicache.disk, "_write")
+    res = run_rounds(sched, turns() + turns())
+    assert outputs(res) == scratch[8]
+    info = tiers(sched)
+    assert info["host_evicted_tokens"] > 0 and info["disk"]["pages_read_queued"] > 0
+    assert info["disk"]["pages_written"] == 0  # nothing reached the files yet
+    gate.set()
+    sched.kv.hicache.disk.drain()
+    assert tiers(sched)["disk"]["pages_written"] > 0 and sched.invariant_holds()
+
+
+def test_holds_keep_loaded_prefixes_until_admission_and_yield_rather_than_block():
+    pool = KVPool(2, 40, 2, 8, torch.float32)
+    kv, hc = manager(pool)
+    prefixes = [list(range(100, 116)), list(range(200, 216))]
+    for tokens in prefixes:  # each computed once, then all of it to the host tier
+        r = request(tokens)
+        assert kv.admit(r)
+        kv.extend(r, len(tokens))
+        kv.release(r)
+    kv.free(kv.tree.evict(kv.tree.evictable_size()))
+    held = [request(tokens) for tokens in prefixes]
+    for r in held:
+        hc.load_back(r, hc.plan(r))
+        assert r.tier_hold is not None and r.tier_prefetched == 16
+    assert kv.tree.protected_size() == 32 and hc.reserved == 2  # held, and room kept for their prefills
+    kv.free(kv.tree.evict(kv.capacity))  # nothing held can be evicted (by those admitted first)
+    assert all(len(kv.match(t).slots) == 16 for t in prefixes)
+    other = request(list(range(300, 330)))  # does not fit beside the holds, and no request runs
+    assert kv.admit(other) and not kv.can_allocate(30)
+    kv.unadmit(other)  # what the scheduler does then: the holds yield
+    assert hc.counts["holds_yielded"] == 1 and kv.tree.protected_size() == 0 and kv.can_allocate(30)
+    assert kv.admit(other)
+    kv.extend(other, 30)
+    for r in [*held, other]:
+        kv.release(r)
+    kv.free(kv.tree.evict(kv.capacity))  # all of it to the host tier again
+    running = request(list(range(400, 420)))
+    assert kv.admit(running)
+    kv.extend(running, 20)
+    again = request(prefixes[0])
+    hc.load_back(again, hc.plan(again))
+    assert again.tier_hold is not None and not kv.can_allocate(9)
+    assert kv.can_allocate(9, running=True) and again.tier_hold is None  # a running request's need comes first
+    kv.release(again)
+    kv.release(running)
+    assert hc.prefetched == 0 and hc.reserved == 0 and kv.invariant_holds()

@@ -301,3 +301,28 @@ def test_an_abort_while_waiting_for_an_adapter_leaks_no_slot(adapters, tokenizer
     out = run(sched, [])
     assert out["b1"]["finish"] == FinishReason.abort("aborted by the client") and out["b0"]["finish"].kind == "length"
     assert all(s.refs == 0 for s in sched.lora.slots) and all(e.users == 0 for e in sched.lora.adapters.values())
+
+
+def test_the_disk_tier_keeps_each_adapters_pages_apart(adapters, expected, tokenizer, tmp_path):
+    """Pages written under an adapter are named by its weights' digest: a restarted server finds them for that
+    adapter (under any name: the same weights), never for the base model or another adapter."""
+    root, _ = adapters
+    tiers = dict(kv_cache_dir=str(tmp_path), page_size=4, hicache_write_policy="write_through",
+                 hicache_kv_format="model")
+    first = scheduler(tokenizer, root, **tiers)
+    out = run(first, [req("a-0", 0, "a")])
+    assert out["a-0"]["ids"] == expected["a"][0]
+    first.kv.hicache.disk.drain()
+    assert first.server_info()["hicache"]["disk"]["pages_written"] > 0
+    cfg = first.cfg
+    # a restart with the same adapters, and "a" once more under another name (the same folder: the same weights)
+    second = Scheduler(RuntimeConfig(**{**cfg.__dict__, "lora_paths": (*cfg.lora_paths, f"again={root / 'a'}")}),
+                       ModelRunner(cfg), tokenizer)
+    res = {}
+    for rid, lora in (("base", None), ("b", "b"), ("a", "a"), ("again", "again")):
+        res[rid] = run(second, [req(rid, 0, lora)])[rid]
+        assert res[rid]["ids"] == expected["a" if lora == "again" else lora][0], rid
+    assert res["base"]["cached"] == 0 and res["b"]["cached"] == 0  # never another adapter's or the base's pages
+    assert res["a"]["cached"] >= 4  # the adapter's own pages, from disk
+    assert second.server_info()["hicache"]["disk_hit_tokens"] >= 4
+    assert res["again"]["cached"] >= 4  # (from the tree or disk: "again" has its own namespace in the tree)

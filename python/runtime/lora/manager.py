@@ -13,18 +13,22 @@ does (`read_failures`). Slots are replaced least recently used first among those
 new request until its running ones end, then it is replaced.
 
 Cache: a request's radix-tree namespace is (its cache salt, its adapter's load id): the KV of a prefix differs
-per adapter, and a reloaded name never meets the old one's entries. `unload` evicts the adapter's unlocked
-entries at once; requests already in flight for it run to their end (new ones are refused: unknown adapter),
-and when the last one ends its slot is freed and the rest of its entries evicted.
+per adapter, and a reloaded name never meets the old one's entries. The hierarchical cache's disk tier, which
+outlives the process, names an adapter's pages by the digest of its weights instead (`digest_of`). `unload`
+evicts the adapter's unlocked entries at once; requests already in flight for it run to their end (new ones are
+refused: unknown adapter), and when the last one ends its slot is freed and the rest of its entries evicted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+
+import torch
 
 from radixgen.runtime.lora.adapter import (
     LoRAAdapterError,
@@ -37,6 +41,20 @@ from radixgen.runtime.lora.pool import LoRAPool, StagedAdapter
 from radixgen.runtime.messages import ControlReply, LoadLoRAAdapter, LoRAUpdate, UnloadLoRAAdapter
 
 logger = logging.getLogger(__name__)
+
+
+def staged_digest(staged: StagedAdapter) -> str:
+    """What the adapter does to KV, as a hash: its scale, its ranks and every weight's bytes as laid out in a slot
+    (another adapter, or the same one changed on disk, gives another digest)."""
+    h = hashlib.sha256(f"{staged.scale!r}|{staged.ranks!r}".encode())
+    for key in sorted(staged.weights):
+        h.update(repr(key).encode())
+        for t in staged.weights[key]:
+            h.update(str(t.dtype).encode())
+            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 NOT_ENABLED = "LoRA adapters are not enabled on this server (start it with --lora-paths or --enable-lora)"
 
 
@@ -51,6 +69,7 @@ class AdapterEntry:
     unloaded: bool = False
     read_failures: int = 0  # reads for a request that failed (a request waiting for its slot watches this)
     read_error: BaseException | None = None  # the last one's
+    digest: str | None = None  # of its weights (staged_digest): its pages' namespace in the disk KV tier
 
 
 @dataclass(eq=False)
@@ -120,6 +139,7 @@ class LoRAManager:
         for name, path in specs:
             staged = self._read(name, path)
             entry = self._register(name, path, pinned=False)
+            entry.digest = staged_digest(staged)
             slot = self._free_slot(evict=False)
             if slot is not None:
                 self._install(entry, slot, staged)
@@ -140,7 +160,7 @@ class LoRAManager:
         except LoRAAdapterError as e:
             reply(str(e))
             return
-        self.registrations.append(_Registration(name, path, pinned, self._thread.submit(self._read, name, path),
+        self.registrations.append(_Registration(name, path, pinned, self._thread.submit(self._read_new, name, path),
                                                 reply))
 
     def unload(self, name: str) -> None:
@@ -241,7 +261,7 @@ class LoRAManager:
             self._install(s.entry, i, staged)
         for reg in [r for r in self.registrations if r.future.done()]:
             try:
-                staged = reg.future.result()
+                staged, digest = reg.future.result()
             except Exception as e:  # noqa: BLE001 - the caller's adapter is bad: its 400
                 self.registrations.remove(reg)
                 reg.reply(str(e) if isinstance(e, LoRAAdapterError) else f"{type(e).__name__}: {e}")
@@ -254,6 +274,7 @@ class LoRAManager:
                 continue
             self.registrations.remove(reg)
             entry = self._register(reg.name, reg.path, reg.pinned)
+            entry.digest = digest
             if slot is not None:
                 self._install(entry, slot, staged)
             reg.reply(None)
@@ -277,6 +298,19 @@ class LoRAManager:
         adapter = load_lora_adapter(name, path, max_lora_rank=self.pool.max_rank)
         check_adapter_fits(adapter, self.model_config)
         return self.pool.stage(adapter)
+
+    def _read_new(self, name: str, path: str) -> tuple[StagedAdapter, str]:
+        """A run-time registration's read (the manager's thread): the staged adapter and its digest."""
+        staged = self._read(name, path)
+        return staged, staged_digest(staged)
+
+    def digest_of(self, uid: int) -> str | None:
+        """The weights' digest of the adapter loaded as `uid` (None: unloaded meanwhile): the hierarchical
+        cache's disk tier names an adapter's pages by it."""
+        for entry in self.adapters.values():
+            if entry.uid == uid:
+                return entry.digest
+        return None
 
     def _register(self, name: str, path: str, pinned: bool) -> AdapterEntry:
         entry = AdapterEntry(name, path, next(self._uids), pinned)

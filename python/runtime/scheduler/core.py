@@ -55,6 +55,7 @@ class Scheduler:
         self.grammar = grammar_backend
         self.kv = KVCacheManager.for_runner(runner, cfg.page_size, cfg.disable_radix_cache)
         self.lora = LoRAManager.for_scheduler(cfg, runner, self.kv.evict_namespaces)  # owns the adapter slots
+        self.kv.name_adapters(self.lora.digest_of)  # for the disk tier: an adapter's pages by its weights' digest
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
         self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,
@@ -207,7 +208,7 @@ class Scheduler:
 
         for req in self.idle_requests(self.prefilling):  # chunked requests continue first
             n = min(req.remaining_prefill, budget, chunk or budget)
-            if n <= 0 or not self.kv.can_allocate(n):
+            if n <= 0 or not self.kv.can_allocate(n, running=True):
                 break
             take(req, n)
             budget -= n
@@ -270,7 +271,7 @@ class Scheduler:
         reqs = self.decode_candidates()
         if not reqs:
             return None
-        while not self.kv.can_allocate(len(reqs)):
+        while not self.kv.can_allocate(len(reqs), running=True):
             prefilling = self.idle_requests(self.prefilling)
             if len(reqs) > 1:
                 self.retract(reqs.pop())

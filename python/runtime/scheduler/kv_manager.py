@@ -105,6 +105,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ eviction: the demote hook
 
+    def name_adapters(self, digest_of) -> None:
+        """`digest_of(load id)`: a LoRA adapter's weights' digest, which names its pages in the disk tier."""
+        if self.hicache is not None:
+            self.hicache.adapter_digest = digest_of
+
     def attach_lower_tier(self, tier) -> None:
         """A store below the device pool (an object with the hook's `demote(node)` and `discard(loc)`)."""
         self.lower_tier = tier
@@ -128,7 +133,11 @@ class KVCacheManager:
         """Slots free without evicting anything (what speculative drafts may take)."""
         return self.allocator.available()
 
-    def can_allocate(self, n: int) -> bool:
+    def can_allocate(self, n: int, running: bool = False) -> bool:
+        """Whether n slots can be had. `running`: for a request that runs already (its decode step, its prompt's
+        next chunk): the hierarchical cache's holds on queued requests' prefixes yield to it."""
+        if running and n > self.available() and self.hicache is not None:
+            self.hicache.yield_holds(None)
         return n <= self.available()
 
     def allocate(self, n: int) -> torch.Tensor:
@@ -164,7 +173,6 @@ class KVCacheManager:
         if self.hicache is not None:
             if req.reported_cached < 0:  # its first admission: cached_tokens by tier
                 req.cached_details = self.hicache.split(req, req.cached_len)
-            self.hicache.admitted(req)
         req.table_row = self.table.allocate()
         self.table.write(req.table_row, 0, m.slots)
         return True
@@ -176,9 +184,13 @@ class KVCacheManager:
         self.tree.unlock(req.last_node)
         self.table.free(req.table_row)
         req.table_row, req.last_node, req.cached_len, req.kv_len = None, None, 0, 0
+        if self.hicache is not None and self.table.available() == self.table.max_reqs:
+            self.hicache.yield_holds(req)  # it did not fit and no request runs: what loads hold must not block it
 
     def extend(self, req: Req, n: int) -> None:
         """Allocate slots for the request's positions [kv_len, kv_len + n) (the step about to run computes them)."""
+        if self.hicache is not None:
+            self.hicache.extending(req)  # its admission's lock holds a loaded prefix from here on
         slots = self.allocate(n)
         self.table.write(req.table_row, req.kv_len, slots)
         req.kv_len += n
@@ -221,7 +233,7 @@ class KVCacheManager:
     def release(self, req: Req) -> None:
         """Give everything computed to the tree (or free it), unlock, and free the table row; a load-back it waits
         for ends. Idempotent."""
-        if self.hicache is not None and (req.kv_load is not None or req.tier_prefetched):
+        if self.hicache is not None and (req.kv_load is not None or req.tier_prefetched or req.tier_hold is not None):
             self.hicache.cancel(req)
         if req.table_row is None:
             return

@@ -62,6 +62,8 @@ class Req:
         self.kv_load = None  # a load-back from the hierarchical cache's lower tiers in progress (tiers.Load)
         self.tier_loaded: tuple[int, int, int] | None = None  # its last one: (device prefix, host, disk tokens)
         self.tier_prefetched = 0  # tokens of it in the pool, loaded for this request before its admission
+        self.tier_hold = None  # the tree node that prefix is locked under for it until it gets slots of its own
+        self.tier_reserved = 0  # pool slots its load-back counted on for its prefill until then
 
         self.finish_reason: FinishReason | None = None  # set by the scheduler's finish(), which reports it
         self.to_abort: str | None = None

@@ -9,9 +9,11 @@ have computed the same KV. Files live under `<dir>/<fingerprint[:16]>/<name[:2]>
     MAGIC (8 bytes) | header length (u32 LE) | header (JSON: fingerprint, name, parent name, tokens, tensor shapes
     and dtypes) | payload (each tensor's bytes, in the header's order) | CRC32 of everything before (u32 LE)
 
-Writes happen on a writer thread, off the step: the bytes go to a hidden temporary file in the same folder, then
-`os.replace` puts it under its name (atomic on POSIX: a reader sees the whole file or none; a server killed in the
-middle leaves only a temporary file, which the next store removes). Reads check the magic, the CRC, the
+Writes happen on a writer thread, off the step: the bytes go to a hidden temporary file in the same folder, are
+fsync'ed, then `os.replace` puts it under its name (atomic on POSIX: a reader sees the whole file or none; a
+server killed in the middle leaves only a temporary file, which the next store removes; after a power loss a page
+is whole or absent, or at worst, the folder's rename not being synced, missing: a miss). The folder itself is not
+fsync'ed per page: that would double the writes' cost for what is only ever a miss. Reads check the magic, the CRC, the
 fingerprint, the name, the parent and the tokens: a corrupt, truncated or foreign file is a miss (logged), never
 KV. A write that fails for lack of space or permission (ENOSPC, EROFS, EACCES, EDQUOT, EFBIG) turns the tier off
 with a warning; serving goes on with tiers 0 and 1. Pages over `max_bytes` go least recently used first (the file's
@@ -76,10 +78,10 @@ class DiskStore:
         self.max_bytes = max_bytes
         self.dir = Path(root) / fingerprint[:16]
         self.enabled, self.reason = True, None  # reason: why the tier is off
-        self.counts = dict(pages_written=0, pages_read=0, read_misses=0, read_failures=0, write_failures=0,
-                           writes_dropped=0, pages_evicted=0, tmp_removed=0)
+        self.counts = dict(pages_written=0, pages_read=0, pages_read_queued=0, read_misses=0, read_failures=0,
+                           write_failures=0, writes_dropped=0, pages_evicted=0, tmp_removed=0)
         self._index: dict[str, tuple[int, float]] = {}  # name -> (bytes, last use) of the pages this store knows
-        self._pending: set[str] = set()  # queued for the writer
+        self._pending: dict[str, Page] = {}  # queued for the writer (read from memory until written)
         self._bytes = 0
         self._lock = threading.Lock()  # _index, _bytes, counts: the writer thread and the scheduler's
         self._tag = f".{socket.gethostname()}.{os.getpid()}."
@@ -99,8 +101,14 @@ class DiskStore:
         return self.dir / name[:2] / f"{name}{SUFFIX}"
 
     def has(self, name: str) -> bool:
-        """Whether the page's file exists now (another replica may have written it; one may remove it later)."""
-        return self.enabled and self.path(name).is_file()
+        """Whether the page is there now: queued for the writer, or its file (another replica may have written it;
+        one may remove it later)."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            if name in self._pending:
+                return True
+        return self.path(name).is_file()
 
     def known(self, name: str) -> bool:
         """Written, seen or queued by this store (no file system call)."""
@@ -123,12 +131,12 @@ class DiskStore:
         if not self.enabled or self.known(page.name):
             return
         with self._lock:
-            self._pending.add(page.name)
+            self._pending[page.name] = page
         try:
             self._queue.put_nowait(page)
         except queue.Full:
             with self._lock:
-                self._pending.discard(page.name)
+                self._pending.pop(page.name, None)
                 self.counts["writes_dropped"] += 1
 
     def drain(self, timeout: float = 30.0) -> None:
@@ -150,7 +158,7 @@ class DiskStore:
             finally:
                 if page is not None:
                     with self._lock:
-                        self._pending.discard(page.name)
+                        self._pending.pop(page.name, None)
                 self._queue.task_done()
 
     def _write(self, page: Page) -> None:
@@ -164,6 +172,8 @@ class DiskStore:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # the bytes are on disk before the name is: a power loss keeps whole pages
             os.replace(tmp, path)  # atomic: readers see all of it or nothing; two writers: the last rename wins
         except OSError as e:
             _unlink(tmp)
@@ -223,7 +233,15 @@ class DiskStore:
         return len(names)
 
     def read_page(self, name: str, parent: str, tokens: list[int]) -> list[torch.Tensor] | None:
-        """One page's tensors, or None: missing (a miss), or unreadable / corrupt / foreign (a miss, logged)."""
+        """One page's tensors, or None: missing (a miss), or unreadable / corrupt / foreign (a miss, logged). A page
+        still queued for the writer is read from its queued copy (a prefix written down and matched again at
+        once is a hit, not a race)."""
+        with self._lock:
+            queued = self._pending.get(name)
+        if queued is not None and queued.parent == parent and list(queued.tokens) == list(tokens):
+            with self._lock:
+                self.counts["pages_read_queued"] += 1
+            return [t.clone() for t in queued.rows]
         path = self.path(name)
         try:
             data = path.read_bytes()

@@ -13,7 +13,9 @@ Policy:
 - a request whose prefix reaches tier 1 or 2 waits (waits.KVLoadBack) while its pages come back: tier-2 pages are
   read on the store's threads into tier-1 rows held by the load, then (`load_back`) the tier-1 rows are copied into
   fresh pool slots (HOST_TO_DEVICE orders) and inserted into the tree, before the request's admission, so its
-  prefill starts from the whole prefix; other requests step meanwhile.
+  prefill starts from the whole prefix; other requests step meanwhile. What was loaded (or found in the pool) for
+  a queued request is held for it (locked) until it gets slots, so that those admitted before it do not evict it
+  again; holds leave room for every held request's prefill, and yield when they would block admission.
 The copy orders run at once (the model runner's `apply_kv_copies`): the host tier lives in this process (tensor and
 pipeline parallelism are refused with it), and running them before the slots they read are reused keeps every
 order's source valid.
@@ -21,8 +23,6 @@ order's source valid.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 
 import torch
@@ -32,17 +32,11 @@ from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, SlotAllocator,
 from radixgen.runtime.executor.step_messages import CopyDirection
 from radixgen.runtime.scheduler.radix_cache import KVLocation, Tier, TreeNode
 from radixgen.runtime.scheduler.tiers.disk import DiskStore, Page, page_names
+from radixgen.runtime.scheduler.tiers.names import STAY, disk_namespace, fingerprint
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # of the page files' contents; part of the fingerprint
 MAX_LOAD_WAIT = 64  # polls (steps) a load waits for pool room before it loads what fits
-
-
-def storable(namespace) -> bool:
-    """Namespaces whose pages may go to disk: the default one and cache salts (API-key scopes). A LoRA adapter's
-    namespace names the adapter by a load id valid in this process only, so its pages stay in tiers 0 and 1."""
-    return namespace is None or isinstance(namespace, str)
 
 
 class Load:
@@ -87,10 +81,14 @@ class HierarchicalCache:
         self.page_size = kv.page_size
         self.staged = 0  # tier-1 rows held by loads (disk pages read into them)
         self.prefetched = 0  # pool tokens loaded back for requests not admitted yet
+        self.reserved = 0  # pool slots the prefills of held requests (self.held: id -> req) will need
+        self.held: dict[int, object] = {}
+        self.paused = False  # holds were yielded: no load until a request is admitted or none runs
         self.orphans: list[Load] = []  # loads of ended requests whose reads are still running
         self.dropping = False  # flush: evicted nodes are dropped, not moved down
+        self.adapter_digest = None  # LoRA load id -> the digest of its weights (the LoRA manager's digest_of)
         self.counts = dict(host_hit_tokens=0, disk_hit_tokens=0, demoted_tokens=0, host_evicted_tokens=0,
-                           dropped_tokens=0, loads=0)
+                           dropped_tokens=0, loads=0, holds_yielded=0)
 
     @classmethod
     def for_runner(cls, kv, runner) -> HierarchicalCache | None:
@@ -145,9 +143,12 @@ class HierarchicalCache:
         """Write-through: the whole pages of `tokens` (whose KV is in pool `slots`) that the disk tier lacks go to
         it now (their rows copied out here, written on the writer thread)."""
         disk, p = self.disk, self.page_size
-        if disk is None or not self.write_through or not disk.enabled or not storable(namespace):
+        if disk is None or not self.write_through or not disk.enabled:
             return
-        names = page_names(disk.fingerprint, namespace, tokens, p)
+        ns = disk_namespace(namespace, self.adapter_digest)
+        if ns is STAY:
+            return
+        names = page_names(disk.fingerprint, ns, tokens, p)
         todo = [i for i, name in enumerate(names) if not disk.known(name) and not disk.has(name)]
         if not todo:
             return
@@ -159,10 +160,11 @@ class HierarchicalCache:
 
     def _write_node(self, node: TreeNode) -> None:
         namespace, tokens = self.tree.path_of(node)
-        if not storable(namespace) or not self.disk.enabled:
+        ns = disk_namespace(namespace, self.adapter_digest)
+        if ns is STAY or not self.disk.enabled:
             return
         p, start = self.page_size, len(tokens) - len(node)
-        names = page_names(self.disk.fingerprint, namespace, tokens, p)
+        names = page_names(self.disk.fingerprint, ns, tokens, p)
         rows = self.host.read_rows(node.handle)
         for i in range(start // p, len(names)):
             a = i * p - start
@@ -190,8 +192,9 @@ class HierarchicalCache:
         load = Load(key, ns, sum(n for _, n in path), len(key) + 1 - len(m.slots))
         reach = len(m.slots) + load.host_len
         disk, p = self.disk, self.page_size
-        if disk is not None and disk.enabled and storable(ns) and reach + p <= len(key):
-            names = page_names(disk.fingerprint, ns, key, p)
+        dns = disk_namespace(ns, self.adapter_digest) if disk is not None else STAY
+        if disk is not None and disk.enabled and dns is not STAY and reach + p <= len(key):
+            names = page_names(disk.fingerprint, dns, key, p)
             run, room = [], (self.rows.capacity - self.staged) // p  # pages tier 1 could take for this load
             for i in range(reach // p, len(names)):
                 if len(run) == room or not disk.has(names[i]):
@@ -209,26 +212,79 @@ class HierarchicalCache:
                 load.future = disk.read([names[i] for i in run], [names[i - 1] if i else "" for i in run],
                                         [key[i * p:(i + 1) * p] for i in run], sink)
         if not load.host_len and load.future is None:
-            return None
+            if not len(m.slots) or self._paused():
+                return None
+            self._hold(req, m.last_node, 0, load.rest)  # on the device now: held there until its admission
+            if req.tier_hold is not None:
+                return None
+            # no room to hold it now: the wait goes on, so that what is evicted meanwhile is loaded back then
         return load
 
+    def _hold(self, req, node: TreeNode, loaded: int, reserve: int) -> None:
+        """Lock the request's prefix under `node` until it gets slots (`extending`) or ends, if room stays for every
+        held request's prefill (`reserve`: this one's); `loaded`: its tokens from lower tiers (prefetch budget)."""
+        self.admitted(req)  # a retracted request loading again: its earlier hold ends
+        self.tree.lock(node)
+        if self.reserved + reserve > self.kv.available():
+            self.tree.unlock(node)  # not held: the holds must leave room for every held request's prefill
+            return
+        req.tier_hold, req.tier_prefetched, req.tier_reserved = node, loaded, reserve
+        self.prefetched += loaded
+        self.reserved += reserve
+        self.held[id(req)] = req
+
     def may_load(self, load: Load) -> bool:
-        """Whether the pool may take this load now: when the request would fit beside what running requests hold
-        (else the load would be cut short, or evicted again before the request runs), and within the budget of
-        loads for requests still queued (half the pool, or one at a time: prefetching a long queue must not evict
-        what was just loaded for the requests ahead). After MAX_LOAD_WAIT polls it loads what fits."""
+        """Whether the pool may take this load now: the request (its load and its prefill) fits beside what running
+        requests lock and what held ones count on (`reserved`), within the budget of loads for queued requests
+        (half the pool, or one at a time). After MAX_LOAD_WAIT polls it loads what fits."""
+        if self._paused():
+            return False
         load.polls += 1
         if load.polls > MAX_LOAD_WAIT:
             return True
         need = load.host_len + (load.pages_read() * self.page_size if load.future is not None else 0)
         budget = self.prefetched == 0 or self.prefetched + need <= self.kv.capacity // 2
-        return budget and load.rest <= self.kv.available()
+        if not budget:
+            return False
+        m = self.tree.match_prefix(load.key, load.namespace)
+        self.tree.lock(m.last_node)  # the room beside its device prefix (held with the load)
+        room = self.kv.available()
+        self.tree.unlock(m.last_node)
+        return load.rest + self.reserved <= room
 
     def admitted(self, req) -> None:
-        """The request's prefix is locked by its admission (or it ended): its loaded tokens leave the prefetch
-        budget."""
+        """The request gets slots of its own, its prefix under its admission's lock (or it ended, or loads again):
+        its loaded tokens leave the prefetch budget, and its reservation ends."""
         self.prefetched -= req.tier_prefetched
         req.tier_prefetched = 0
+        self.reserved -= req.tier_reserved
+        req.tier_reserved = 0
+        self.held.pop(id(req), None)
+        if req.tier_hold is not None:
+            node, req.tier_hold = req.tier_hold, None
+            self.tree.unlock(node)
+
+    def extending(self, req) -> None:
+        """The request gets slots: its hold ends (`admitted`); loads may go on after a yield."""
+        self.paused = False
+        if req.tier_hold is not None or req.tier_prefetched:
+            self.admitted(req)
+
+    def _paused(self) -> bool:
+        """After a yield, until a request gets slots; never while no request runs (else nothing could lift it)."""
+        self.paused = self.paused and self.kv.table.available() < self.kv.table.max_reqs
+        return self.paused
+
+    def yield_holds(self, req) -> None:
+        """`req` could not be admitted while none runs, or (req None) a running request needs slots the holds
+        keep: every other hold ends, so their prefixes may be evicted (and loaded or computed again later).
+        Keeps the holds from ever blocking the scheduler."""
+        others = [r for r in self.held.values() if r is not req]
+        for other in others:
+            self.admitted(other)
+        if others:
+            self.paused = True  # no new load (and hold) until some request has got slots
+            self.counts["holds_yielded"] += 1
 
     def load_back(self, req, load: Load) -> None:
         """Bring the planned prefix into the pool and the tree (as far as it is still there and fits)."""
@@ -247,8 +303,11 @@ class HierarchicalCache:
             host_len = sum(n for _, n in self.tree.lower_path(m.last_node, key, dev))
             d0, d1 = load.disk_start, load.disk_start + read
             disk_len = d1 - (dev + host_len) if d0 <= dev + host_len < d1 else 0
-            total = min(host_len + disk_len, self.kv.available()) // p * p
+            prefill = max(0, load.rest - host_len - disk_len)  # what it computes, beside the holds of others
+            total = min(host_len + disk_len, self.kv.available() - self.reserved - prefill) // p * p
             if total <= 0:
+                if dev:
+                    self._hold(req, m.last_node, 0, load.rest)
                 return
             slots = self.kv.allocate(total)  # may demote other nodes, and evict tier-1 nodes of this path
             path = self.tree.lower_path(m.last_node, key, dev)
@@ -267,12 +326,14 @@ class HierarchicalCache:
             if already > dev:  # held on the device meanwhile (not possible in one thread; kept exact anyway)
                 self.kv.free(slots[:min(already, dev + used) - dev])
             self.kv.free(slots[used:])
+            # held for the request until it gets slots of its own: else what is loaded for a queued request is
+            # evicted again by the allocations of those admitted before it (measured in the agent benchmark:
+            # a third of what was loaded, computed again)
+            self._hold(req, self.tree.match_prefix(key[:dev + used], ns).last_node, now + disk_len,
+                       max(0, load.rest - now - disk_len))
         finally:
             self.tree.unlock(m.last_node)
         req.tier_loaded = (dev, now, disk_len)
-        self.admitted(req)  # a retracted request loading again: its earlier load no longer counts
-        req.tier_prefetched = now + disk_len
-        self.prefetched += now + disk_len
         self.counts["host_hit_tokens"] += now
         self.counts["disk_hit_tokens"] += disk_len
         self.counts["loads"] += 1
@@ -319,7 +380,7 @@ class HierarchicalCache:
         self.settle_reads()
         used = self.tree.lower_size(Tier.HOST)
         ok = (self.rows.available() + used + self.staged == self.rows.capacity and self.staged == 0
-              and self.prefetched == 0)
+              and self.prefetched == 0 and self.reserved == 0)
         if not ok:
             logger.error("host tier leak: free %d + in the tree %d + held by loads %d != %d rows (or %d tokens "
                          "counted as prefetched)", self.rows.available(), used, self.staged, self.rows.capacity,
@@ -337,21 +398,3 @@ class HierarchicalCache:
         if self.disk is not None:
             self.disk.close()
 
-
-def fingerprint(runner, page_size: int) -> str:
-    """What makes two servers' pages interchangeable: the model (config, weight files by name and size, the dummy
-    weights' seed), the weight quantization, the dtype, the pool's and the host tier's formats, the page size, the
-    rank's shard. Anything else differing gives another fingerprint, so a page is never read by a server that would
-    have computed other KV."""
-    cfg, path = runner.runtime_config, runner.model_path
-    if path.is_dir():
-        files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
-                       if f.suffix in (".safetensors", ".gguf", ".bin", ".pt"))
-    else:
-        files = [(path.name, path.stat().st_size)]
-    par = runner.parallel
-    parts = {"version": FORMAT_VERSION, "config": runner.hf_config, "files": files, "load_format": cfg.load_format,
-             "seed": cfg.seed if cfg.load_format == "dummy" else None, "quantization": str(runner.quantization),
-             "dtype": str(runner.dtype), "pool": str(runner.kv_pool.format), "host": str(runner.host_pool.format),
-             "page_size": page_size, "tp": [par.tp_rank, par.tp_size], "pp": [par.pp_rank, par.pp_size]}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -207,16 +207,17 @@ def _pool_of(kv_pool, i: int) -> dict:
 def moe_step_layer(moe, tp_size: int) -> cpu_moe.MoEStepLayer | None:
     """An expert block (models.parts.MoEStructure) as the fused step runs it, or None where it cannot: experts not
     packed for the C matmuls (CpuGroupedLinear), tensor / expert parallelism (the step's one all-reduce hook does
-    not cover the block's two partial sums), a shared expert whose linears are not packed."""
+    not cover the block's two partial sums), a shared expert whose linears are not packed, an intermediate size
+    (routed or shared) that is not a multiple of 16 (the step pairs each 16-column gate block with its up block)."""
     gu, down = moe.gate_up, moe.down
     if tp_size != 1 or not all(isinstance(g.method, CpuGroupedLinear) for g in (gu, down)):
         return None
-    if moe.router.dtype != torch.bfloat16 or moe.router.shape[1] % 2:
+    if moe.router.dtype != torch.bfloat16 or moe.router.shape[1] % 2 or down.packed.k % 16:
         return None
     shared = None
     if moe.shared is not None:
         shared = tuple(lin.method.packed_weight(lin) for lin in moe.shared)
-        if any(w is None for w in shared):
+        if any(w is None for w in shared) or shared[1].k % 16:
             return None
     gate = None if moe.shared_gate is None else moe.shared_gate.detach().reshape(-1).contiguous()
     r = moe.routing

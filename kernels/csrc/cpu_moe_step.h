@@ -111,14 +111,27 @@ static inline const uint16_t *moe_rows(const moe_own_scratch *o, const uint16_t 
     return o->start[e + 1] - s == 1 ? hp + o->order[s] / k * H : o->xs + s * H;
 }
 
-/* Output columns [col0, col1) of the block for all M rows, from the expert outputs in y (places, H) and the shared
- * expert's in sy: the k terms in order j = 0 .. k-1, each y * weight in float32 (mul and add rounded apart, as the
- * layer-by-layer path's terms are), rounded once; then out + sigmoid(x . g) * shared, each op rounded to bf16 as
- * torch's. */
+#define MOE_R (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* 16 bf16 values (those of mask mk) widened */
+static inline __m512 moe_load16(const uint16_t *p, __mmask16 mk) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
+/* out + gate * shared (the block's routed sums, the shared expert's output, rounded bf16 values), each op rounded
+ * to bf16 as torch's */
+static inline __m512 moe_add_shared(__m512 v, float gate, __m512 sv) {
+    const __m512 term = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_round_ps(_mm512_set1_ps(gate), sv, MOE_R)));
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_add_round_ps(v, term, MOE_R)));
+}
+
+/* Output columns [col0, col1) of the block for all M rows, from the expert outputs in y (places, H) and, with
+ * `shared`, the shared expert's in sy: the k terms in order j = 0 .. k-1, each y * weight in float32 (mul and add
+ * rounded apart, as the layer-by-layer path's terms are), rounded once; then out + sigmoid(x . g) * shared. */
 static void moe_combine_cols(const rg_moe_layer *moe, const moe_own_scratch *o, const moe_team_scratch *t,
-                             int64_t M, int64_t H, int64_t col0, int64_t col1, uint16_t *x) {
+                             int64_t M, int64_t H, int64_t col0, int64_t col1, int shared, uint16_t *x) {
     const int64_t k = moe->top_k;
-    const int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const int R = MOE_R;
     for (int64_t m = 0; m < M; ++m)
         for (int64_t c = col0; c < col1; c += 16) {
             const __mmask16 mk = col1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (col1 - c)) - 1);
@@ -127,26 +140,40 @@ static void moe_combine_cols(const rg_moe_layer *moe, const moe_own_scratch *o, 
                 const int64_t i = o->pos[m * k + j];
                 __m512 term = _mm512_setzero_ps();
                 if (i >= 0) {
-                    const __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, t->y + i * H + c)), 16));
-                    term = _mm512_mul_round_ps(yv, _mm512_set1_ps(o->w[m * k + j]), R);
+                    term = _mm512_mul_round_ps(moe_load16(t->y + i * H + c, mk), _mm512_set1_ps(o->w[m * k + j]), R);
                 }
                 acc = j == 0 ? term : _mm512_add_round_ps(acc, term, R);
             }
             __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(acc));
-            if (moe->shared_I) {
-                const __m512 g = _mm512_set1_ps(moe->shared_gate ? o->sgate[m] : 1.f);
-                const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, t->sy + m * H + c)), 16));
-                const __m512 term = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_round_ps(g, sv, R)));
-                v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_add_round_ps(v, term, R)));
-            }
+            if (shared) v = moe_add_shared(v, moe->shared_gate ? o->sgate[m] : 1.f, moe_load16(t->sy + m * H + c, mk));
+            _mm256_mask_storeu_epi16(x + m * H + c, mk, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+
+/* At tp > 1, the sums over the ranks, by one thread: the routed experts' partial sums in x all-reduced; with a shared
+ * expert, its partial sums (sy) all-reduced too, apart (the layer-by-layer path's two all-reduces: the experts',
+ * then the shared expert's row-parallel down projection), and then added behind their gates. */
+static void moe_reduce(const rg_moe_layer *moe, const moe_own_scratch *o, const moe_team_scratch *t, int64_t M,
+                       int64_t H, uint16_t *x, const rg_parallel *par) {
+    par->all_reduce(par->ctx, x, M * H);
+    if (!moe->shared_I) return;
+    const size_t bytes = sizeof(uint16_t) * (size_t)(M * H);
+    memcpy(t->y, x, bytes); /* the routed sums (y: at least M H, its expert outputs used up) */
+    memcpy(x, t->sy, bytes);
+    par->all_reduce(par->ctx, x, M * H);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < H; c += 16) {
+            const __mmask16 mk = H - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - c)) - 1);
+            const __m512 v = moe_add_shared(moe_load16(t->y + m * H + c, mk), moe->shared_gate ? o->sgate[m] : 1.f,
+                                            moe_load16(x + m * H + c, mk));
             _mm256_mask_storeu_epi16(x + m * H + c, mk, (__m256i)_mm512_cvtneps_pbh(v));
         }
 }
 
 /* hp (M, H): the normed rows (each thread's own copy); sx the thread's group sums (inter at least the block's
- * widest input); x (M, H): the block's output. At tp 1 only (moe_step_layer). */
+ * widest input); x (M, H): the block's output (at tp > 1 this rank's experts and columns, summed over the ranks by
+ * par's all-reduce, which the fused step's hook makes, as after a dense MLP; not the deterministic mode's partials:
+ * an expert block is refused there). */
 static void moe_team_bf16(const rg_moe_layer *moe, const uint16_t *hp, int64_t M, int64_t H, uint16_t *x, float *sx,
                           const rg_parallel *par) {
     const int64_t E = moe->num_experts, k = moe->top_k, n_local = moe->n_local, I = moe->I, sI = moe->shared_I;
@@ -188,9 +215,13 @@ static void moe_team_bf16(const rg_moe_layer *moe, const uint16_t *hp, int64_t M
         if (moe->shared_down.kind == RG_W_INT4) group_sums_bf16(t.sact, M, sI, moe->shared_down.group, sx);
         moe_blocks(&moe->shared_down, t.sact, M, sx, t.sy, d0, d1, NULL);
     }
-    moe_combine_cols(moe, &o, &t, M, H, d0 * 16, d1 * 16 < H ? d1 * 16 : H, x);
+    const int reduce = par && par->all_reduce;
+    moe_combine_cols(moe, &o, &t, M, H, d0 * 16, d1 * 16 < H ? d1 * 16 : H, sI && !reduce, x);
     PROF_LAP(prof_phase);
 #pragma omp barrier
     PROF_LAP(prof_phase + 1);
-    par_all_reduce(par, x, M * H);
+    if (reduce) {
+#pragma omp single
+        moe_reduce(moe, &o, &t, M, H, x, par);
+    }
 }

@@ -92,7 +92,7 @@ class FusedDecode:
             matmuls = {"qkv": packed(a.qkv), "o": packed(a.o)}
             moe = None
             if layer.mlp.kind == MOE_GATED_SILU:
-                moe = moe_step_layer(layer.mlp.moe, model.parallel.tp.size)
+                moe = moe_step_layer(layer.mlp.moe)
                 if moe is None:
                     return None
             else:
@@ -204,13 +204,13 @@ def _pool_of(kv_pool, i: int) -> dict:
     return {"k_buf": kv.k, "v_buf": kv.v, "k_scale": kv.k_scales, "v_scale": kv.v_scales}
 
 
-def moe_step_layer(moe, tp_size: int) -> cpu_moe.MoEStepLayer | None:
-    """An expert block (models.parts.MoEStructure) as the fused step runs it, or None where it cannot: experts not
-    packed for the C matmuls (CpuGroupedLinear), tensor / expert parallelism (the step's one all-reduce hook does
-    not cover the block's two partial sums), a shared expert whose linears are not packed, an intermediate size
+def moe_step_layer(moe) -> cpu_moe.MoEStepLayer | None:
+    """An expert block (models.parts.MoEStructure: this rank's experts and columns at tp / ep > 1, whose partial
+    sums the step's all-reduce hook combines) as the fused step runs it, or None where it cannot: experts not
+    packed for the C matmuls (CpuGroupedLinear), a shared expert whose linears are not packed, an intermediate size
     (routed or shared) that is not a multiple of 16 (the step pairs each 16-column gate block with its up block)."""
     gu, down = moe.gate_up, moe.down
-    if tp_size != 1 or not all(isinstance(g.method, CpuGroupedLinear) for g in (gu, down)):
+    if not all(isinstance(g.method, CpuGroupedLinear) for g in (gu, down)):
         return None
     if moe.router.dtype != torch.bfloat16 or moe.router.shape[1] % 2 or down.packed.k % 16:
         return None

@@ -12,9 +12,10 @@
  *     at once, since the same thread wrote both halves (I a multiple of 16, which moe_step_layer checks);
  *   - down pass: each thread an equal range of the output's 16-column blocks, for every selected expert (and the
  *     shared one), then the weighted sum over j of those columns, which it alone wrote.
- * A split by columns across all experts also keeps the threads even when the experts' row counts differ (b8). The
- * math and roundings are those of the layer-by-layer C path (rg_moe_experts_bf16): each output of a gemv tile
- * has its own accumulator whatever tile or thread computes it. */
+ * At tp > 1 one thread then sums the ranks' partial sums (moe_reduce), a third meeting as at a dense MLP's
+ * all-reduce. A split by columns across all experts also keeps the threads even when the experts' row counts
+ * differ (b8). The math and roundings are those of the layer-by-layer C path (rg_moe_experts_bf16): each output
+ * of a gemv tile has its own accumulator whatever tile or thread computes it. */
 
 /* One tile of n (1 to 4) blocks of w from block b, out of line: every pass below shares one copy. */
 static __attribute__((noinline)) void moe_tile(const rg_weight *w, const uint16_t *x, int64_t rows, const float *sx,

@@ -9,7 +9,7 @@ OpenMP team, LM head and embedding gather included, reading the linear layers' o
 (radixgen.kernels.cpu_linear: bf16 K pairs, which its kernel streams at 45-55 GB/s here where oneDNN reaches
 about 20-30 on the same matrices at batch 1, or int8 / int4 dequantized in registers). Larger batches, prefill,
 float32, layers in another layout (fp8, GPTQ's activation order) and models with a part the step does not run
-(an expert block, another rotary: `supports`) keep the unfused path.
+(another rotary, an expert block it cannot take: `supports`, `moe_step_layer`) keep the unfused path.
 """
 
 from __future__ import annotations

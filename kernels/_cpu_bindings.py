@@ -88,7 +88,7 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("weights", "float *")]),
     "rg_moe_step_bytes": ("int64_t", [
         ("M", "int64_t"), ("H", "int64_t"), ("E", "int64_t"), ("k", "int64_t"), ("n_local", "int64_t"),
-        ("I", "int64_t"), ("thread_bytes", "int64_t *")]),
+        ("I", "int64_t"), ("sI", "int64_t"), ("thread_bytes", "int64_t *")]),
     "rg_sum_partials_bf16": ("rg_status", [  # AVX512-BF16 (elsewhere it refuses)
         ("parts", "const float *"), ("S", "int64_t"), ("M", "int64_t"), ("N", "int64_t"), ("bias", "const uint16_t *"),
         ("out", "uint16_t *")]),

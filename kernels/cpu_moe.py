@@ -151,6 +151,9 @@ class MoEStepLayer:
                f"router: expected a ({num_experts}, {h}) matmul weight, got {router!r}")
         expect(len(gate_up) == len(down) and gate_up.n == 2 * down.k and down.n == h,
                "gate_up (E, 2I, H) and down (E, H, I) must be one block's")
+        expect(down.k % 16 == 0 and (shared is None or shared[1].k % 16 == 0),
+               f"the fused step's expert block needs intermediate sizes that are multiples of 16, got {down.k}"
+               f"{'' if shared is None else f' and {shared[1].k}'}")
         expect(1 <= top_k <= num_experts and 0 <= first_expert and first_expert + len(gate_up) <= num_experts,
                f"top_k {top_k}, experts [{first_expert}, {first_expert + len(gate_up)}) of {num_experts}")
         s = self.struct = MoELayerBF16(gate_up=gate_up.address, down=down.address, n_local=len(gate_up),
@@ -178,7 +181,8 @@ class MoEStepLayer:
         """(shared, per-thread) scratch bytes of a step of m rows."""
         per_thread = ctypes.c_int64()
         shared = kl.fn("rg_moe_step_bytes")(M=m, H=self.hidden, E=self.num_experts, k=self.top_k, n_local=self.n_local,
-                                           I=self.struct.I, thread_bytes=ctypes.addressof(per_thread))
+                                           I=self.struct.I, sI=self.struct.shared_I,
+                                           thread_bytes=ctypes.addressof(per_thread))
         return int(shared), int(per_thread.value)
 
     def set_scratch(self, shared: torch.Tensor, per_thread: torch.Tensor, thread_bytes: int) -> None:

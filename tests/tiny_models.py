@@ -52,6 +52,9 @@ def hf_config(arch: str):
     if arch == "qwen2_moe":
         return tf.Qwen2MoeConfig(**_COMMON, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
                                  moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    if arch == "qwen2_moe-wide":  # intermediate sizes tp 2 cuts into whole 16-column blocks (the fused C step's)
+        return tf.Qwen2MoeConfig(**_COMMON, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1])
     if arch == "mixtral":
         return tf.MixtralConfig(**{**_COMMON, "intermediate_size": 32}, rope_theta=10000.0, num_local_experts=8,
                                 num_experts_per_tok=2)

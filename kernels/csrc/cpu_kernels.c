@@ -328,6 +328,7 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
         float *sx = (float *)(mine + qf_bytes + sc_bytes + 2 * rows_bytes + ap_bytes);
         uint16_t *res[2] = {res_a, res_b};
         int cur = 0; /* res[cur] holds the residual stream once layer 0 has started */
+        PROF_START();
         for (int64_t l = 0; l < n_layers; ++l) {
             const rg_layer_bf16 *ly = layers + l;
             if (l == 0 && par_input(par) != RG_STAGE_HIDDEN) { /* the residual stream starts as the embeddings */
@@ -339,6 +340,8 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             }
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
+            PROF_LAP(0);
+            PROF_PHASE(2);
             linear_team_bf16(&ly->qkv, hp, M, ly->qkv_bias, qkv, NULL, sx);
             lora_add_team(ly->lora, 0, hp, hidden, qkv, qkv_n, (const int64_t[]){qsz, qsz + kvsz, qkv_n}, 3);
 #pragma omp single
@@ -352,6 +355,8 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             }
             layer_decode_attention_team_bf16(ly, qkv, qkv_n, table, table_stride, rows, seq_lens, attn, M, H, Hkv, D,
                                              scale, splits, piece, part, qf, sc);
+            PROF_LAP(4);
+            PROF_PHASE(6);
             linear_team_bf16(&ly->o, attn, M, NULL, x, par_partials(par), sx);
             lora_add_team(ly->lora, 1, attn, qsz, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
@@ -359,21 +364,28 @@ rg_status rg_decode_step_bf16(const rg_layer_bf16 *layers, int64_t n_layers, con
             rg_add_rmsnorm_bf16(x, hidden, rp, ly->post_norm, hp, M, hidden, eps);
             if (tid == 0) memcpy(res[cur ^ 1], rp, row_bytes);
             cur ^= 1;
+            PROF_LAP(8);
             if (ly->moe) {
-                moe_team_bf16(ly->moe, hp, M, hidden, x, gu, ap, sx, par);
+                moe_team_bf16(ly->moe, hp, M, hidden, x, sx, par);
                 continue;
             }
             const int64_t li = ly->gate_up.N / 2; /* this layer's intermediate size (inter: the widest layer's) */
+            PROF_PHASE(10);
             linear_team_bf16(&ly->gate_up, hp, M, NULL, gu, NULL, sx);
             lora_add_team(ly->lora, 2, hp, hidden, gu, 2 * li, (const int64_t[]){li, 2 * li}, 2);
             silu_mul_bf16(gu, ap, M, li);
+            PROF_LAP(12);
+            PROF_PHASE(14);
             linear_team_bf16(&ly->down, ap, M, NULL, x, par_partials(par), sx);
             lora_add_team(ly->lora, 3, ap, li, x, hidden, (const int64_t[]){hidden}, 1);
             par_all_reduce(par, x, M * hidden);
+            PROF_LAP(13);
         }
         if (par_final(par)) { /* else x and res[cur] (res_a: two swaps a layer) are the stage's output */
 #pragma omp single
             rg_add_rmsnorm_bf16(x, hidden, res[cur], final_norm, out, M, hidden, eps);
+            PROF_LAP(30);
+            PROF_PHASE(28);
             if (lm_head) linear_team_bf16(lm_head, out, M, NULL, NULL, logits, sx);
         }
     }

@@ -195,6 +195,7 @@ static rg_status linear_f32math(const rg_weight *w, const float *xf, int64_t M, 
 /* ------------------------------------------------------------------------- AVX512-BF16 decode and prefill */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <omp.h>
+#include "cpu_profile.h" /* -DRG_PROFILE builds: cycle counters of the step's phases */
 
 #define GEMV_PREFETCH 1024 /* bytes ahead within each weight stream */
 /* The hint of the weight streams' prefetches. The weights are read once a step, and the best hint differs by
@@ -523,7 +524,9 @@ static void linear_team_bf16(const rg_weight *w, const uint16_t *x, int64_t M, c
         default: gemv_blocks(w, x, M, sx, bias, y, yf, b, 4, near, far); break;
         }
     }
+    PROF_LAP(prof_phase);
 #pragma omp barrier
+    PROF_LAP(prof_phase + 1);
 }
 
 /* Blocks [blk0, blk0+nb) of an int8 / int4 weight dequantized into a bf16 K-pair panel `out` (nb K 16 values),

@@ -10,8 +10,8 @@
 
 /* One expert block as the fused decode step reads it (rg_layer_bf16.moe); the unfused entry point takes the
  * same expert arrays as arguments. Scratch is the runtime's (set before each step): one region for the team
- * (moe_scratch below), and per thread thread_scratch + t * thread_bytes, which rg_moe_step_bytes sizes (no
- * bytes today). */
+ * (moe_team_scratch below), and per thread thread_scratch + t * thread_bytes (moe_own_scratch), both sized by
+ * rg_moe_step_bytes. */
 typedef struct rg_moe_layer {
     const rg_weight *gate_up, *down; /* n_local descriptors each: (2I, H) gate rows first, (H, I) */
     int64_t n_local, first, I;       /* experts [first, first + n_local) of num_experts are these */
@@ -138,46 +138,66 @@ rg_status rg_moe_route(const float *logits, int64_t n_tok, int64_t E, int64_t k,
     return RG_OK;
 }
 
-/* The fused step's scratch of a block for M rows (one region, shared by the team): logits (M, E) bf16 and their
- * float32 copy, ids and weights (M, k), the group starts (2 n_local + 1), order and each place's grouped row
- * (M k each), the experts with rows (n_local + 1), then per grouped row: the gathered input (H), gate|up (2I),
- * the activation (I) and the expert's output (H), bf16; the last also holds the shared expert's (M, H) output. */
+/* The fused step's scratch of a block for M rows. The team's region (shared): per grouped place (token, j) routed
+ * here, its gate|up (2I), activation (I) and expert output (H), bf16, and the shared expert's activation (M, sI)
+ * and output (M, H) (and its gate|up, M 2sI). Each thread's own region: its copy of the routing (every thread routes all rows itself, with
+ * the same code, so all hold the same grouping without meeting): logits (M, E) bf16 and float32, ids and weights
+ * (M, k), the group starts (2 n_local + 1), order and each place's grouped row (M k each), the experts with rows
+ * (n_local + 1), the shared expert's gates (M floats), and the gathered input rows of experts with several (M k, H). */
+typedef struct {
+    uint16_t *gu, *act, *y, *sgu, *sact, *sy;
+} moe_team_scratch;
+
 typedef struct {
     uint16_t *logits;
-    float *lf;
+    float *lf, *w, *sgate;
     int32_t *ids;
-    float *w;
-    int64_t *start, *order, *pos, *active, *n_active;
-    uint16_t *xs, *gu, *act, *y;
-} moe_scratch;
+    int64_t *start, *order, *pos, *active, n_active;
+    uint16_t *xs;
+} moe_own_scratch;
 
-static inline moe_scratch moe_scratch_at(void *base, int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local,
-                                         int64_t I) {
+/* Places the team's region at base (or only sizes it, base 0): returns its bytes. */
+static inline size_t moe_team_layout(uintptr_t base, int64_t M, int64_t H, int64_t k, int64_t I, int64_t sI,
+                                     moe_team_scratch *s) {
     const int64_t P = M * k;
-    char *p = (char *)base;
-    moe_scratch s;
-    s.logits = (uint16_t *)p, p += rg_span(M * E, 2);
-    s.lf = (float *)p, p += rg_span(M * E, 4);
-    s.ids = (int32_t *)p, p += rg_span(P, 4);
-    s.w = (float *)p, p += rg_span(P, 4);
-    s.start = (int64_t *)p, p += rg_span(2 * n_local + 1, 8);
-    s.order = (int64_t *)p, p += rg_span(P, 8);
-    s.pos = (int64_t *)p, p += rg_span(P, 8);
-    s.active = (int64_t *)p, p += rg_span(n_local + 1, 8);
-    s.n_active = s.active + n_local;
-    s.xs = (uint16_t *)p, p += rg_span(P * H, 2);
-    s.gu = (uint16_t *)p, p += rg_span(P * 2 * I, 2);
-    s.act = (uint16_t *)p, p += rg_span(P * I, 2);
-    s.y = (uint16_t *)p; /* P H, at least M H */
-    return s;
+    size_t at = 0;
+#define MOE_AT(field, n, size) (s->field = (uint16_t *)(base + at), at += rg_span(n, size))
+    MOE_AT(gu, P * 2 * I, 2);
+    MOE_AT(act, P * I, 2);
+    MOE_AT(y, P * H, 2);
+    MOE_AT(sgu, M * 2 * sI, 2);
+    MOE_AT(sact, M * sI, 2);
+    MOE_AT(sy, M * H, 2);
+#undef MOE_AT
+    return at;
 }
 
-/* The fused step's scratch bytes of a block of M rows (one shared region; *thread_bytes: none per thread). */
-int64_t rg_moe_step_bytes(int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local, int64_t I,
-                          int64_t *thread_bytes) {
+static inline size_t moe_own_layout(uintptr_t base, int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local,
+                                    moe_own_scratch *s) {
     const int64_t P = M * k;
-    *thread_bytes = 0;
-    return (int64_t)(rg_span(M * E, 2) + rg_span(M * E, 4) + 2 * rg_span(P, 4) + rg_span(2 * n_local + 1, 8) +
-                     2 * rg_span(P, 8) + rg_span(n_local + 1, 8) + rg_span(P * H, 2) + rg_span(P * 2 * I, 2) +
-                     rg_span(P * I, 2) + rg_span(P * H, 2));
+    size_t at = 0;
+#define MOE_AT(field, type, n) (s->field = (type *)(base + at), at += rg_span(n, sizeof(type)))
+    MOE_AT(logits, uint16_t, M * E);
+    MOE_AT(lf, float, M * E);
+    MOE_AT(ids, int32_t, P);
+    MOE_AT(w, float, P);
+    MOE_AT(sgate, float, M);
+    MOE_AT(start, int64_t, 2 * n_local + 1);
+    MOE_AT(order, int64_t, P);
+    MOE_AT(pos, int64_t, P);
+    MOE_AT(active, int64_t, n_local);
+    MOE_AT(xs, uint16_t, P * H);
+#undef MOE_AT
+    s->n_active = 0;
+    return at;
+}
+
+/* The fused step's scratch bytes of a block of M rows (sI: the shared expert's intermediate size, 0 without one):
+ * the team's region; *thread_bytes: each thread's. */
+int64_t rg_moe_step_bytes(int64_t M, int64_t H, int64_t E, int64_t k, int64_t n_local, int64_t I, int64_t sI,
+                          int64_t *thread_bytes) {
+    moe_team_scratch t;
+    moe_own_scratch o;
+    *thread_bytes = (int64_t)moe_own_layout(0, M, H, E, k, n_local, &o);
+    return (int64_t)moe_team_layout(0, M, H, k, I, sI, &t);
 }

@@ -2,10 +2,11 @@
 groups, one thread per rank, against one process on the same weights and steps (parallel_helpers.drive): tp 2 x
 ep 2 (each rank 4 of the 8 experts), tp 2 x ep 1 (every rank half of each expert's columns), and tp 2 x ep 2 x
 pp 2 (four ranks), float32 logits within rounding and the same argmax everywhere (also a GGUF file's expert
-blocks at tp 2 x ep 2); then the Engine (scheduler,
-paged KV, radix cache, ngram speculation's verification steps) at tp 2 x ep 2 gives transformers' greedy
-tokens (the ep 1 model's), in one launch and as two "nodes" on loopback (node 1 its own `radixgen serve
---node-rank 1`, one rank each)."""
+blocks at tp 2 x ep 2); bf16 through the fused C decode step at tp 2 x ep 2 and tp 2 x ep 1 (the expert block
+inside the step, its partial sums through the step's all-reduce hook) giving the layer-by-layer path's bits at the
+same layout; then the Engine (scheduler, paged KV, radix cache, ngram speculation's verification steps) at tp 2 x
+ep 2 gives transformers' greedy tokens (the ep 1 model's), in one launch and as two "nodes" on loopback (node 1
+its own `radixgen serve --node-rank 1`, one rank each)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from parallel_helpers import run_group, run_single
 from tiny_models import tiny_model_dir
 
+from radixgen.kernels import cpu
 from radixgen.runtime.engine import Engine
 
 TOL = 1e-5
@@ -56,6 +58,28 @@ def test_gguf_expert_blocks_over_ep2_equal_one_process(tmp_path, monkeypatch):
     want = run_single(native, dtype="float32", quantization="gguf")["logits"]
     got = run_group(native, dtype="float32", quantization="gguf", tp_size=2, ep_size=2)["logits"]
     assert rel_max(got, want) < TOL and torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),
+                    reason="the fused decode step needs the CPU kernels built with AVX512-BF16")
+def test_fused_step_at_tp2_gives_the_layer_by_layer_bits():
+    """Qwen2-MoE (routed experts, the gated shared expert, a dense layer) with intermediate sizes whose tp 2 shards
+    are whole 16-column blocks. Against tp 1: bf16 rounds the ranks' partial sums apart, so the logits agree within
+    rounding and the argmax wherever tp 1's top two are further apart than a few bf16 steps."""
+    path = str(tiny_model_dir("qwen2_moe-wide"))
+    one = run_single(path, dtype="bfloat16")
+    assert one["fused"]
+    top2 = one["logits"].topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 4 * 2.0 ** -7 * top2[:, 0].abs().clamp(min=1)
+    assert clear.float().mean() > 0.5
+    for layout in ({"tp_size": 2, "ep_size": 2}, {"tp_size": 2, "ep_size": 1}):
+        fused = run_group(path, dtype="bfloat16", **layout)
+        plain = run_group(path, dtype="bfloat16", fused=False, **layout)
+        assert fused["fused"] and not plain["fused"], layout
+        assert torch.equal(fused["logits"], plain["logits"]), layout
+        got, want = fused["logits"], one["logits"]
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, layout
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), layout
 
 
 def test_engine_ep2_greedy_equals_transformers():

@@ -9,7 +9,7 @@ OpenMP team, LM head and embedding gather included, reading the linear layers' o
 (radixgen.kernels.cpu_linear: bf16 K pairs, which its kernel streams at 45-55 GB/s here where oneDNN reaches
 about 20-30 on the same matrices at batch 1, or int8 / int4 dequantized in registers). Larger batches, prefill,
 float32, layers in another layout (fp8, GPTQ's activation order) and models with a part the step does not run
-(an expert block, another rotary: `supports`) keep the unfused path.
+(another rotary, an expert block it cannot take: `supports`, `moe_step_layer`) keep the unfused path.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class FusedDecode:
             matmuls = {"qkv": packed(a.qkv), "o": packed(a.o)}
             moe = None
             if layer.mlp.kind == MOE_GATED_SILU:
-                moe = moe_step_layer(layer.mlp.moe, model.parallel.tp.size)
+                moe = moe_step_layer(layer.mlp.moe)
                 if moe is None:
                     return None
             else:
@@ -204,19 +204,20 @@ def _pool_of(kv_pool, i: int) -> dict:
     return {"k_buf": kv.k, "v_buf": kv.v, "k_scale": kv.k_scales, "v_scale": kv.v_scales}
 
 
-def moe_step_layer(moe, tp_size: int) -> cpu_moe.MoEStepLayer | None:
-    """An expert block (models.parts.MoEStructure) as the fused step runs it, or None where it cannot: experts not
-    packed for the C matmuls (CpuGroupedLinear), tensor / expert parallelism (the step's one all-reduce hook does
-    not cover the block's two partial sums), a shared expert whose linears are not packed."""
+def moe_step_layer(moe) -> cpu_moe.MoEStepLayer | None:
+    """An expert block (models.parts.MoEStructure: this rank's experts and columns at tp / ep > 1, whose partial
+    sums the step's all-reduce hook combines) as the fused step runs it, or None where it cannot: experts not
+    packed for the C matmuls (CpuGroupedLinear), a shared expert whose linears are not packed, an intermediate size
+    (routed or shared) that is not a multiple of 16 (the step pairs each 16-column gate block with its up block)."""
     gu, down = moe.gate_up, moe.down
-    if tp_size != 1 or not all(isinstance(g.method, CpuGroupedLinear) for g in (gu, down)):
+    if not all(isinstance(g.method, CpuGroupedLinear) for g in (gu, down)):
         return None
-    if moe.router.dtype != torch.bfloat16 or moe.router.shape[1] % 2:
+    if moe.router.dtype != torch.bfloat16 or moe.router.shape[1] % 2 or down.packed.k % 16:
         return None
     shared = None
     if moe.shared is not None:
         shared = tuple(lin.method.packed_weight(lin) for lin in moe.shared)
-        if any(w is None for w in shared):
+        if any(w is None for w in shared) or shared[1].k % 16:
             return None
     gate = None if moe.shared_gate is None else moe.shared_gate.detach().reshape(-1).contiguous()
     r = moe.routing

@@ -116,6 +116,22 @@ def _heads_contiguous(t: torch.Tensor, head_dim: int) -> bool:
     return t.stride(2) == 1 and t.stride(1) == head_dim
 
 
+def gather_packed(model: nn.Module) -> None:
+    """The C matmuls' packed weights of `model` moved into one arena (on huge pages) in module order, the order a
+    decode step streams them (cpu_linear.gather); again after weights were laid out anew (experts.convert)."""
+    packed, experts = [], []  # in module order; an expert block's experts (grouped C layout) among them
+    for m in model.modules():
+        p = getattr(m, "packed", None)
+        if isinstance(m, LinearBase) and isinstance(p, cpu_linear.PackedWeight):
+            packed.append(p)
+        elif isinstance(p, cpu_moe.PackedExperts):
+            packed += p.weights
+            experts.append(p)
+    cpu_linear.gather(packed)
+    for e in experts:
+        e.refresh()  # their descriptor arrays point at the moved weights
+
+
 class CpuOps(TorchOps):
     """The C kernels of `kl` (None: no build, torch throughout) where they apply, else the torch op; linear layers
     on the C matmuls' packed layouts where the build has them, oneDNN-packed float weights otherwise."""
@@ -134,17 +150,7 @@ class CpuOps(TorchOps):
         """As TorchOps.install; then the C matmuls' packed weights move into one arena in the order a decode step
         streams them (cpu_linear.gather)."""
         super().install(model)
-        packed, experts = [], []  # in module order; an expert block's experts (grouped C layout) among them
-        for m in model.modules():
-            p = getattr(m, "packed", None)
-            if isinstance(m, LinearBase) and isinstance(p, cpu_linear.PackedWeight):
-                packed.append(p)
-            elif isinstance(p, cpu_moe.PackedExperts):
-                packed += p.weights
-                experts.append(p)
-        cpu_linear.gather(packed)
-        for e in experts:
-            e.refresh()  # their descriptor arrays point at the moved weights
+        gather_packed(model)
 
     def _c_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the C RMSNorm takes x: (T, N) rows of unit stride, float32 or bfloat16, weight alike."""

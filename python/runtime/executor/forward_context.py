@@ -82,6 +82,13 @@ def forward_context(ctx: ForwardContext):
         _current = None
 
 
+def in_decode_or_verify() -> bool:
+    """Whether the forward being run is a decode step or a verification of draft tokens (not a prefill, not work
+    outside a forward such as a vision encoder). Kernels whose bits depend on the row count keep to the decode
+    path's kernels there, so that a draft token verified among others gets the bits it would get decoded alone."""
+    return _current is not None and (_current.is_decode or _current.verify)
+
+
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a forward context (use ModelRunner.forward)")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from radixgen.kernels import cpu_linear
+from radixgen.runtime.executor.forward_context import in_decode_or_verify
 from radixgen.runtime.layers.linear import LinearBase, LinearMethod
 
 
@@ -134,6 +135,8 @@ class CheckpointLinear(LinearMethod):
 # bf16 K-pair matmuls of at least this many rows run on oneDNN where it has AMX tiles: its tile GEMM is 5-20x the C
 # blocked GEMM's vdpbf16ps rate on the prefill and vision-encoder shapes, which pays for copying the weight out of
 # the K-pair layout (one pass over it) from about 48 rows up (crossover measured at 896 x 1152 and 896 x 4864).
+# Not in decode steps: decode steps and verifications of draft tokens keep the C kernels at any row count, so that
+# speculation's greedy tokens stay those of plain decoding (a verified row has the bits of the row decoded alone).
 ONEDNN_MIN_ROWS = 64
 
 
@@ -184,7 +187,7 @@ class CpuPackedLinear(LinearMethod):
         x2 = _rows_2d(layer, x)
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
-        if 0 < self.onednn_rows <= x2.shape[0] and x2.dtype == torch.bfloat16:
+        if 0 < self.onednn_rows <= x2.shape[0] and x2.dtype == torch.bfloat16 and not in_decode_or_verify():
             y = F.linear(x2, cpu_linear.dense_bf16(layer.packed), layer.bias)
             return y.view(*x.shape[:-1], layer.out_features)
         y = cpu_linear._linear(self.kl, layer.packed, x2.contiguous(), layer.bias)

@@ -65,3 +65,14 @@ def random_image(seed: int, height: int, width: int):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def hf_greedy_ids(model, px, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `ids` (the image's tokens in place) over the processed image `px`
+    (runtime.media's Qwen2-VL processor output): the oracle the engine and server tests compare with."""
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=t, pixel_values=px.pixel_values, image_grid_thw=torch.tensor([px.grid]),
+                             mm_token_type_ids=(t == IMAGE_TOKEN).int(), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vl_models import IMAGE_TOKEN, random_image, tiny_vl_dir
+from tiny_vl_models import IMAGE_TOKEN, hf_greedy_ids, random_image, tiny_vl_dir
 
 from radixgen.common.prompt import MediaSegment, Prompt
 from radixgen.runtime.engine import Engine
@@ -36,12 +36,7 @@ def hf_greedy(arch, folder, image, before, after) -> tuple[list[int], list[int]]
     cls = {"qwen2_vl": tf.Qwen2VLForConditionalGeneration,
            "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration}[arch]
     ref = cls.from_pretrained(folder, dtype=torch.float32).eval()
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        out = ref.generate(input_ids=t, pixel_values=px.pixel_values, image_grid_thw=torch.tensor([px.grid]),
-                           mm_token_type_ids=(t == IMAGE_TOKEN).int(), max_new_tokens=NEW_TOKENS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return ids, out[0, len(ids):].tolist()
+    return ids, hf_greedy_ids(ref, px, ids, NEW_TOKENS)
 
 
 def test_greedy_equals_transformers_through_chunks_and_cache(vl):

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server_proc import start_server, stop_server  # noqa: E402
-from tiny_vl_models import IMAGE_TOKEN, random_image, tiny_vl_dir  # noqa: E402
+from tiny_vl_models import IMAGE_TOKEN, hf_greedy_ids, random_image, tiny_vl_dir  # noqa: E402
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -55,12 +55,7 @@ def ref():
         px = proc.process(image)
         ids = (tok(head, add_special_tokens=first_special).input_ids + proc.tokens(px).ids
                + tok(tail, add_special_tokens=False).input_ids)
-        t = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(input_ids=t, pixel_values=px.pixel_values, image_grid_thw=torch.tensor([px.grid]),
-                                 mm_token_type_ids=(t == IMAGE_TOKEN).int(), max_new_tokens=NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        return ids, out[0, len(ids):].tolist()
+        return ids, hf_greedy_ids(model, px, ids, NEW)
 
     return greedy, tok
 

@@ -72,13 +72,15 @@ def next_turn(tok, rng: random.Random, conv: list[int], t: int, obs: int) -> lis
     return conv + tok(f"\nTool result {t}: {text(rng, obs)}\nNext step:").input_ids
 
 
-def agent_sizes(quick: bool, max_new: int) -> tuple[int, int, int, int, int]:
+def agent_sizes(args) -> tuple[int, int, int, int, int]:
     """Sessions, turns, system prompt tokens, tool result words, and the pool's tokens: about one conversation at
     its longest (a tool result of `obs` words is about 1.3 obs tokens), so the working set (the system prompt once,
     every session's own turns) is several times the pool and LRU keeps little beyond the system prompt."""
-    sessions, turns, system, obs = (10, 6, 256, 32) if quick else (16, 8, 512, 40)
-    longest = system + 24 + turns * (int(1.3 * obs) + 10 + max_new)
-    return sessions, turns, system, obs, int(1.2 * longest)
+    sessions, turns, system, obs = (10, 6, 256, 32) if args.quick else (16, 8, 512, 40)
+    sessions, turns, system, obs = (v if a is None else a for v, a in
+                                    zip((sessions, turns, system, obs), (args.sessions, args.turns, args.system, args.obs)))
+    longest = system + 24 + turns * (int(1.3 * obs) + 10 + args.max_new)
+    return sessions, turns, system, obs, int(args.pool_factor * longest)
 
 
 def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int, max_new: int) -> dict:
@@ -146,14 +148,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sessions and a shorter restart prefix")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     ap.add_argument("--max-new", type=int, default=4)
+    for flag, what in (("sessions", "agent sessions"), ("turns", "turns a session"),
+                       ("system", "system prompt tokens"), ("obs", "words of each tool result")):
+        ap.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (default: the workload's)")
+    ap.add_argument("--pool-factor", type=float, default=1.2, help="the pool's tokens as a multiple of the longest "
+                    "conversation")
+    ap.add_argument("--max-running", type=int, default=2, help="max_running_requests of both engines")
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine (0: its default)")
     ap.add_argument("--part", choices=("all", "agent", "restart"), default="all")
     ap.add_argument("--hicache-ratio", type=float, default=8.0, help="host tier size as a multiple of the pool")
     add_report_arg(ap)
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
-    sessions, turns, system, obs, pool = agent_sizes(args.quick, args.max_new)
-    common = dict(max_running_requests=2, page_size=PAGE, chunked_prefill_size=512, num_threads=args.num_threads)
+    sessions, turns, system, obs, pool = agent_sizes(args)
+    common = dict(max_running_requests=args.max_running, page_size=PAGE, chunked_prefill_size=512,
+                  num_threads=args.num_threads)
     results = {}
     for label, extra in () if args.part == "restart" else (("LRU (tree only)", {}),
                          ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": args.hicache_ratio})):

@@ -208,3 +208,33 @@ def test_ageing_bound_admits_an_unmatched_request(model_dir, tokenizer):
             admitted_at = sched.step_no
     run(sched, [])
     assert admitted_at is not None and admitted_at - arrival <= bound + 2
+
+
+def long_prompts(n: int, length: int, seed: int = 1) -> list[GenerateRequest]:
+    g = torch.Generator().manual_seed(seed)
+    return [GenerateRequest(f"long{i}", torch.randint(3, 49152, (length,), generator=g).tolist(),
+                            SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)) for i in range(n)]
+
+
+def test_chunked_prompts_that_fit_alone_but_not_together_all_finish(model_dir, tokenizer):
+    """Each 200-token prompt fits the 256-token pool, two do not: admitted together, their chunks would fill the
+    pool with neither able to finish (the scheduler stalled for good). Admission counts the prompt tokens that
+    admitted requests still owe, so the second waits; outputs equal those computed one at a time."""
+    reqs = long_prompts(3, 200)
+    alone = {}
+    for r in reqs:
+        alone.update(outputs(run(make_scheduler(model_dir, tokenizer, max_total_tokens=256), [r])))
+    sched = make_scheduler(model_dir, tokenizer, max_total_tokens=256, chunked_prefill_size=32, max_running_requests=2)
+    assert outputs(run(sched, long_prompts(3, 200), max_steps=600)) == alone
+
+
+def test_stalled_prefills_are_unstalled_by_retracting_the_newest(model_dir, tokenizer, monkeypatch):
+    """The safety net under that admission rule: prompts admitted together anyway (the rule bypassed for the first
+    step) stall; the newest is retracted, its computed KV kept in the tree, and every request still finishes."""
+    sched = make_scheduler(model_dir, tokenizer, max_total_tokens=256, chunked_prefill_size=32, max_running_requests=2)
+    real = sched.kv.can_allocate
+    monkeypatch.setattr(sched.kv, "can_allocate", lambda n, running=False: True if sched.step_no <= 1 else
+                        real(n, running))
+    out = run(sched, long_prompts(2, 200), max_steps=600)
+    assert sched.counters["retractions"] >= 1
+    assert all(len(o["ids"]) == 4 for o in out.values()), out

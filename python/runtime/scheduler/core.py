@@ -102,7 +102,20 @@ class Scheduler:
             return self.schedule_decode()
         batch = self.schedule_extend()
         self.last_was_extend = batch is not None
-        return batch if batch is not None else self.schedule_decode()
+        batch = batch if batch is not None else self.schedule_decode()
+        if batch is None and self.unstall_prefills():
+            return self.schedule()
+        return batch
+
+    def unstall_prefills(self) -> bool:
+        """Nothing could run while partly computed prompts wait for room that only they hold (each fits the pool,
+        not all together): the newest is retracted, its computed KV left in the tree, so the oldest goes on. False
+        when there is no such stall."""
+        prefilling = self.idle_requests(self.prefilling)
+        if len(prefilling) < 2 or self.busy:
+            return False
+        self.retract(prefilling[-1])
+        return True
 
     def run_batch(self, batch: Batch) -> torch.Tensor | None:
         """The step's logits; None when the forward failed (its requests are failed, their KV given back)."""
@@ -212,6 +225,9 @@ class Scheduler:
                 break
             take(req, n)
             budget -= n
+        # the prompt tokens that admitted requests still owe: a new request is admitted only if its whole prompt
+        # fits beside them, so that chunked prompts never hold the pool between them with none able to finish
+        owed = sum(r.remaining_prefill for r in self.prefilling)
         order, cached_lens = self.policy.order(list(self.waiting), self.step_no)
         for req in order:
             if budget <= 0 or self.num_active + len(reqs) >= self.cfg.max_running_requests:
@@ -232,11 +248,12 @@ class Scheduler:
                 self.unadmit(req)
                 break
             # keep a slot per running request free for their next decode step
-            if not self.kv.can_allocate(n + len(self.running)):
+            if not self.kv.can_allocate(req.remaining_prefill + owed + len(self.running)):
                 self.unadmit(req)
                 break
             self.waiting.remove(req)
             take(req, n)
+            owed += req.remaining_prefill
             budget -= n
         return Batch(reqs, is_decode=False, prefix_lens=prefix_lens, extend_lens=extend_lens) if reqs else None
 

@@ -76,9 +76,9 @@ def agent_sizes(args) -> tuple[int, int, int, int, int]:
     """Sessions, turns, system prompt tokens, tool result words, and the pool's tokens: about one conversation at
     its longest (a tool result of `obs` words is about 1.3 obs tokens), so the working set (the system prompt once,
     every session's own turns) is several times the pool and LRU keeps little beyond the system prompt."""
-    sessions, turns, system, obs = (10, 6, 256, 32) if args.quick else (16, 8, 512, 40)
-    sessions, turns, system, obs = (v if a is None else a for v, a in
-                                    zip((sessions, turns, system, obs), (args.sessions, args.turns, args.system, args.obs)))
+    shape = dict(zip(("sessions", "turns", "system", "obs"), (10, 6, 256, 32) if args.quick else (16, 8, 512, 40),
+                     strict=True))
+    sessions, turns, system, obs = (shape[k] if getattr(args, k) is None else getattr(args, k) for k in shape)
     longest = system + 24 + turns * (int(1.3 * obs) + 10 + args.max_new)
     return sessions, turns, system, obs, int(args.pool_factor * longest)
 

@@ -65,8 +65,7 @@ def main() -> None:
                     kv_pool._copy_kv_rows(a, si, b, di)
 
             def c_path(threads, a=a, b=b, si=si, di=di):
-                cpu_kv_copy._copy_rows(kl, a.k_buffers + a.v_buffers, si, b.k_buffers + b.v_buffers, di,
-                                       kv_pool._scales(a), kv_pool._scales(b), threads)
+                cpu_kv_copy._copy_rows(kl, a.c_buffers(), si, b.c_buffers(), di, threads)
 
             t_torch = time_ms(torch_path, max(3, args.repeat // 4))
             t1, t2 = time_ms(lambda: c_path(1), args.repeat), time_ms(lambda: c_path(2), args.repeat)

@@ -10,6 +10,7 @@ over arrays of the buffers' addresses. The conversions compute quantize_kv_ref's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,26 @@ from .kv_quant import CODE_DTYPES, SCALE_DTYPE
 
 VALUE_DTYPES = tuple(cpu.SUFFIX)  # float32, bfloat16
 CODE = {torch.int8: 1, torch.float8_e4m3fn: 2}  # csrc/cpu_kv_quant.h's KV_INT8, KV_FP8
+
+
+class PoolBuffers(NamedTuple):
+    """One pool's buffers as the kernels take them: the arrays of their addresses (kept beside the tensors, which
+    must stay alive), the element dtype and the row shape. A pool's buffers are fixed when it is made, so the runtime
+    builds this once per pool (`pool_buffers`), not once per copy."""
+
+    values: torch.Tensor  # (n_bufs,) int64: each buffer's address
+    scales: torch.Tensor | None  # (n_bufs,) int64: each buffer's scales' address (8-bit codes), else None
+    dtype: torch.dtype
+    Hkv: int
+    D: int
+    tensors: tuple  # the buffers and scales themselves
+
+
+def pool_buffers(buffers: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None = None) -> PoolBuffers:
+    """The unchecked PoolBuffers of buffers (rows, Hkv, D) and, for 8-bit codes, their scales (rows, Hkv)."""
+    first = buffers[0]
+    return PoolBuffers(_addresses(buffers), None if scales is None else _addresses(scales), first.dtype,
+                       first.shape[1], first.shape[2], (*buffers, *(scales or ())))
 
 
 def copy_rows(src: Sequence[torch.Tensor], src_index: torch.Tensor, dst: Sequence[torch.Tensor],
@@ -55,7 +76,8 @@ def copy_rows(src: Sequence[torch.Tensor], src_index: torch.Tensor, dst: Sequenc
     expect(isinstance(threads, int) and threads >= 1, f"threads must be a positive int, got {threads!r}")
     kl = cpu._require(kl)
     expect(s_dt == d_dt or src[0].shape[2] <= kl.d_max, f"head_dim exceeds {kl.d_max}")
-    _copy_rows(kl, src, src_index.contiguous(), dst, dst_index.contiguous(), src_scales, dst_scales, threads)
+    _copy_rows(kl, pool_buffers(src, src_scales), src_index.contiguous(), pool_buffers(dst, dst_scales),
+               dst_index.contiguous(), threads)
 
 
 def _check_buffers(name: str, bufs: Sequence[torch.Tensor], rows: torch.Size) -> None:
@@ -71,25 +93,25 @@ def _addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
-def _copy_rows(kl, src, si, dst, di, src_scales, dst_scales, threads: int) -> None:
-    """The unchecked entry point (the pools' own, alike by construction)."""
-    n, hkv, d = si.numel(), src[0].shape[1], src[0].shape[2]
+def _copy_rows(kl, src: PoolBuffers, si: torch.Tensor, dst: PoolBuffers, di: torch.Tensor, threads: int) -> None:
+    """The unchecked entry point (the runtime's, over pools alike by construction; indices contiguous int64)."""
+    n = si.numel()
     if not n:
         return
-    rows = dict(n_bufs=len(src), src_index=si.data_ptr(), dst_index=di.data_ptr(), n_rows=n, threads=threads)
-    s_dt, d_dt = src[0].dtype, dst[0].dtype
-    a_src, a_dst = _addresses(src), _addresses(dst)
-    if s_dt == d_dt:
+    rows = dict(n_bufs=src.values.numel(), src_index=si.data_ptr(), dst_index=di.data_ptr(), n_rows=n,
+                threads=threads)
+    if src.dtype == dst.dtype:
         copy = kl.fn("rg_kv_copy_rows")
-        copy(src=a_src.data_ptr(), dst=a_dst.data_ptr(), row_bytes=hkv * d * src[0].element_size(), **rows)
-        if src_scales is not None:
-            a_ss, a_ds = _addresses(src_scales), _addresses(dst_scales)
-            copy(src=a_ss.data_ptr(), dst=a_ds.data_ptr(), row_bytes=hkv * SCALE_DTYPE.itemsize, **rows)
-    elif d_dt in CODE:
-        a_ds = _addresses(dst_scales)
-        kl.fn("kv_quantize_rows", cpu.SUFFIX[s_dt])(src=a_src.data_ptr(), dst=a_dst.data_ptr(),
-                                                   dst_scale=a_ds.data_ptr(), Hkv=hkv, D=d, code=CODE[d_dt], **rows)
+        copy(src=src.values.data_ptr(), dst=dst.values.data_ptr(),
+             row_bytes=src.Hkv * src.D * src.dtype.itemsize, **rows)
+        if src.scales is not None:
+            copy(src=src.scales.data_ptr(), dst=dst.scales.data_ptr(), row_bytes=src.Hkv * SCALE_DTYPE.itemsize,
+                 **rows)
+    elif dst.dtype in CODE:
+        kl.fn("kv_quantize_rows", cpu.SUFFIX[src.dtype])(
+            src=src.values.data_ptr(), dst=dst.values.data_ptr(), dst_scale=dst.scales.data_ptr(), Hkv=src.Hkv,
+            D=src.D, code=CODE[dst.dtype], **rows)
     else:
-        a_ss = _addresses(src_scales)
-        kl.fn("kv_dequantize_rows", cpu.SUFFIX[d_dt])(src=a_src.data_ptr(), src_scale=a_ss.data_ptr(),
-                                                     dst=a_dst.data_ptr(), Hkv=hkv, D=d, code=CODE[s_dt], **rows)
+        kl.fn("kv_dequantize_rows", cpu.SUFFIX[dst.dtype])(
+            src=src.values.data_ptr(), src_scale=src.scales.data_ptr(), dst=dst.values.data_ptr(), Hkv=src.Hkv,
+            D=src.D, code=CODE[src.dtype], **rows)

@@ -62,6 +62,7 @@ class KVPool:
         self.k_buffers = [zeros_untouched(shape, code_dtype or dtype, device) for _ in range(num_layers)]
         self.v_buffers = [zeros_untouched(shape, code_dtype or dtype, device) for _ in range(num_layers)]
         self.k_scales = self.v_scales = None
+        self._c_buffers = None
         if code_dtype is not None:
             self.k_scales = [zeros_untouched(shape[:2], SCALE_DTYPE, device) for _ in range(num_layers)]
             self.v_scales = [zeros_untouched(shape[:2], SCALE_DTYPE, device) for _ in range(num_layers)]
@@ -106,6 +107,13 @@ class KVPool:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor of the pool: K of each layer, V of each layer, then (8-bit pools) their scales."""
         return self.k_buffers + self.v_buffers + (self.k_scales or []) + (self.v_scales or [])
+
+    def c_buffers(self) -> cpu_kv_copy.PoolBuffers:
+        """K then V of every layer (and their scales) as the C copies take them, made once: the buffers are fixed."""
+        if self._c_buffers is None:
+            scales = None if self.k_scales is None else self.k_scales + self.v_scales
+            self._c_buffers = cpu_kv_copy.pool_buffers(self.k_buffers + self.v_buffers, scales)
+        return self._c_buffers
 
     @property
     def format(self) -> torch.dtype:
@@ -186,18 +194,13 @@ def copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: t
         if int(idx.min()) < 0 or int(idx.max()) >= pool.num_slots:
             raise IndexError(f"copy_kv_rows: {name} rows must lie in [0, {pool.num_slots})")
     threads = 1 if si.numel() <= C_COPY_ROWS_ALONE else min(2, torch.get_num_threads())
-    cpu_kv_copy._copy_rows(kl, src.k_buffers + src.v_buffers, si, dst.k_buffers + dst.v_buffers, di,
-                           _scales(src), _scales(dst), threads)
+    cpu_kv_copy._copy_rows(kl, src.c_buffers(), si, dst.c_buffers(), di, threads)
 
 
 # Rows up to which a C copy runs on the calling thread alone, above which on 2 threads. Measured for SmolLM2-135M's
 # pools (benchmarks/bench_kv_copy.py): 2 threads halve 256 to 2048 rows on idle cores, but with the other core busy
 # they cost ~6 ms at any size up to 2048 rows (the second thread waits for a time slice) against 0.1 to 14 ms alone.
 C_COPY_ROWS_ALONE = 4096
-
-
-def _scales(pool: KVPool) -> list[torch.Tensor] | None:
-    return None if pool.k_scales is None else pool.k_scales + pool.v_scales
 
 
 def _c_copies(src: KVPool, dst: KVPool):

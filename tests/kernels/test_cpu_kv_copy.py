@@ -114,6 +114,8 @@ def test_bad_copies_are_refused():
         copy_kv_rows(pool, idx, int8, torch.tensor([1]))
     with pytest.raises(ValueError, match="no conversion from torch.int8 codes"):
         copy_kv_rows(int8, idx, fp8, idx)
+    with pytest.raises(ValueError, match="pools differ"):
+        copy_kv_rows(pool, idx, HostKVPool(2, 16, 2, 8, torch.bfloat16, torch.int8), idx)
     k = pool.k_buffers
     with pytest.raises(ValueError, match="src_index must lie in"):
         cpu_kv_copy.copy_rows(k, torch.tensor([-1, 2]), int8.k_buffers, idx, dst_scales=int8.k_scales)

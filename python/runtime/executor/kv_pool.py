@@ -182,6 +182,8 @@ def copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: t
         raise ValueError(f"copy_kv_rows: {src_index.numel()} source rows for {dst_index.numel()} destination rows")
     if src.format != dst.format and src.code_dtype is not None and dst.code_dtype is not None:
         raise ValueError(f"copy_kv_rows: no conversion from {src.code_dtype} codes to {dst.code_dtype} codes")
+    if len(src.k_buffers) != len(dst.k_buffers) or src.k_buffers[0].shape[1:] != dst.k_buffers[0].shape[1:]:
+        raise ValueError("copy_kv_rows: the pools differ in layers, KV heads or head_dim")
     if not src_index.numel():
         return
     kl = _c_copies(src, dst)

@@ -128,6 +128,19 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("rows", "const int64_t *"), ("prefix_lens", "const int64_t *"), ("extend_lens", "const int64_t *"),
         ("q_start", "const int64_t *"), ("out", "uint16_t *"), ("B", "int64_t"), ("H", "int64_t"),
         ("Hkv", "int64_t"), ("D", "int64_t"), ("scale", "float"), ("pack", "uint16_t *")]),
+    # row copies between KV pools, every layer's buffers in one call (csrc/cpu_kv_copy.h), every build
+    "rg_kv_copy_rows": ("rg_status", [
+        ("src", "const void * const *"), ("dst", "void * const *"), ("n_bufs", "int64_t"),
+        ("src_index", "const int64_t *"), ("dst_index", "const int64_t *"), ("n_rows", "int64_t"),
+        ("row_bytes", "int64_t"), ("threads", "int64_t")]),
+    "rg_kv_quantize_rows_{T}": ("rg_status", [
+        ("src", "const void * const *"), ("dst", "void * const *"), ("dst_scale", "void * const *"),
+        ("n_bufs", "int64_t"), ("src_index", "const int64_t *"), ("dst_index", "const int64_t *"),
+        ("n_rows", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("code", "int64_t"), ("threads", "int64_t")]),
+    "rg_kv_dequantize_rows_{T}": ("rg_status", [
+        ("src", "const void * const *"), ("src_scale", "const void * const *"), ("dst", "void * const *"),
+        ("n_bufs", "int64_t"), ("src_index", "const int64_t *"), ("dst_index", "const int64_t *"),
+        ("n_rows", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("code", "int64_t"), ("threads", "int64_t")]),
 }
 
 

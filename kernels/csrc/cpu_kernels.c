@@ -146,6 +146,7 @@ int rg_d_max(void) { return D_MAX; }
 #include "cpu_linear.h" /* rg_weight and the matmuls over it */
 #include "cpu_moe.h" /* expert blocks: routing and the grouped experts (rg_moe_layer) */
 #include "cpu_bitmask.h" /* a grammar's token bitmask over float32 logits */
+#include "cpu_kv_copy.h" /* row copies between KV pools (the hierarchical cache's tiers), every layer at once */
 
 typedef struct { /* one decoder layer: bf16 norm weights and bias, the four matmuls' weights, KV buffers */
     const uint16_t *input_norm, *qkv_bias, *post_norm;

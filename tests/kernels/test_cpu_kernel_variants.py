@@ -19,6 +19,7 @@ from radixgen.kernels import (
     _cpu_build,
     cpu,
     cpu_fused,
+    cpu_kv_copy,
     cpu_linear,
     cpu_lora,
     decode_attention_ref,
@@ -27,6 +28,7 @@ from radixgen.kernels import (
     rotary_embedding_ref_,
     store_kv_ref,
 )
+from radixgen.kernels.kv_quant import dequantize_kv_ref, quantize_kv_ref
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
@@ -130,6 +132,27 @@ def test_quantized_pool_kernels(kl, dtype, code_dtype, gen):
         return
     assert rel_err(cpu.extend_attention(*args, kl=kl, **qp.scales()),
                    extend_attention_ref(*args, **qp.scales())) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_copy_rows(kl, dtype, code_dtype, gen):
+    """The tier copies (cpu_kv_copy): values -> 8-bit codes and back give quantize_kv_ref's and
+    dequantize_kv_ref's bits, head sizes on and off the vector paths."""
+    for heads, dim in ((3, 64), (2, 40)):
+        vals = [(torch.randn(20, heads, dim, generator=gen) * torch.logspace(-3, 2, 20)[:, None, None]).to(dtype)
+                for _ in range(2)]
+        codes = [torch.zeros(20, heads, dim, dtype=code_dtype) for _ in range(2)]
+        scales = [torch.zeros(20, heads, dtype=torch.bfloat16) for _ in range(2)]
+        src, dst = torch.randperm(20, generator=gen)[:7], torch.randperm(20, generator=gen)[:7]
+        cpu_kv_copy.copy_rows(vals, src, codes, dst, dst_scales=scales, kl=kl)
+        for v, c, s in zip(vals, codes, scales, strict=True):
+            want_c, want_s = quantize_kv_ref(v[src], code_dtype)
+            assert torch.equal(c[dst].view(torch.uint8), want_c.view(torch.uint8)) and torch.equal(s[dst], want_s)
+        back = [torch.zeros_like(v) for v in vals]
+        cpu_kv_copy.copy_rows(codes, dst, back, src, src_scales=scales, kl=kl)
+        for b, c, s in zip(back, codes, scales, strict=True):
+            assert torch.equal(b[src], dequantize_kv_ref(c[dst], s[dst], dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixgen.kernels import cpu, cpu_kv_copy
 from radixgen.kernels.kv_quant import SCALE_DTYPE, code_bits, dequantize_kv_ref, gather_codes, quantize_kv_ref
 
 
@@ -61,6 +62,7 @@ class KVPool:
         self.k_buffers = [zeros_untouched(shape, code_dtype or dtype, device) for _ in range(num_layers)]
         self.v_buffers = [zeros_untouched(shape, code_dtype or dtype, device) for _ in range(num_layers)]
         self.k_scales = self.v_scales = None
+        self._c_buffers = None
         if code_dtype is not None:
             self.k_scales = [zeros_untouched(shape[:2], SCALE_DTYPE, device) for _ in range(num_layers)]
             self.v_scales = [zeros_untouched(shape[:2], SCALE_DTYPE, device) for _ in range(num_layers)]
@@ -105,6 +107,13 @@ class KVPool:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor of the pool: K of each layer, V of each layer, then (8-bit pools) their scales."""
         return self.k_buffers + self.v_buffers + (self.k_scales or []) + (self.v_scales or [])
+
+    def c_buffers(self) -> cpu_kv_copy.PoolBuffers:
+        """K then V of every layer (and their scales) as the C copies take them, made once: the buffers are fixed."""
+        if self._c_buffers is None:
+            scales = None if self.k_scales is None else self.k_scales + self.v_scales
+            self._c_buffers = cpu_kv_copy.pool_buffers(self.k_buffers + self.v_buffers, scales)
+        return self._c_buffers
 
     @property
     def format(self) -> torch.dtype:
@@ -165,24 +174,56 @@ def copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: t
     """dst rows dst_index = src rows src_index, every layer's K and V, converting between the pools' formats: the
     same format is a bit copy (codes and scales of an 8-bit pool too); model dtype -> 8-bit quantizes each (token,
     head) row (kv_quant.quantize_kv_ref), 8-bit -> model dtype dequantizes (code * scale in float32, rounded to
-    the model dtype). Converting between two different code dtypes is refused."""
-    with one_thread():
-        _copy_kv_rows(src, src_index, dst, dst_index)
+    the model dtype). Converting between two different code dtypes is refused. Destination rows are distinct.
+
+    Two CPU pools go through the C kernels (kernels.cpu_kv_copy: every buffer in one call, the same bits), on this
+    thread alone up to C_COPY_ROWS_ALONE rows; other pools (CUDA) through torch ops, a few per buffer."""
+    if src_index.numel() != dst_index.numel():
+        raise ValueError(f"copy_kv_rows: {src_index.numel()} source rows for {dst_index.numel()} destination rows")
+    if src.format != dst.format and src.code_dtype is not None and dst.code_dtype is not None:
+        raise ValueError(f"copy_kv_rows: no conversion from {src.code_dtype} codes to {dst.code_dtype} codes")
+    if len(src.k_buffers) != len(dst.k_buffers) or src.k_buffers[0].shape[1:] != dst.k_buffers[0].shape[1:]:
+        raise ValueError("copy_kv_rows: the pools differ in layers, KV heads or head_dim")
+    if not src_index.numel():
+        return
+    kl = _c_copies(src, dst)
+    if kl is None:
+        with one_thread():
+            _copy_kv_rows(src, src_index, dst, dst_index)
+        return
+    si, di = src_index.to("cpu", torch.int64).contiguous(), dst_index.to("cpu", torch.int64).contiguous()
+    for name, idx, pool in (("source", si, src), ("destination", di, dst)):
+        if int(idx.min()) < 0 or int(idx.max()) >= pool.num_slots:
+            raise IndexError(f"copy_kv_rows: {name} rows must lie in [0, {pool.num_slots})")
+    threads = 1 if si.numel() <= C_COPY_ROWS_ALONE else min(2, torch.get_num_threads())
+    cpu_kv_copy._copy_rows(kl, src.c_buffers(), si, dst.c_buffers(), di, threads)
+
+
+# Rows up to which a C copy runs on the calling thread alone, above which on 2 threads. Measured for SmolLM2-135M's
+# pools (benchmarks/bench_kv_copy.py): 2 threads halve 256 to 2048 rows on idle cores, but with the other core busy
+# they cost ~6 ms at any size up to 2048 rows (the second thread waits for a time slice) against 0.1 to 14 ms alone.
+C_COPY_ROWS_ALONE = 4096
+
+
+def _c_copies(src: KVPool, dst: KVPool):
+    """The C kernels' build when they take this copy (two CPU pools of supported formats), else None."""
+    if src.k_buffers[0].device.type != "cpu" or dst.k_buffers[0].device.type != "cpu":
+        return None
+    kl = cpu.lib()
+    model = src.dtype if src.code_dtype is None else dst.dtype
+    if kl is None or model not in cpu_kv_copy.VALUE_DTYPES or src.k_buffers[0].shape[2] > kl.d_max:
+        return None
+    return kl
 
 
 def _copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: torch.Tensor) -> None:
-    if src_index.numel() != dst_index.numel():
-        raise ValueError(f"copy_kv_rows: {src_index.numel()} source rows for {dst_index.numel()} destination rows")
-    if not src_index.numel():
-        return
+    """The torch path of copy_kv_rows (and its reference): a few ops per buffer."""
     s_dev, d_dev = src.k_buffers[0].device, dst.k_buffers[0].device
     si, di = src_index.to(s_dev, torch.int64), dst_index.to(d_dev, torch.int64)
     if src.format == dst.format:
         for s, d in zip(src.buffers(), dst.buffers(), strict=True):
             _put(d, di, _gather(s, si).to(d_dev, non_blocking=d_dev.type == "cuda"))
         return
-    if src.code_dtype is not None and dst.code_dtype is not None:
-        raise ValueError(f"copy_kv_rows: no conversion from {src.code_dtype} codes to {dst.code_dtype} codes")
     layers = range(len(src.k_buffers))
     for group in ("k", "v"):
         s_bufs, d_bufs = getattr(src, f"{group}_buffers"), getattr(dst, f"{group}_buffers")

@@ -728,3 +728,5 @@ rg_status rg_weight_rows_bf16(const rg_weight *w, const int64_t *ids, int64_t n,
     for (int64_t i = 0; i < n; ++i) rg_w_row(w, ids[i], NULL, out + i * w->K);
     return RG_OK;
 }
+
+#include "cpu_linear_amx.h" /* rg_linear_amx_bf16: the prefill GEMM on AMX tiles (AMX-BF16 builds; a stub elsewhere) */

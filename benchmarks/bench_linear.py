@@ -55,6 +55,9 @@ def main() -> None:
         head += f" {'int8 C':>7} {'AMX':>7} {'int4 C':>7} {'AMX':>7}"
     print(head)
     gen = torch.Generator().manual_seed(0)
+    warm = torch.randn(256, 1024).bfloat16()
+    for _ in range(20):  # the thread pool awake and the clocks up before the first figure
+        F.linear(warm, warm)
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
             w = torch.randn(n, k, generator=gen) * 0.05
@@ -62,12 +65,12 @@ def main() -> None:
             quant = {"int8": QuantizedWeight.int8_from(w).pack(), "int4": QuantizedWeight.int4_from(w).pack()}
             for m in rows:
                 x = torch.randn(m, k, generator=gen).bfloat16()
-                fns = {"c": lambda x=x: cpu_linear._linear(kl, pw, x, None),
-                       "copy+onednn": lambda x=x: F.linear(x, cpu_linear.dense_bf16(pw)),
-                       "copy": lambda: cpu_linear.dense_bf16(pw),
-                       "onednn": lambda x=x: F.linear(x, dense)}
+                fns = {"c": lambda x=x, pw=pw: cpu_linear._linear(kl, pw, x, None),
+                       "copy+onednn": lambda x=x, pw=pw: F.linear(x, cpu_linear.dense_bf16(pw)),
+                       "copy": lambda pw=pw: cpu_linear.dense_bf16(pw),
+                       "onednn": lambda x=x, dense=dense: F.linear(x, dense)}
                 if kl.has_amx:
-                    fns["amx"] = lambda x=x: cpu_linear._linear(kl, pw, x, None, amx=True)
+                    fns["amx"] = lambda x=x, pw=pw: cpu_linear._linear(kl, pw, x, None, amx=True)
                 if args.quant:
                     for q, qw in quant.items():
                         fns[f"{q} c"] = lambda x=x, qw=qw: cpu_linear._linear(kl, qw, x, None)
@@ -75,7 +78,8 @@ def main() -> None:
                             fns[f"{q} amx"] = lambda x=x, qw=qw: cpu_linear._linear(kl, qw, x, None, amx=True)
                 t = best_ms(fns, args.reps if m < 512 else max(3, args.reps // 4))
                 amx = t.get("amx", float("nan"))
-                line = (f"{model + ' ' + name + f' {n}x{k}':22} {m:5} {t['c']:8.3f} {amx:8.3f} {t['copy+onednn']:12.3f} "
+                layer = f"{model} {name} {n}x{k}"
+                line = (f"{layer:22} {m:5} {t['c']:8.3f} {amx:8.3f} {t['copy+onednn']:12.3f} "
                         f"{t['copy']:7.3f} {t['onednn']:7.3f} {t['c'] / amx:6.2f}")
                 if args.quant:
                     line += "".join(f" {t[f'{q} c']:7.3f} {t.get(f'{q} amx', float('nan')):7.3f}" for q in quant)

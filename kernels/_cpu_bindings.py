@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from pathlib import Path
 
 
@@ -267,7 +268,9 @@ class CKernels:
         self._fns = {name: bind(self.cdll, name) for name in DECLARATIONS}
         self.d_max = int(self._fns["rg_d_max"]())
         self.has_decode_step = bool(self._fns["rg_has_decode_step"]())
-        self.has_amx = bool(self._fns["rg_has_amx"]())  # the AMX prefill GEMM (rg_linear_amx_bf16) runs here
+        # the AMX prefill GEMM (rg_linear_amx_bf16) runs here; RADIXGEN_DISABLE_AMX=1 says it does not (the runtime
+        # then takes the routes of a CPU without it: the C kernels, oneDNN over a copy of a bf16 weight)
+        self.has_amx = bool(self._fns["rg_has_amx"]()) and os.environ.get("RADIXGEN_DISABLE_AMX", "") in ("", "0")
 
     def fn(self, name: str, suffix: str | None = None):
         return self._fns[f"rg_{name}_{suffix}" if suffix else name]

@@ -207,3 +207,13 @@ def test_amx_gemm_refuses_what_it_does_not_cover(gen):
         cpu_linear._linear(kl, fixed, torch.randn(20, 64).bfloat16(), None, amx=True)
     with pytest.raises(ValueError, match="bf16 x"):
         cpu_linear.linear(cpu_linear.pack_bf16(torch.randn(40, 64)), torch.randn(20, 64), amx=True)
+
+
+def test_disable_amx_turns_the_amx_gemm_off(monkeypatch):
+    """RADIXGEN_DISABLE_AMX=1: the same build reports no AMX GEMM (the runtime then routes as on a CPU without it),
+    and `linear` refuses it by name."""
+    monkeypatch.setenv("RADIXGEN_DISABLE_AMX", "1")
+    kl = cpu.load()
+    assert not kl.has_amx and not cpu_linear.amx_covers(kl, cpu_linear.pack_bf16(torch.randn(16, 32)))
+    with pytest.raises(ValueError, match="AMX GEMM is not in this build or process"):
+        cpu_linear.linear(cpu_linear.pack_bf16(torch.randn(16, 32)), torch.randn(8, 32).bfloat16(), amx=True, kl=kl)

@@ -132,16 +132,17 @@ class CheckpointLinear(LinearMethod):
         return self.fmt.quantized(layer).dequantize()
 
 
-# Prefill matmuls of at least AMX_MIN_ROWS rows run on the AMX tile GEMM (csrc/cpu_linear_amx.h) where the build
-# and process have it: it reads every layout in place (int8 / int4 blocks dequantized to bf16 per pair of blocks)
-# and was 1.2-1.8x the C kernels at 8 rows, 2.4-3.6x at 16, 5-9x from 64 (bf16; int8 and int4 1.1-1.9x at 8),
-# and faster than oneDNN over a copy of the weight at every shape and row count measured but one (within 5%)
-# (benchmarks/bench_linear.py: SmolLM2-135M and Qwen2-0.5B shapes, 1 to 1024 rows, 2 threads of a Xeon); under 8
-# rows the C streaming kernels are as fast or faster. Where the AMX GEMM is missing (another build, the OS refusing the tile state, an input size that is no
-# multiple of 32), bf16 K-pair matmuls of ONEDNN_MIN_ROWS or more run on oneDNN if it has AMX tiles, over the
-# weight copied out of the K-pair layout (one pass over it), which pays from about 48 rows up. Neither runs in
-# decode steps and verifications of draft tokens: those keep the C kernels at any row count, so that
-# speculation's greedy tokens stay those of plain decoding (a verified row has the bits of the row decoded alone).
+# Prefill matmuls of at least AMX_MIN_ROWS rows run on the AMX tile GEMM (csrc/cpu_linear_amx.h) where the build and
+# process have it: it reads every layout in place (int8 / int4 blocks dequantized to bf16 per pair of blocks) and was
+# 1.2-1.8x the C kernels at 8 rows, 2.4-3.6x at 16, 5-9x from 64 (bf16; int8 and int4 1.1-1.9x at 8), and faster than
+# oneDNN over a copy of the weight at every shape and row count measured but one (within 5%)
+# (benchmarks/bench_linear.py: SmolLM2-135M and Qwen2-0.5B shapes, 1 to 1024 rows, 2 threads of a Xeon); under 8 rows
+# the C streaming kernels are as fast or faster. Where the AMX GEMM is missing (another build, the OS refusing the
+# tile state, an input size that is no multiple of 32), bf16 K-pair matmuls of ONEDNN_MIN_ROWS or more run on oneDNN
+# if it has AMX tiles, over the weight copied out of the K-pair layout (one pass over it), which pays from about 48
+# rows up. Neither runs in decode steps and verifications of draft tokens: those keep the C kernels at any row count,
+# so that speculation's greedy tokens stay those of plain decoding (a verified row has the bits of the row decoded
+# alone).
 AMX_MIN_ROWS = 8
 ONEDNN_MIN_ROWS = 64
 

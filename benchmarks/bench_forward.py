@@ -1,7 +1,8 @@
-"""Model-executor speed: prefill of 1024 tokens and decode steps at batch 1/8/32/64 over 256-token
-contexts, bf16 and fp32, for radixgen's model runner beside transformers' forward on the same weights,
-beside radixgen itself on plain torch ops, and beside the roofline from this machine's matmul peak and
-memory bandwidth, all measured in this run.
+"""Model-executor speed: prefill of 1024 tokens, an extend of 64 tokens over a 1024-token cached prefix (a
+multi-turn request's next turn) and decode steps at batch 1/8/32/64 over 256-token contexts, bf16 and fp32, for
+radixgen's model runner beside transformers' forward on the same weights (not for the extend), beside radixgen
+itself on plain torch ops, and beside the roofline from this machine's matmul peak and memory bandwidth, all
+measured in this run.
 
     python benchmarks/bench_forward.py [--dtypes bfloat16,float32] [--batches 1,8,32,64] [--quick] [--report DIR]
 """
@@ -77,6 +78,20 @@ class OurModel:
         fi = ForwardInput(torch.tensor(ids), torch.arange(len(ids)), slots, torch.tensor([row]), [0], [len(ids)],
                           torch.tensor([len(ids) - 1]))
         r.forward(fi)
+
+    def setup_extend(self, prefix: int, new: int) -> ForwardInput:
+        """One request whose first `prefix` positions are in the pool (a cached prefix, random K/V) extended by `new`
+        tokens: the input of a multi-turn request's next turn (run again, it rewrites the same slots)."""
+        r = self.runner
+        self.kv.allocator.reset()
+        slots = self.kv.allocator.allocate(prefix + new)
+        self.kv.table.write(0, 0, slots)
+        g = torch.Generator().manual_seed(0)
+        for k, v in zip(r.kv_pool.k_buffers, r.kv_pool.v_buffers, strict=True):
+            k.normal_(generator=g)
+            v.normal_(generator=g)
+        return ForwardInput(torch.randint(0, 1000, (new,)), torch.arange(prefix, prefix + new), slots[prefix:],
+                            torch.tensor([0]), [prefix], [new], torch.tensor([new - 1]))
 
     def setup_decode(self, batch: int, ctx: int) -> ForwardInput:
         """`batch` requests whose first `ctx` positions are in the pool; one decode step's input."""
@@ -168,6 +183,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--extend", default="64/1024",
+                    help="NEW/PREFIX: a prefill of NEW tokens over PREFIX cached ones (a multi-turn request's next "
+                         "turn; transformers not timed); empty: none")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--windows", type=int, default=3, help="measurement windows per case (see `windows`)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, one window")
@@ -198,6 +216,17 @@ def main() -> None:
         # (dtype, case, ours, torch ops, transformers tok/s, windows)
         rows.append((dtype, f"prefill {n}", n / w["best"]["ours"], n / w["best"].get("plain", float("nan")),
                      n / w["best"]["hf"], w))
+        if args.extend:
+            new, prefix = (int(v) for v in args.extend.split("/"))
+            fi = ours.setup_extend(prefix, new)
+            fns = {"ours": lambda fi=fi, ours=ours: ours.runner.forward(fi)}
+            if plain:
+                pfi = plain.setup_extend(prefix, new)
+                fns["plain"] = lambda pfi=pfi, plain=plain: plain.runner.forward(pfi)
+            flops = 2 * (params - head) * new + 2 * head + attn_pair * new * (prefix + new / 2)
+            w = windows(fns, reps * 2, n_windows, dtype, new, flops, wbytes + kv_tok * (prefix + new))
+            rows.append((dtype, f"extend {new}/{prefix}", new / w["best"]["ours"],
+                         new / w["best"].get("plain", float("nan")), float("nan"), w))
         for b in batches:
             fi = ours.setup_decode(b, args.ctx)
             flops = 2 * params * b + attn_pair * b * args.ctx

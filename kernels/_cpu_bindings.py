@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from pathlib import Path
 
 
@@ -77,6 +78,12 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
     "rg_linear_{T}": ("rg_status", [
         ("w", "const rg_weight *"), ("x", "const T *"), ("M", "int64_t"), ("bias", "const T *"), ("y", "T *"),
         ("yf", "float *")]),
+    # the prefill GEMM on AMX tiles (csrc/cpu_linear_amx.h): AMX-BF16 builds where the OS grants the tile state
+    # (rg_has_amx); elsewhere rg_has_amx is 0 and the GEMM refuses
+    "rg_has_amx": ("int", []),
+    "rg_linear_amx_bf16": ("rg_status", [
+        ("w", "const rg_weight *"), ("x", "const uint16_t *"), ("M", "int64_t"), ("bias", "const uint16_t *"),
+        ("y", "uint16_t *"), ("yf", "float *")]),
     # expert blocks (csrc/cpu_moe.h), every build: the grouped experts over weight descriptors, the routing
     "rg_moe_experts_{T}": ("rg_status", [
         ("gate_up", "const rg_weight *"), ("down", "const rg_weight *"), ("n_local", "int64_t"), ("first", "int64_t"),
@@ -274,6 +281,9 @@ class CKernels:
         self._fns = {name: bind(self.cdll, name) for name in DECLARATIONS}
         self.d_max = int(self._fns["rg_d_max"]())
         self.has_decode_step = bool(self._fns["rg_has_decode_step"]())
+        # the AMX prefill GEMM (rg_linear_amx_bf16) runs here; RADIXGEN_DISABLE_AMX=1 says it does not (the runtime
+        # then takes the routes of a CPU without it: the C kernels, oneDNN over a copy of a bf16 weight)
+        self.has_amx = bool(self._fns["rg_has_amx"]()) and os.environ.get("RADIXGEN_DISABLE_AMX", "") in ("", "0")
 
     def fn(self, name: str, suffix: str | None = None):
         return self._fns[f"rg_{name}_{suffix}" if suffix else name]

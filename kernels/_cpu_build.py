@@ -20,7 +20,7 @@ from pathlib import Path
 SRC_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h", "cpu_pool_impl.h", "cpu_kv_quant.h", "cpu_lora.h",
            "cpu_parallel.h", "cpu_linear.h", "cpu_moe.h", "cpu_moe_step.h", "cpu_bitmask.h",
-           "cpu_linear_avx2.h", "cpu_profile.h", "cpu_kv_copy.h")
+           "cpu_linear_avx2.h", "cpu_linear_amx.h", "cpu_profile.h", "cpu_kv_copy.h")
 ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512",
         "cooperlake": "-march=cooperlake"}
 _FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")

@@ -9,7 +9,8 @@ reads the pool in place. `lib()` is this CPU's build (_cpu_build.py: -march=nati
 other instruction set's (the tests check every variant). When no compiler is found or the build fails,
 `lib()` is None and the runtime chooses its plain-torch ops; RADIXGEN_DISABLE_CPU_KERNELS=1 forces that.
 RADIXGEN_CPU_ISA=<one of _cpu_build.ISAS> makes `lib()` that instruction set's build instead of the native one:
-the answers of a CPU without AMX or AVX512-BF16 (another bf16 rounding, no fused decode step) can be seen here.
+the answers of a CPU without AMX or AVX512-BF16 (another bf16 rounding, no fused decode step) can be seen here;
+RADIXGEN_DISABLE_AMX=1 keeps the native build but turns its AMX prefill GEMM off (`CKernels.has_amx`).
 Every entry point is declared once, with typed and named arguments, in _cpu_bindings.py.
 
 Each public function checks its arguments (and takes the build to use as `kl`, this CPU's by default); its

@@ -180,11 +180,13 @@ def check_packed(pw: PackedWeight, matmul: bool) -> None:
 
 
 def linear(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None, *, float_out: bool = False,
-           kl: CKernels | None = None) -> torch.Tensor:
+           amx: bool = False, kl: CKernels | None = None) -> torch.Tensor:
     """y (M, N) = x (M, K) @ w^T (+ bias (N,)), x float32 or bf16 on the CPU; computed in float32 and rounded to
-    x's dtype once, returned in that dtype or, with float_out, widened to float32 (logits)."""
+    x's dtype once, returned in that dtype or, with float_out, widened to float32 (logits). amx: on the AMX tile
+    GEMM (`amx_covers`: a build and process with the tiles, bf16 x, an input size that is a multiple of 32)."""
     from .cpu import _require
 
+    kl = _require(kl)
     check_packed(pw, True)
     check_tensor("x", x, 2, tuple(SUFFIX))
     expect(x.shape[1] == pw.k, f"x must have {pw.k} columns, got shape {tuple(x.shape)}")
@@ -192,15 +194,27 @@ def linear(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None, 
     if bias is not None:
         check_tensor("bias", bias, 1, (x.dtype,))
         expect(bias.shape[0] == pw.n, f"bias must have {pw.n} elements, got {bias.shape[0]}")
-    return _linear(_require(kl), pw, x.contiguous(), None if bias is None else bias.contiguous(), float_out)
+    if amx:
+        expect(kl.has_amx, f"the AMX GEMM is not in this build or process ({kl.isa})")
+        expect(amx_covers(kl, pw) and x.dtype == torch.bfloat16,
+               f"the AMX GEMM takes bf16 x and an input size that is a multiple of 32 without a fixed summation "
+               f"order, got {x.dtype} and {pw!r}")
+    return _linear(kl, pw, x.contiguous(), None if bias is None else bias.contiguous(), float_out, amx)
+
+
+def amx_covers(kl: CKernels, pw: PackedWeight) -> bool:
+    """Whether the AMX tile GEMM (csrc/cpu_linear_amx.h) runs pw's matmul in this build and process: whole K tiles
+    (32 columns), not the deterministic mode's fixed summation order."""
+    return kl.has_amx and pw.kind != KIND_ROWS and pw.k % 32 == 0 and not (pw.desc.k_split or pw.desc.partial)
 
 
 def _linear(kl: CKernels, pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None,
-            float_out: bool = False) -> torch.Tensor:
+            float_out: bool = False, amx: bool = False) -> torch.Tensor:
     m = x.shape[0]
     y = torch.empty((m, pw.n), dtype=torch.float32 if float_out else x.dtype)
-    kl.fn("linear", SUFFIX[x.dtype])(w=pw.ref, x=x.data_ptr(), M=m, bias=None if bias is None else bias.data_ptr(),
-                                     y=None if float_out else y.data_ptr(), yf=y.data_ptr() if float_out else None)
+    fn = kl.fn("rg_linear_amx_bf16") if amx else kl.fn("linear", SUFFIX[x.dtype])
+    fn(w=pw.ref, x=x.data_ptr(), M=m, bias=None if bias is None else bias.data_ptr(),
+       y=None if float_out else y.data_ptr(), yf=y.data_ptr() if float_out else None)
     return y
 
 

@@ -24,7 +24,10 @@
  * scale * that + (offset - 128 scale) * sum_k x_k is the group's part of the dot product (sum_k x_k per row and
  * group computed first). More rows (prefill) run a blocked GEMM over panels of GEMM_NC blocks: bf16 panels are
  * read in place, quantized ones are dequantized to a bf16 panel first (each weight rounded to bf16 once), which
- * the GEMM then reads once per 8 input rows. Builds without AVX512-BF16 (and float32 activations everywhere)
+ * the GEMM then reads once per 8 input rows. On AMX-BF16 builds the runtime sends prefill matmuls of 8 rows or more
+ * to rg_linear_amx_bf16 instead (cpu_linear_amx.h, included at the end: TDPBF16PS tiles loading the K-pair blocks in
+ * place, K a multiple of 32); decode steps, draft verifications and the deterministic mode stay on these
+ * kernels. Builds without AVX512-BF16 (and float32 activations everywhere)
  * run float32 math: with AVX2, FMA and F16C, int8 / int4 weights up to GEMV2_MAX_M rows stream through
  * linear_avx2 (dequantizing in registers); everything else takes a portable path: each 16-row block
  * dequantized to float32, then plain dot products. */
@@ -728,3 +731,5 @@ rg_status rg_weight_rows_bf16(const rg_weight *w, const int64_t *ids, int64_t n,
     for (int64_t i = 0; i < n; ++i) rg_w_row(w, ids[i], NULL, out + i * w->K);
     return RG_OK;
 }
+
+#include "cpu_linear_amx.h" /* rg_linear_amx_bf16: the prefill GEMM on AMX tiles (AMX-BF16 builds; a stub elsewhere) */

@@ -62,6 +62,12 @@ def test_each_variant_is_its_own_library(kl):
         assert not kl.has_decode_step
     if kl.isa == "cooperlake":
         assert kl.has_decode_step
+    if kl.isa != "native":  # no other build targets AMX: its GEMM refuses there (the runtime keeps the C kernels)
+        assert not kl.has_amx
+        pw = cpu_linear.pack_bf16(torch.randn(16, 32))
+        assert not cpu_linear.amx_covers(kl, pw)
+        with pytest.raises(cpu.CKernelError, match="rg_linear_amx_bf16 failed: not supported"):
+            cpu_linear._linear(kl, pw, torch.randn(8, 32).bfloat16(), None, amx=True)
 
 
 @pytest.mark.parametrize(("vendor", "nta"), [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])

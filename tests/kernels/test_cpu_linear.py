@@ -131,3 +131,89 @@ def test_packing_checks_its_input():
         cpu_linear.linear(cpu_linear.pack_rows(torch.ones(4, 8, dtype=torch.bfloat16)), torch.ones(2, 8))
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\)"):
         cpu_linear.rows(pw, torch.tensor([4]))
+
+
+# ------------------------------------------------------------------------------------------ the AMX tile GEMM
+
+needs_amx = pytest.mark.skipif(not (cpu.available() and cpu.lib().has_amx),
+                               reason="this build or process has no AMX tile GEMM (no AMX-BF16 in the CPU or the "
+                                      "native build, or the OS refused the tile state)")
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [32, 64, 576])
+@pytest.mark.parametrize("n", [16, 40, 96, 1000])
+def test_amx_gemm_matches_reference(n, k, gen, poison):
+    """rg_linear_amx_bf16 over every layout at row counts around its 16-row tiles and 2 x 2 tile blocks (M tails
+    through the zero-padded staging tile), output counts that fill no whole block or pair of blocks, with and
+    without bias, bf16 and float32 outputs (the bf16 results widened), every output written (poison)."""
+    for name, (pw, dense) in layouts(n, k, 32, gen).items():  # dense: unpack(pw) (linear_ref's weight)
+        bias = torch.randn(n, generator=gen).bfloat16()
+        for m in (1, 15, 16, 17, 33, 64, 100, 257):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            y = cpu_linear.linear(pw, x, bias, amx=True)
+            assert rel(y, torch.nn.functional.linear(x.float(), dense, bias.float()).bfloat16()) < 1e-2, (name, m)
+            yf = cpu_linear.linear(pw, x, amx=True, float_out=True)
+            assert yf.dtype == torch.float32 and rel(yf, (x.float() @ dense.t()).bfloat16()) < 1e-2, (name, m)
+            assert torch.equal(yf, cpu_linear.linear(pw, x, amx=True).float()), (name, m)
+
+
+@needs_amx
+def test_amx_gemm_of_quantized_weights_is_that_of_their_bf16_values(gen):
+    """An int8 / int4 weight's blocks are dequantized to bf16 (each value rounded once) and multiplied as a bf16
+    K-pair weight: bit for bit the GEMM of the bf16 weight holding those values (int4 with offsets: the C panel
+    takes scale * q + offset in one fused rounding, torch's unpack in two, so only close)."""
+    x = torch.randn(37, 128, generator=gen).bfloat16()
+    for name, (pw, dense) in layouts(53, 128, 32, gen).items():
+        same = cpu_linear.linear(cpu_linear.pack_bf16(dense.bfloat16()), x, amx=True)
+        y = cpu_linear.linear(pw, x, amx=True)
+        assert torch.equal(y, same) if name != "int4 offsets" else rel(y, same) < 1e-2, name
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_amx_gemm_is_batch_invariant(threads, gen):
+    """A row's bits do not depend on the other rows of the call, on their count (the tiles, tails and chunks
+    they fall in) nor on the thread count: each output sums the K tiles in the same order from zero."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, (pw, _) in layouts(100, 576, 64, gen).items():
+            x = torch.randn(300, 576, generator=gen).bfloat16()
+            bias = torch.randn(100, generator=gen).bfloat16()
+            full = cpu_linear.linear(pw, x, bias, amx=True)
+            for lo, hi in ((0, 1), (17, 18), (5, 37), (40, 112), (299, 300), (100, 300)):
+                assert torch.equal(cpu_linear.linear(pw, x[lo:hi], bias, amx=True), full[lo:hi]), (name, lo, hi)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+def test_amx_gemm_refuses_what_it_does_not_cover(gen):
+    """An input size that is no multiple of 32 (whole K tiles), the deterministic mode's fixed summation order and
+    float32 inputs: amx_covers says no, `linear` names the reason, the C entry point itself refuses."""
+    kl = cpu.lib()
+    pw = cpu_linear.pack_bf16(torch.randn(40, 100, generator=gen))
+    assert not cpu_linear.amx_covers(kl, pw)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear.linear(pw, torch.randn(20, 100).bfloat16(), amx=True)
+    with pytest.raises(cpu.CKernelError, match="rg_linear_amx_bf16 failed: not supported"):
+        cpu_linear._linear(kl, pw, torch.randn(20, 100).bfloat16(), None, amx=True)
+    fixed = cpu_linear.pack_bf16(torch.randn(40, 64, generator=gen))
+    assert cpu_linear.amx_covers(kl, fixed)
+    fixed.fix_order(k_split=32)
+    assert not cpu_linear.amx_covers(kl, fixed)
+    with pytest.raises(cpu.CKernelError, match="not supported"):
+        cpu_linear._linear(kl, fixed, torch.randn(20, 64).bfloat16(), None, amx=True)
+    with pytest.raises(ValueError, match="bf16 x"):
+        cpu_linear.linear(cpu_linear.pack_bf16(torch.randn(40, 64)), torch.randn(20, 64), amx=True)
+
+
+def test_disable_amx_turns_the_amx_gemm_off(monkeypatch):
+    """RADIXGEN_DISABLE_AMX=1: the same build reports no AMX GEMM (the runtime then routes as on a CPU without it),
+    and `linear` refuses it by name."""
+    monkeypatch.setenv("RADIXGEN_DISABLE_AMX", "1")
+    kl = cpu.load()
+    assert not kl.has_amx and not cpu_linear.amx_covers(kl, cpu_linear.pack_bf16(torch.randn(16, 32)))
+    with pytest.raises(ValueError, match="AMX GEMM is not in this build or process"):
+        cpu_linear.linear(cpu_linear.pack_bf16(torch.randn(16, 32)), torch.randn(8, 32).bfloat16(), amx=True, kl=kl)

@@ -84,9 +84,10 @@ def test_cpu_bf16_linears_hold_the_k_pair_layout_only():
 
 @needs_c
 def test_bf16_matmuls_of_many_rows_run_on_onednn_where_it_has_amx(monkeypatch):
-    """From ONEDNN_MIN_ROWS rows a bf16 K-pair layer multiplies on oneDNN (AMX tiles) over the weight copied out of
-    its layout, and gives the C matmul's values within bf16 rounding; fewer rows, the deterministic mode and the
-    builds for other CPUs stay on the C kernels."""
+    """Where the AMX GEMM does not cover a layer (here: 8 input columns, no whole K tile), from ONEDNN_MIN_ROWS rows
+    a bf16 K-pair layer multiplies on oneDNN (AMX tiles) over the weight copied out of its layout, and gives the C
+    matmul's values within bf16 rounding; fewer rows, the deterministic mode and the builds for other CPUs stay on
+    the C kernels."""
     from radixgen.kernels import cpu_linear
     from radixgen.runtime.layers import fixed_order
     from radixgen.runtime.layers.quantization import base
@@ -98,6 +99,7 @@ def test_bf16_matmuls_of_many_rows_run_on_onednn_where_it_has_amx(monkeypatch):
     ops.prepare(model)
     ops.install(model)
     layer = model[1]
+    assert layer.method.amx_rows == 0  # K = 8
     assert layer.method.onednn_rows == (base.ONEDNN_MIN_ROWS if base.onednn_has_amx() else 0)
     assert torch.equal(cpu_linear.dense_bf16(layer.packed).float(), layer.method.dequantize(layer))
     layer.method.onednn_rows = 8  # whatever this CPU has: the route itself
@@ -113,6 +115,62 @@ def test_bf16_matmuls_of_many_rows_run_on_onednn_where_it_has_amx(monkeypatch):
     assert layer.method.onednn_rows == 0
     monkeypatch.setattr(base, "onednn_has_amx", lambda: True)
     assert CpuPackedLinear(cpu.load("cooperlake"), None).onednn_rows == 0  # an emulated CPU without AMX
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_prefill_matmuls_of_8_rows_or_more_run_on_the_amx_gemm(monkeypatch, fmt):
+    """Where the build and process have the AMX GEMM, a layer it covers (input size a multiple of 32; bf16, int8
+    or int4) multiplies prefill inputs of AMX_MIN_ROWS rows or more on it (never on oneDNN's copy), within bf16
+    rounding of the C matmul; fewer rows, decode steps and draft verifications (any row count) stay on the C
+    kernels, and so does every row count in the deterministic mode; builds for other CPUs have no AMX route."""
+    from radixgen.kernels import cpu_linear
+    from radixgen.runtime.executor import forward_context
+    from radixgen.runtime.layers import fixed_order
+    from radixgen.runtime.layers.quantization import base, int4, int8
+
+    kl = cpu.lib()
+    if not kl.has_decode_step:
+        pytest.skip("the K-pair layout needs AVX512-BF16")
+    def packed(kl):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = ColumnParallelLinear(64, 40)
+        finally:
+            torch.set_default_dtype(default)
+        layer.weight.normal_()
+        layer.method = CpuPackedLinear(kl, {"bf16": None, "int8": int8.INT8, "int4": int4.INT4}[fmt])
+        layer.method.process_weights(layer)
+        return layer
+
+    assert packed(cpu.load("cooperlake")).method.amx_rows == 0  # the build of a CPU without AMX
+    layer = packed(kl)
+    assert layer.method.amx_rows == (base.AMX_MIN_ROWS if kl.has_amx else 0)
+    if not kl.has_amx:
+        pytest.skip("this build or process has no AMX tile GEMM")
+    routes = []
+    real = cpu_linear._linear
+    monkeypatch.setattr(cpu_linear, "_linear", lambda *a, amx=False, **kw: routes.append((a[2].shape[0], amx))
+                        or real(*a, amx=amx, **kw))
+    monkeypatch.setattr(cpu_linear, "dense_bf16", lambda pw: pytest.fail("oneDNN's copy of a layer AMX covers"))
+    w = layer.method.dequantize(layer)
+    for m in (7, 8, 100):
+        x = torch.randn(m, 64).bfloat16()
+        assert rel(layer(x), (x.float() @ w.t()).bfloat16()) < 1e-2
+    assert routes == [(7, False), (8, True), (100, True)]
+    routes.clear()
+    for decode, verify in ((True, False), (False, True)):
+        monkeypatch.setattr(forward_context, "_current", type("Ctx", (), {"is_decode": decode, "verify": verify}))
+        layer(torch.randn(100, 64).bfloat16())
+    monkeypatch.setattr(forward_context, "_current", None)
+    assert routes == [(100, False), (100, False)]
+    if fmt == "bf16":  # the deterministic mode keeps the C matmuls' fixed order (a model of bf16 layers only)
+        routes.clear()
+        fixed_order.install(torch.nn.Sequential(layer), kl)
+        assert layer.method.amx_rows == layer.method.onednn_rows == 0
+        layer(torch.randn(100, 64).bfloat16())
+        assert routes == [(100, False)]
 
 
 @needs_c

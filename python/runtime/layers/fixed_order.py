@@ -62,7 +62,9 @@ def install(model: nn.Module, kl) -> None:
         if not (isinstance(m.method, CpuPackedLinear) and m.method.fmt is None and m.packed is not None):
             raise ValueError(f"deterministic mode needs every linear layer on the C bf16 matmuls; {name} runs "
                              f"{m.method.name} (an odd input size, or a format without them)")
-        m.method.onednn_rows = 0  # oneDNN's blocking follows the row count: every row count on the C matmuls
+        # oneDNN's blocking follows the row count, and the AMX GEMM sums in its own order: every row count on the C
+        # matmuls (whose fixed tiles the row-parallel layers get below)
+        m.method.onednn_rows = m.method.amx_rows = 0
         if isinstance(m, RowParallelLinear):
             _fix(name, m, kl)
 

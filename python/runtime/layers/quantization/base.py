@@ -132,11 +132,18 @@ class CheckpointLinear(LinearMethod):
         return self.fmt.quantized(layer).dequantize()
 
 
-# bf16 K-pair matmuls of at least this many rows run on oneDNN where it has AMX tiles: its tile GEMM is 5-20x the C
-# blocked GEMM's vdpbf16ps rate on the prefill and vision-encoder shapes, which pays for copying the weight out of
-# the K-pair layout (one pass over it) from about 48 rows up (crossover measured at 896 x 1152 and 896 x 4864).
-# Not in decode steps: decode steps and verifications of draft tokens keep the C kernels at any row count, so that
-# speculation's greedy tokens stay those of plain decoding (a verified row has the bits of the row decoded alone).
+# Prefill matmuls of at least AMX_MIN_ROWS rows run on the AMX tile GEMM (csrc/cpu_linear_amx.h) where the build and
+# process have it: it reads every layout in place (int8 / int4 blocks dequantized to bf16 per pair of blocks) and was
+# 1.2-1.8x the C kernels at 8 rows, 2.4-3.6x at 16, 5-9x from 64 (bf16; int8 and int4 1.1-1.9x at 8), and faster than
+# oneDNN over a copy of the weight at every shape and row count measured but one (within 5%)
+# (benchmarks/bench_linear.py: SmolLM2-135M and Qwen2-0.5B shapes, 1 to 1024 rows, 2 threads of a Xeon); under 8 rows
+# the C streaming kernels are as fast or faster. Where the AMX GEMM is missing (another build, the OS refusing the
+# tile state, an input size that is no multiple of 32), bf16 K-pair matmuls of ONEDNN_MIN_ROWS or more run on oneDNN
+# if it has AMX tiles, over the weight copied out of the K-pair layout (one pass over it), which pays from about 48
+# rows up. Neither runs in decode steps and verifications of draft tokens: those keep the C kernels at any row count,
+# so that speculation's greedy tokens stay those of plain decoding (a verified row has the bits of the row decoded
+# alone).
+AMX_MIN_ROWS = 8
 ONEDNN_MIN_ROWS = 64
 
 
@@ -166,8 +173,10 @@ class CpuPackedLinear(LinearMethod):
     def __init__(self, kl, fmt: Format | None) -> None:
         self.kl, self.fmt = kl, fmt
         self.name = "bf16 K pairs (C)" if fmt is None else f"{fmt.name} (C)"
-        # bf16 K pairs: matmuls of this many rows or more on oneDNN's AMX tiles (0: never; the deterministic mode's
-        # batch invariance and the emulated builds of other CPUs keep every row count on the C kernels)
+        # prefill matmuls of this many rows or more on the AMX GEMM (set once the layer is packed), else (bf16 K
+        # pairs) on oneDNN's AMX tiles; 0: never. The deterministic mode's fixed summation order and the emulated
+        # builds of other CPUs keep every row count on the C kernels.
+        self.amx_rows = 0
         self.onednn_rows = ONEDNN_MIN_ROWS if fmt is None and kl.isa == "native" and onednn_has_amx() else 0
 
     def create_weights(self, layer):
@@ -178,20 +187,23 @@ class CpuPackedLinear(LinearMethod):
         if self.fmt is None:
             layer.packed, layer.perm = cpu_linear.pack_bf16(layer.weight.detach()), None
             layer.weight = None
-            return
-        qw = self.fmt.quantized(layer)
-        self.fmt.drop(layer)
-        layer.packed, layer.perm = qw.pack(), qw.perm
+        else:
+            qw = self.fmt.quantized(layer)
+            self.fmt.drop(layer)
+            layer.packed, layer.perm = qw.pack(), qw.perm
+        self.amx_rows = AMX_MIN_ROWS if cpu_linear.amx_covers(self.kl, layer.packed) else 0
 
     def apply(self, layer, x):
         x2 = _rows_2d(layer, x)
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
-        if 0 < self.onednn_rows <= x2.shape[0] and x2.dtype == torch.bfloat16 and not in_decode_or_verify():
-            y = F.linear(x2, cpu_linear.dense_bf16(layer.packed), layer.bias)
-            return y.view(*x.shape[:-1], layer.out_features)
-        y = cpu_linear._linear(self.kl, layer.packed, x2.contiguous(), layer.bias)
-        return y.view(*x.shape[:-1], layer.out_features)
+        m, shape = x2.shape[0], (*x.shape[:-1], layer.out_features)
+        if x2.dtype == torch.bfloat16 and (self.amx_rows or self.onednn_rows) and not in_decode_or_verify():
+            if 0 < self.amx_rows <= m:
+                return cpu_linear._linear(self.kl, layer.packed, x2.contiguous(), layer.bias, amx=True).view(shape)
+            if not self.amx_rows and 0 < self.onednn_rows <= m:  # the AMX GEMM covers the layer: oneDNN never
+                return F.linear(x2, cpu_linear.dense_bf16(layer.packed), layer.bias).view(shape)
+        return cpu_linear._linear(self.kl, layer.packed, x2.contiguous(), layer.bias).view(shape)
 
     def dequantize(self, layer):
         w = cpu_linear._rows(self.kl, layer.packed, torch.arange(layer.out_features), torch.float32)

@@ -1,8 +1,9 @@
 """Float weights (no quantization): which method a layer gets on each device.
 
 On the CPU a bf16 layer on AVX512-BF16 holds only the K-pair layout of its C kernels (CpuPackedLinear with no
-format): the fused decode step streams it, prefill runs the C blocked GEMM over it (or, from ONEDNN_MIN_ROWS rows
-on a CPU with AMX, oneDNN's tile GEMM over a copy of it made for the call), a tied embedding gathers rows from it.
+format): the fused decode step streams it, prefill runs the C blocked GEMM over it (on a CPU with AMX: from
+AMX_MIN_ROWS rows the AMX tile GEMM reading it in place, or where that is missing, from ONEDNN_MIN_ROWS rows
+oneDNN's tile GEMM over a copy of it made for the call), a tied embedding gathers rows from it.
 Elsewhere on the CPU (float32, or no AVX512-BF16) the weight is replaced by oneDNN's packed copy of it; a tied LM
 head keeps its dense weight there (the embedding reads rows of it, which oneDNN's layout does not give).
 TorchOps and TritonOps apply the dense weight as loaded (F.linear).

@@ -1,20 +1,24 @@
 """The hierarchical cache's payoff, in one run, with the default model (SmolLM2-135M-Instruct) unless --model says
 otherwise:
 
-  agent        agents' sessions over one long system prompt and tool list shared by all: turn after turn a tool
-               result and a short reply (a tool call); each turn's prompt is the whole conversation so far, and
-               every session's next turn is sent at once (the sessions take turns, as agents waiting on their
-               tools do). The pool holds about one conversation at
-               its longest: the working set is several times the pool (printed, with the host tier's size). Today's
-               LRU tree keeps the shared system prompt and recomputes every session's own turns; the hierarchical
-               cache keeps them in its host tier (--hicache-ratio x the pool, sized to hold the working set) and
-               loads them back. Prints requests/s, the median time to first token and where prompt tokens came
-               from (pool, host tier, disk tier, computed) for both.
+  agent        16 agent sessions over one 512-token system prompt and tool list shared by all, 12 turns each: a
+               tool result (120 words, about 160 tokens: a search hit, a file excerpt, a test log) and a short reply
+               (the tool call; 4 tokens, what both systems decode alike). Each turn's prompt is the whole
+               conversation so far. At most --parallel requests are in flight (4: the agents whose tools have
+               returned, the others waiting on theirs), the sessions taking turns in a ring, so each one's next
+               turn comes after every other session's; --parallel 0 sends every session's next turn at once, turn
+               after turn (bursts of 16). The pool holds about one conversation at its longest: the working set is
+               several times the pool (printed, with the host tier's size). Today's LRU tree keeps the shared
+               system prompt and recomputes every session's own turns; the hierarchical cache keeps them in its
+               host tier (by default sized to hold the working set) and loads them back. Prints requests/s, the
+               median time to first token and where prompt tokens came from (pool, host tier, disk tier,
+               computed) for both. --sessions / --turns / --system / --obs / --pool-factor change the shape.
   restart      a 2k-token shared prefix (1k with --quick) served by a server that is then shut down; a new server
                over the same --kv-cache-dir (warm disk tier) against one over an empty folder (cold): the first
                request's time to first token.
 
-    python benchmarks/bench_hicache.py [--quick] [--part all|agent|restart] [--model PATH] [--report DIR]
+    python benchmarks/bench_hicache.py [--quick] [--part all|agent|restart] [--parallel P] [--model PATH]
+                                       [--report DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import deque
 
 from report import Report, add_report_arg
 
@@ -76,37 +81,69 @@ def agent_sizes(args) -> tuple[int, int, int, int, int]:
     """Sessions, turns, system prompt tokens, tool result words, and the pool's tokens: about one conversation at
     its longest (a tool result of `obs` words is about 1.3 obs tokens), so the working set (the system prompt once,
     every session's own turns) is several times the pool and LRU keeps little beyond the system prompt."""
-    shape = dict(zip(("sessions", "turns", "system", "obs"), (10, 6, 256, 32) if args.quick else (16, 8, 512, 40),
+    shape = dict(zip(("sessions", "turns", "system", "obs"), (10, 6, 256, 40) if args.quick else (16, 12, 512, 120),
                      strict=True))
     sessions, turns, system, obs = (shape[k] if getattr(args, k) is None else getattr(args, k) for k in shape)
     longest = system + 24 + turns * (int(1.3 * obs) + 10 + args.max_new)
     return sessions, turns, system, obs, int(args.pool_factor * longest)
 
 
-def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int, max_new: int) -> dict:
-    """Turn after turn, every session's next request at once (a turn's prompt: the whole conversation so far plus the
-    last tool result): the sessions take turns as agents do that wait on their tools, each one's conversation
-    coming back after all the others'."""
-    rng = random.Random(7)
-    prefix, convs = agent_sessions(tok, rng, sessions, system)
+def host_ratio(args, sessions: int, system: int, pool: int) -> float:
+    """--hicache-ratio, or by default a host tier that holds the working set (estimated) with a quarter to spare."""
+    if args.hicache_ratio is not None:
+        return args.hicache_ratio
+    longest = pool / args.pool_factor
+    return round(1.25 * (system + sessions * (longest - system)) / pool, 1)
+
+
+def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int, max_new: int,
+              parallel: int = 0) -> dict:
+    """Every session's turns, a turn's prompt being the whole conversation so far plus the last tool result.
+    parallel 0: turn after turn, every session's next request at once (a burst of `sessions` requests). parallel
+    P > 0: at most P requests in flight (the agents whose tools have returned; the others are waiting on theirs):
+    the sessions take turns in a ring, each one's next turn queued behind all the others'. Either way a session's
+    conversation comes back after every other session's, so plain LRU has long evicted it."""
+    _, convs = agent_sessions(tok, random.Random(7), sessions, system)
     ttfts: list[float] = []
+    done = [0] * sessions
+
+    async def one(s: int) -> None:
+        prompt = next_turn(tok, random.Random(1000 * s + done[s]), convs[s], done[s], obs)
+        ttft, out = await first_token(eng, prompt, max_new)
+        ttfts.append(ttft)
+        convs[s], done[s] = prompt + out, done[s] + 1
+
+    async def ring() -> None:
+        queue = deque(range(sessions))
+
+        async def agent() -> None:
+            while queue:
+                s = queue.popleft()
+                await one(s)
+                if done[s] < turns:
+                    queue.append(s)
+
+        await asyncio.gather(*(agent() for _ in range(parallel)))
+
+    async def bursts() -> None:
+        for _ in range(turns):
+            await asyncio.gather(*(one(s) for s in range(sessions)))
+
     t0 = time.perf_counter()
-
-    async def turn(t: int) -> None:
-        prompts = [next_turn(tok, rng, c, t, obs) for c in convs]
-        results = await asyncio.gather(*(first_token(eng, p, max_new) for p in prompts))
-        for s, (ttft, out) in enumerate(results):
-            ttfts.append(ttft)
-            convs[s] = prompts[s] + out
-
-    for t in range(turns):
-        asyncio.run(turn(t))
+    asyncio.run(ring() if parallel > 0 else bursts())
     seconds = time.perf_counter() - t0
     info = eng.get_server_info()
+    prefix_len = system_len(convs)
     return {"requests": sessions * turns, "seconds": seconds, "median_ttft": statistics.median(ttfts),
-            "working_set": len(prefix) + sum(len(c) - len(prefix) for c in convs),
+            "working_set": prefix_len + sum(len(c) - prefix_len for c in convs),
             "longest": max(len(c) for c in convs), "hit_rate": info["cache_hit_rate"], "info": info,
             "hicache": info.get("hicache")}
+
+
+def system_len(convs: list[list[int]]) -> int:
+    """The length of the prefix every conversation shares (the system prompt and tool list)."""
+    n = min(len(c) for c in convs)
+    return next((i for i in range(n) if len({c[i] for c in convs}) > 1), n)
 
 
 def tier_split(r: dict) -> str:
@@ -156,7 +193,10 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=2, help="max_running_requests of both engines")
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine (0: its default)")
     ap.add_argument("--part", choices=("all", "agent", "restart"), default="all")
-    ap.add_argument("--hicache-ratio", type=float, default=8.0, help="host tier size as a multiple of the pool")
+    ap.add_argument("--hicache-ratio", type=float, default=None, help="host tier size as a multiple of the pool "
+                    "(default: what holds the working set)")
+    ap.add_argument("--parallel", type=int, default=4, help="requests in flight at most (agents whose tools have "
+                    "returned); 0: every session's next turn at once, turn after turn")
     add_report_arg(ap)
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
@@ -165,10 +205,11 @@ def main() -> None:
                   num_threads=args.num_threads)
     results = {}
     for label, extra in () if args.part == "restart" else (("LRU (tree only)", {}),
-                         ("hierarchical", {"enable_hierarchical_cache": True, "hicache_ratio": args.hicache_ratio})):
+                         ("hierarchical", {"enable_hierarchical_cache": True,
+                                          "hicache_ratio": host_ratio(args, sessions, system, pool)})):
         with Engine(args.model, max_total_tokens=pool, **common, **extra) as eng:
             asyncio.run(first_token(eng, tok("warm up").input_ids, 2))
-            r = results[label] = run_agent(eng, tok, sessions, turns, system, obs, args.max_new)
+            r = results[label] = run_agent(eng, tok, sessions, turns, system, obs, args.max_new, args.parallel)
         host = r["hicache"]["host"] if r["hicache"] else None
         sizes = f"pool {pool} tokens" + (f", host tier {host['capacity_tokens']} tokens ({host['format']}, "
                                          f"{host['memory_bytes'] / 2**20:.0f} MiB)" if host else "")
@@ -181,15 +222,17 @@ def main() -> None:
     speed = (hier["requests"] / hier["seconds"]) / (lru["requests"] / lru["seconds"])
     ttft_gain = lru["median_ttft"] / hier["median_ttft"]
     print(f"agent  {sessions} sessions x {turns} turns, {system}-token system prompt, {obs}-word tool results, "
-          f"{args.max_new} new tokens a turn; hierarchical vs LRU: {speed:.2f}x req/s, {ttft_gain:.2f}x better "
-          f"median TTFT", flush=True)
+          f"{args.max_new} new tokens a turn, "
+          f"{f'{args.parallel} in flight' if args.parallel else 'every session at once'}; hierarchical vs LRU: "
+          f"{speed:.2f}x req/s, {ttft_gain:.2f}x better median TTFT", flush=True)
     if args.part == "agent":
         return
     warm_ttft, cold_ttft, prefix = restart(args, tok, common)
     if args.report:
         report = Report(args.report, "bench_hicache", "Hierarchical cache: host and disk tiers")
         report.text(f"Model: {args.model or 'the bundled SmolLM2-135M-Instruct'}; agent workload of {sessions} "
-                    f"sessions x {turns} turns over a {system}-token system prompt, a working set "
+                    f"sessions x {turns} turns over a {system}-token system prompt, {args.parallel or sessions} "
+                    f"requests in flight at most, a working set "
                     f"{lru['working_set'] / pool:.1f}x the {pool}-token pool; restart: a {len(prefix)}-token prefix.")
         report.bars("agent", "Agent workload: hierarchical cache vs LRU", ["req/s", "median TTFT (s)"],
                     {"LRU": [lru["requests"] / lru["seconds"], lru["median_ttft"]],

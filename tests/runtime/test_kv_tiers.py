@@ -177,3 +177,32 @@ def test_the_default_path_evicts_exactly_as_a_tree_without_the_hook():
         assert kv.tree.evictable_size() == bare.evictable_size()
     assert sorted((n.key, n.slots.tolist()) for n in nodes(kv.tree)) == \
         sorted((n.key, n.slots.tolist()) for n in nodes(bare))
+
+
+def test_host_tier_buffers_skip_huge_pages_and_numpy_keeps_its_setting():
+    """The host tier's buffers are allocated with numpy's huge-page advice off (first writes at scattered rows would
+    wait for the kernel to compact memory), the device pool's with it; numpy's own setting is as it was after."""
+    import numpy as np
+
+    from radixgen.runtime.executor import kv_pool
+
+    switch = np._core.multiarray._set_madvise_hugepage
+    seen = []
+    real = kv_pool._no_huge_pages
+
+    def spy(numpy):
+        seen.append(True)
+        return real(numpy)
+
+    before = switch(True)
+    try:
+        kv_pool._no_huge_pages = spy
+        kv_pool.KVPool(2, 64, 1, 16, torch.bfloat16)
+        assert not seen
+        host = kv_pool.HostKVPool(2, 64, 1, 16, torch.bfloat16, torch.int8)
+        assert len(seen) == 8  # K, V and their scales, for each of the 2 layers
+        assert switch(True) is True  # restored after each allocation
+        assert host.k_buffers[0].abs().sum() == 0
+    finally:
+        kv_pool._no_huge_pages = real
+        switch(before)

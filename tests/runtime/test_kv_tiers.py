@@ -181,7 +181,8 @@ def test_the_default_path_evicts_exactly_as_a_tree_without_the_hook():
 
 def test_host_tier_buffers_skip_huge_pages_and_numpy_keeps_its_setting():
     """The host tier's buffers are allocated with numpy's huge-page advice off (first writes at scattered rows would
-    wait for the kernel to compact memory), the device pool's with it; numpy's own setting is as it was after."""
+    wait for the kernel to compact memory), the device pool's with it unless --disable-kv-huge-pages; numpy's own
+    setting is as it was after."""
     import numpy as np
 
     from radixgen.runtime.executor import kv_pool
@@ -201,6 +202,8 @@ def test_host_tier_buffers_skip_huge_pages_and_numpy_keeps_its_setting():
         assert not seen
         host = kv_pool.HostKVPool(2, 64, 1, 16, torch.bfloat16, torch.int8)
         assert len(seen) == 8  # K, V and their scales, for each of the 2 layers
+        kv_pool.KVPool(2, 64, 1, 16, torch.bfloat16, huge_pages=False)  # --disable-kv-huge-pages
+        assert len(seen) == 12
         assert switch(True) is True  # restored after each allocation
         assert host.k_buffers[0].abs().sum() == 0
     finally:

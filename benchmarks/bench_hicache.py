@@ -190,8 +190,8 @@ def main() -> None:
         ap.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (default: the workload's)")
     ap.add_argument("--pool-factor", type=float, default=1.2, help="the pool's tokens as a multiple of the longest "
                     "conversation")
-    ap.add_argument("--disable-kv-huge-pages", action="store_true", help="every engine's pool without transparent "
-                    "huge pages (the engines' option)")
+    ap.add_argument("--kv-huge-pages", action="store_true", help="every engine's pool in transparent huge pages "
+                    "(the engines' option)")
     ap.add_argument("--max-running", type=int, default=2, help="max_running_requests of both engines")
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine (0: its default)")
     ap.add_argument("--part", choices=("all", "agent", "restart"), default="all")
@@ -204,7 +204,7 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     sessions, turns, system, obs, pool = agent_sizes(args)
     common = dict(max_running_requests=args.max_running, page_size=PAGE, chunked_prefill_size=512,
-                  num_threads=args.num_threads, disable_kv_huge_pages=args.disable_kv_huge_pages)
+                  num_threads=args.num_threads, kv_huge_pages=args.kv_huge_pages)
     results = {}
     for label, extra in () if args.part == "restart" else (("LRU (tree only)", {}),
                          ("hierarchical", {"enable_hierarchical_cache": True,

@@ -239,9 +239,9 @@ class RuntimeConfig:
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype), or int8 / fp8_e4m3 codes with a "
                                  "bf16 scale per token and KV head (about twice the tokens in the same memory)",
                                  choices=tuple(KV_CACHE_DTYPES))
-    disable_kv_huge_pages: bool = option(False, "CPU: the KV pool without transparent huge pages: no wait for the "
-                                         "kernel to compact memory at a fresh pool's first writes (a restarted "
-                                         "server's first requests), at a few percent of attention speed")
+    kv_huge_pages: bool = option(False, "CPU: the KV pool in transparent huge pages: attention and decode a few "
+                                 "percent faster, but a fresh pool's first writes may wait for the kernel to compact "
+                                 "memory (seconds on a long-running machine: a restarted server's first requests)")
     # ---- the hierarchical cache (runtime/scheduler/tiers/): evicted prefixes move to host memory and disk
     enable_hierarchical_cache: bool = option(False, "keep KV evicted from the pool in a host-memory tier (and, with "
                                              "--kv-cache-dir, a disk tier), loaded back when a request reuses it")

@@ -179,10 +179,9 @@ def test_the_default_path_evicts_exactly_as_a_tree_without_the_hook():
         sorted((n.key, n.slots.tolist()) for n in nodes(bare))
 
 
-def test_host_tier_buffers_skip_huge_pages_and_numpy_keeps_its_setting():
-    """The host tier's buffers are allocated with numpy's huge-page advice off (first writes at scattered rows would
-    wait for the kernel to compact memory), the device pool's with it unless --disable-kv-huge-pages; numpy's own
-    setting is as it was after."""
+def test_kv_buffers_skip_huge_pages_unless_asked_and_numpy_keeps_its_setting():
+    """The pools' buffers are allocated with numpy's huge-page advice off (first writes would wait for the kernel to
+    compact memory), the device pool's with it under --kv-huge-pages; numpy's own setting is as it was after."""
     import numpy as np
 
     from radixgen.runtime.executor import kv_pool
@@ -198,12 +197,12 @@ def test_host_tier_buffers_skip_huge_pages_and_numpy_keeps_its_setting():
     before = switch(True)
     try:
         kv_pool._no_huge_pages = spy
-        kv_pool.KVPool(2, 64, 1, 16, torch.bfloat16)
+        kv_pool.KVPool(2, 64, 1, 16, torch.bfloat16, huge_pages=True)  # --kv-huge-pages
         assert not seen
+        kv_pool.KVPool(2, 64, 1, 16, torch.bfloat16)
+        assert len(seen) == 4  # K and V of each of the 2 layers
         host = kv_pool.HostKVPool(2, 64, 1, 16, torch.bfloat16, torch.int8)
-        assert len(seen) == 8  # K, V and their scales, for each of the 2 layers
-        kv_pool.KVPool(2, 64, 1, 16, torch.bfloat16, huge_pages=False)  # --disable-kv-huge-pages
-        assert len(seen) == 12
+        assert len(seen) == 12  # and the 8-bit tier's scales
         assert switch(True) is True  # restored after each allocation
         assert host.k_buffers[0].abs().sum() == 0
     finally:

@@ -159,7 +159,7 @@ class ModelRunner:
         attn = model.layers[model.start_layer].self_attn  # this rank's heads
         self.kv_pool = KVPool(model.end_layer - model.start_layer, num_slots + 1, attn.num_kv_heads, mc.head_dim,
                               self.dtype, self.device, cfg.kv_code_dtype,
-                              huge_pages=not cfg.disable_kv_huge_pages)
+                              huge_pages=cfg.kv_huge_pages)
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
         # only reads it (row `padding_row` stays all padding slots). In a parallel group every rank has a copy,
         # which the others update from the writes rank 0 logs (parallel_step.py).

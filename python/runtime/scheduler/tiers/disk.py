@@ -350,6 +350,7 @@ def decode(data: bytes, fingerprint: str, name: str, parent: str, tokens: list[i
     if header.get("name") != name or header.get("parent") != parent or header.get("tokens") != list(tokens):
         raise ValueError("holds another token chain than its name says")
     out, pos = [], start + hlen
+    buf = bytearray(data)  # one writable copy; each tensor is a view into it
     for shape, dtype in header["tensors"]:
         dt = _DTYPES.get(dtype)
         if dt is None:
@@ -357,7 +358,7 @@ def decode(data: bytes, fingerprint: str, name: str, parent: str, tokens: list[i
         n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
         if pos + n > len(data) - 4:
             raise ValueError("is truncated")
-        raw = torch.frombuffer(bytearray(data[pos:pos + n]), dtype=torch.uint8) if n else torch.zeros(0, torch.uint8)
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos) if n else torch.zeros(0, torch.uint8)
         out.append(raw.view(dt).reshape(shape))
         pos += n
     if pos != len(data) - 4:

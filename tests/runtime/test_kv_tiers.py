@@ -208,3 +208,30 @@ def test_kv_buffers_skip_huge_pages_unless_asked_and_numpy_keeps_its_setting():
     finally:
         kv_pool._no_huge_pages = real
         switch(before)
+
+
+@pytest.mark.parametrize("code", [None, torch.int8])
+def test_write_rows_in_c_equals_the_torch_path(code, monkeypatch):
+    """A disk page's tensors stored into host-tier rows: the one C call leaves every buffer (codes, scales, values)
+    bit for bit as the per-buffer torch path does; out-of-range rows are refused."""
+    from radixgen.runtime.executor import kv_pool
+
+    src = kv_pool.KVPool(3, 40, 2, 16, torch.bfloat16)
+    for b in src.k_buffers + src.v_buffers:
+        b.copy_(torch.randn(b.shape).bfloat16())
+    pools = [kv_pool.HostKVPool(3, 64, 2, 16, torch.bfloat16, code) for _ in range(2)]
+    if code is not None:  # the rows of an 8-bit page: codes and scales, as the tier stores them
+        for pool in pools:
+            kv_pool.copy_kv_rows(src, torch.arange(1, 17), pool, torch.arange(1, 17))
+        page = pools[0].read_rows(torch.arange(1, 17))
+    else:
+        page = src.read_rows(torch.arange(1, 17))
+    dst = torch.randperm(40)[:16] + 21  # past the rows the page came from
+    pools[0].write_rows(dst, page)  # C
+    monkeypatch.setattr(kv_pool.KVPool, "_c_writes", lambda self, index, rows: None)
+    pools[1].write_rows(dst, page)  # torch
+    for a, b in zip(pools[0].buffers(), pools[1].buffers(), strict=True):
+        assert torch.equal(kv_pool.code_bits(a), kv_pool.code_bits(b))
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match="rows must lie in"):
+        pools[0].write_rows(dst + 100, page)

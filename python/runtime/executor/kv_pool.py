@@ -129,8 +129,31 @@ class KVPool:
         bufs = self.buffers()
         if len(rows) != len(bufs):
             raise ValueError(f"write_rows: {len(rows)} tensors for a pool of {len(bufs)} buffers")
+        kl = self._c_writes(index, rows)
+        if kl is not None:  # one C call for every buffer (a disk page is 120 tensors for a 30-layer 8-bit tier)
+            di = index.to(torch.int64).contiguous()
+            n = 2 * len(self.k_buffers)
+            src = cpu_kv_copy.pool_buffers(rows[:n], rows[n:] or None)
+            cpu_kv_copy._copy_rows(kl, src, torch.arange(di.numel()), self.c_buffers(), di, 1)
+            return
         for buf, r in zip(bufs, rows, strict=True):
             _put(buf, index.to(buf.device, torch.int64), r.to(buf.device))
+
+    def _c_writes(self, index: torch.Tensor, rows: list[torch.Tensor]):
+        """The C kernels' build when they take this write (CPU tensors of this pool's dtypes and row shapes,
+        contiguous, one per destination row, destinations in range), else None (the torch path)."""
+        if self.k_buffers[0].device.type != "cpu" or index.device.type != "cpu" or not index.numel():
+            return None
+        kl = cpu.lib()
+        if kl is None or self.k_buffers[0].shape[2] > kl.d_max:
+            return None
+        for buf, r in zip(self.buffers(), rows, strict=True):
+            if (r.device.type != "cpu" or r.dtype != buf.dtype or r.shape[1:] != buf.shape[1:] or not r.is_contiguous()
+                    or r.shape[0] != index.numel()):
+                return None
+        if int(index.min()) < 0 or int(index.max()) >= self.num_slots:
+            raise IndexError(f"write_rows: rows must lie in [0, {self.num_slots})")
+        return kl
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor of the pool: K of each layer, V of each layer, then (8-bit pools) their scales."""

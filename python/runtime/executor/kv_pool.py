@@ -5,7 +5,9 @@ the allocator and the table's rows.
 
 A request's tokens may live in any slots: attention reads and writes KV only through slot indices,
 which is what lets the radix tree share a prefix's slots between requests.
-"""
+
+Longer than 400 lines: the pools, their row copies between tiers (C and torch paths) and the slot allocator
+belong together; splitting the copies out is next."""
 
 from __future__ import annotations
 

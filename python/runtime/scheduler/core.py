@@ -8,7 +8,9 @@ intake.py and wait for their conditions (a grammar compiling, a LoRA adapter's s
 
 One request never takes the scheduler down: an exception while taking in, admitting or processing one request fails
 that request alone (400 for a ValueError, else 500), a failed forward the requests of its batch; `finish` is the
-one way a request ends, and it always reports."""
+one way a request ends, and it always reports.
+
+Longer than 400 lines: the step's admission, decode, retraction and stall rules read best in one place."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int
     P > 0: at most P requests in flight (the agents whose tools have returned; the others are waiting on theirs):
     the sessions take turns in a ring, each one's next turn queued behind all the others'. Either way a session's
     conversation comes back after every other session's, so plain LRU has long evicted it."""
-    _, convs = agent_sessions(tok, random.Random(7), sessions, system)
+    prefix, convs = agent_sessions(tok, random.Random(7), sessions, system)
     ttfts: list[float] = []
     done = [0] * sessions
 
@@ -133,17 +133,10 @@ def run_agent(eng: Engine, tok, sessions: int, turns: int, system: int, obs: int
     asyncio.run(ring() if parallel > 0 else bursts())
     seconds = time.perf_counter() - t0
     info = eng.get_server_info()
-    prefix_len = system_len(convs)
     return {"requests": sessions * turns, "seconds": seconds, "median_ttft": statistics.median(ttfts),
-            "working_set": prefix_len + sum(len(c) - prefix_len for c in convs),
+            "working_set": len(prefix) + sum(len(c) - len(prefix) for c in convs),
             "longest": max(len(c) for c in convs), "hit_rate": info["cache_hit_rate"], "info": info,
             "hicache": info.get("hicache")}
-
-
-def system_len(convs: list[list[int]]) -> int:
-    """The length of the prefix every conversation shares (the system prompt and tool list)."""
-    n = min(len(c) for c in convs)
-    return next((i for i in range(n) if len({c[i] for c in convs}) > 1), n)
 
 
 def tier_split(r: dict) -> str:

@@ -144,10 +144,10 @@ class KVPool:
     def _c_writes(self, index: torch.Tensor, rows: list[torch.Tensor]):
         """The C kernels' build when they take this write (CPU tensors of this pool's dtypes and row shapes,
         contiguous, one per destination row, destinations in range), else None (the torch path)."""
-        if self.k_buffers[0].device.type != "cpu" or index.device.type != "cpu" or not index.numel():
+        if index.device.type != "cpu" or not index.numel():
             return None
-        kl = cpu.lib()
-        if kl is None or self.k_buffers[0].shape[2] > kl.d_max:
+        kl = _c_build(self)
+        if kl is None:
             return None
         for buf, r in zip(self.buffers(), rows, strict=True):
             if (r.device.type != "cpu" or r.dtype != buf.dtype or r.shape[1:] != buf.shape[1:] or not r.is_contiguous()
@@ -261,13 +261,19 @@ C_COPY_ROWS_ALONE = 4096
 
 def _c_copies(src: KVPool, dst: KVPool):
     """The C kernels' build when they take this copy (two CPU pools of supported formats), else None."""
-    if src.k_buffers[0].device.type != "cpu" or dst.k_buffers[0].device.type != "cpu":
+    if dst.k_buffers[0].device.type != "cpu":
+        return None
+    model = src.dtype if src.code_dtype is None else dst.dtype
+    return _c_build(src) if model in cpu_kv_copy.VALUE_DTYPES else None
+
+
+def _c_build(pool: KVPool):
+    """The C kernels' build when they can copy this pool's rows (a CPU pool, head_dim within the kernels'), else
+    None."""
+    if pool.k_buffers[0].device.type != "cpu":
         return None
     kl = cpu.lib()
-    model = src.dtype if src.code_dtype is None else dst.dtype
-    if kl is None or model not in cpu_kv_copy.VALUE_DTYPES or src.k_buffers[0].shape[2] > kl.d_max:
-        return None
-    return kl
+    return kl if kl is not None and pool.k_buffers[0].shape[2] <= kl.d_max else None
 
 
 def _copy_kv_rows(src: KVPool, src_index: torch.Tensor, dst: KVPool, dst_index: torch.Tensor) -> None:

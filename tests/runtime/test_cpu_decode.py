@@ -309,3 +309,22 @@ def test_decode_step_reports_failure_instead_of_writing():
         cpu_fused.decode_step(fd.kl, w, one, one * 300, fd.cos_sin_cache, one, r.req_to_slot, one * 0,
                               1, fd.scale)  # position 300, but the longest context given as 1
     assert torch.equal(r.kv_pool.k_buffers[0], k_before)
+
+
+def test_a_prefills_logits_rows_have_the_fused_steps_bits():
+    """A prefill step of 20 rows that all become logits (prompt logprobs): the same bits with and without the fused
+    step, since both compute up to its batch of logits rows on its kernels (on AMX CPUs the layer-by-layer path's
+    LM head would otherwise take the prefill GEMM from 8 rows up)."""
+    folder = str(tiny_model_dir("qwen3"))
+    fused, plain = runner_for(folder), runner_for(folder)
+    plain.fused_decode = None
+    assert fused.fused_decode is not None
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 49152, (20,), generator=gen)
+    got = []
+    for runner in (fused, plain):
+        s = kv_of(runner).allocator.allocate(20)
+        kv_of(runner).table.write(0, 0, s)
+        got.append(runner.forward(ForwardInput(ids, torch.arange(20), s, torch.tensor([0]), [0], [20],
+                                               torch.arange(20))))
+    assert got[0].shape == (20, fused.model_config.vocab_size) and torch.equal(got[0], got[1])

@@ -68,6 +68,21 @@ class ForwardContext:
 
 
 _current: ForwardContext | None = None
+_row_kernels = False  # inside `row_kernels()`
+
+
+@contextmanager
+def row_kernels():
+    """Inside, kernels whose bits depend on the row count keep to the decode path's kernels at any row count, as
+    in a decode step (in_decode_or_verify). The model runner computes a step's logits so, up to the fused decode
+    step's batch size: a row's logits then have the fused step's bits whether or not that step took the batch,
+    whatever the other rows are."""
+    global _row_kernels
+    before, _row_kernels = _row_kernels, True
+    try:
+        yield
+    finally:
+        _row_kernels = before
 
 
 @contextmanager
@@ -85,8 +100,9 @@ def forward_context(ctx: ForwardContext):
 def in_decode_or_verify() -> bool:
     """Whether the forward being run is a decode step or a verification of draft tokens (not a prefill, not work
     outside a forward such as a vision encoder). Kernels whose bits depend on the row count keep to the decode
-    path's kernels there, so that a draft token verified among others gets the bits it would get decoded alone."""
-    return _current is not None and (_current.is_decode or _current.verify)
+    path's kernels there, so that a draft token verified among others gets the bits it would get decoded alone.
+    Also true inside `row_kernels()`."""
+    return _row_kernels or (_current is not None and (_current.is_decode or _current.verify))
 
 
 def get_forward_context() -> ForwardContext:

@@ -15,7 +15,7 @@ from radixgen.runtime.executor.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.executor.cpu_decode import FusedDecode
 from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, graph_unsafe
 from radixgen.runtime.executor.encoder_cache import EncoderCache
-from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
+from radixgen.runtime.executor.forward_context import ForwardContext, forward_context, row_kernels
 from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, host_tier_pool, new_req_to_slot_table
 from radixgen.runtime.executor.step_messages import KVCopyQueue
 from radixgen.runtime.executor.weights import load_weights
@@ -338,7 +338,10 @@ class ModelRunner:
         if not self.model.is_last_stage:
             return hidden
         rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]
-        if self.fused_decode is not None and rows.shape[0] <= MAX_FUSED_BATCH:
+        if rows.shape[0] > MAX_FUSED_BATCH:
+            return self.model.compute_logits(rows)
+        if self.fused_decode is not None:
             return self.fused_decode.logits(rows)
-        return self.model.compute_logits(rows)
+        with row_kernels():  # the fused step's logits bits (its C kernels), not the prefill GEMM's
+            return self.model.compute_logits(rows)
 

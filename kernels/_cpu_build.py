@@ -24,6 +24,10 @@ SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h", "cpu_pool_impl.h", "cpu_kv_qua
 ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512",
         "cooperlake": "-march=cooperlake"}
 _FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+# the CPU flags (/proc/cpuinfo's names) each build needs to run: a build for more than the CPU has dies of SIGILL
+NEEDS = {"native": frozenset(), "x86-64-v3": frozenset({"avx2", "fma", "bmi2"}),
+         "skylake-avx512": frozenset({"avx512f", "avx512bw", "avx512vl"}),
+         "cooperlake": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"})}
 
 
 def compiler() -> str:
@@ -40,6 +44,22 @@ def cpu_vendor() -> str:
     except (OSError, StopIteration):
         return ""
     return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (empty where it does not say)."""
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def missing_flags(isa: str) -> list[str]:
+    """The CPU flags build `isa` needs that this CPU lacks (none: it can run here)."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown instruction set {isa!r}; known: {sorted(ISAS)}")
+    return sorted(NEEDS[isa] - cpu_flags())
 
 
 def flags(isa: str) -> tuple[str, ...]:

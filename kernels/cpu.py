@@ -47,7 +47,11 @@ _failed: str | None = None
 
 def load(isa: str = "native", out_dir: Path | None = None) -> CKernels:
     """A build of the kernels for instruction set `isa` (see _cpu_build.ISAS), compiled if needed and loaded
-    (a separate library per file: several builds can be loaded side by side)."""
+    (a separate library per file: several builds can be loaded side by side). RuntimeError where this CPU lacks
+    what the build needs (RADIXGEN_CPU_ISA=cooperlake on an AVX2 CPU: `lib()` then falls back to the torch path)."""
+    missing = _cpu_build.missing_flags(isa)
+    if missing:
+        raise RuntimeError(f"this CPU cannot run the {isa} build of the CPU kernels: it lacks {', '.join(missing)}")
     return CKernels(_cpu_build.build(isa, out_dir), isa)
 
 

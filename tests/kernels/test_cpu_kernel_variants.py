@@ -9,7 +9,6 @@ skipped."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,25 +33,12 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 
 CTOL = {torch.float32: 1e-5, torch.bfloat16: TOL[torch.bfloat16]}
 DTYPES = [torch.float32, torch.bfloat16]
-# the CPU flags each instruction set needs to run here
-NEEDS = {"native": set(), "x86-64-v3": {"avx2", "fma", "bmi2"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512vl"},
-         "cooperlake": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split(":", 1)[1].split())
-
-
 @pytest.fixture(scope="session", params=sorted(_cpu_build.ISAS))
 def kl(request, tmp_path_factory) -> cpu.CKernels:
     isa = request.param
-    missing = NEEDS[isa] - _cpu_flags()
+    missing = _cpu_build.missing_flags(isa)
     if missing:
-        pytest.skip(f"this CPU lacks {sorted(missing)} for {isa}")
+        pytest.skip(f"this CPU lacks {missing} for {isa}")
     return cpu.load(isa, tmp_path_factory.mktemp(f"kernels-{isa}"))
 
 
@@ -75,7 +61,7 @@ def test_weight_streams_prefetch_nta_only_in_an_amd_native_build(monkeypatch, ve
     monkeypatch.setattr(_cpu_build, "cpu_vendor", lambda: vendor)
     assert ("-DRG_STREAM_NTA" in _cpu_build.flags("native")) == nta
     assert "-DRG_STREAM_NTA" not in _cpu_build.flags("x86-64-v3")
-    if "avx512_bf16" in _cpu_flags():  # the AVX512-BF16 matmuls are in this CPU's native build: their hint
+    if "avx512_bf16" in _cpu_build.cpu_flags():  # the AVX512-BF16 matmuls are in this CPU's native build: their hint
         text = _cpu_build.preprocess("native")
         assert ("_MM_HINT_NTA" in text) == nta and ("_MM_HINT_T0" in text) != nta
 
@@ -268,3 +254,18 @@ def test_stubs_refuse(kl):
         cpu_fused.DecodeStepWeights(kl, [], torch.ones(8, dtype=torch.bfloat16), num_heads=1, num_kv_heads=1,
                                     head_dim=8, intermediate=8, eps=1e-6,
                                     embed=cpu_linear.pack_rows(torch.ones(4, 8, dtype=torch.bfloat16)))
+
+
+def test_a_build_this_cpu_cannot_run_is_refused_by_name(monkeypatch, tmp_path):
+    """Loading a build that needs flags this CPU lacks raises an error naming them (instead of SIGILL in the first
+    kernel), and RADIXGEN_CPU_ISA naming such a build leaves `lib()` on the torch path with that reason."""
+    monkeypatch.setattr(_cpu_build, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert _cpu_build.missing_flags("x86-64-v3") == ["bmi2"] and _cpu_build.missing_flags("native") == []
+    with pytest.raises(RuntimeError, match="cannot run the cooperlake build .* lacks avx512_bf16"):
+        cpu.load("cooperlake", tmp_path)
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        _cpu_build.missing_flags("pentium")
+    monkeypatch.setenv("RADIXGEN_CPU_ISA", "skylake-avx512")
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_failed", None)
+    assert cpu.lib() is None and "lacks avx512bw, avx512f, avx512vl" in cpu.unavailable_reason()

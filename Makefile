@@ -50,7 +50,7 @@ demo: $(PRODUCT)
 	$(PY) examples/quickstart.py
 
 test: $(TESTING)
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=40 tests
 
 serve: $(PRODUCT)  # more flags: make serve SERVE_ARGS="--device cuda"; all of them: radixgen serve --help
 	$(PY) -m radixgen.serve --host 127.0.0.1 --port 30000 $(SERVE_ARGS)

@@ -59,7 +59,7 @@ def test_serve_dp_size_2_starts_workers_and_router_and_stops_them():
         port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="radixgen-dp-", suffix=".log")
     cmd = [sys.executable, "-m", "radixgen.serve", "--dp-size", "2", "--port", str(port), "--num-threads", "2",
-           "--dtype", "bfloat16", "--log-level", "info", "--api-key", API_KEY]
+           "--dtype", "auto", "--log-level", "info", "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT)
     os.close(fd)
     url = f"http://127.0.0.1:{port}"

@@ -37,22 +37,22 @@ def compiler() -> str:
     return cc
 
 
-def cpu_vendor() -> str:
-    """This CPU's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where /proc/cpuinfo does not say."""
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo line starting with `key` ("" where there is none)."""
     try:
-        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("vendor_id"))
+        return next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(key))
     except (OSError, StopIteration):
         return ""
-    return line.partition(":")[2].strip()
+
+
+def cpu_vendor() -> str:
+    """This CPU's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where /proc/cpuinfo does not say."""
+    return _cpuinfo("vendor_id").partition(":")[2].strip()
 
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's flags as /proc/cpuinfo lists them (empty where it does not say)."""
-    try:
-        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    return frozenset(_cpuinfo("flags").partition(":")[2].split())
 
 
 def missing_flags(isa: str) -> list[str]:
@@ -82,11 +82,7 @@ def _build_key(cc: str, isa: str) -> str:
     h.update(" ".join((cc, *flags(isa))).encode())
     h.update(platform.machine().encode())
     if isa == "native":  # -march=native: a different CPU needs a different build
-        try:
-            h.update(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("flags")).encode())
-        except (OSError, StopIteration):
-            pass
+        h.update(_cpuinfo("flags").encode())
     return h.hexdigest()[:16]
 
 

@@ -62,7 +62,7 @@ bench: $(TESTING)
 	@echo "reports: $(BENCH_REPORT)/index.md"
 
 lint: $(TESTING)
-	$(VENV)/bin/ruff check python kernels tests benchmarks examples
+	$(VENV)/bin/ruff check python tests benchmarks examples
 
 # ---- the web console's browser tests and the benchmark reports (issue 35), apart from the install stamp above:
 # Debian's Chromium, which playwright (test extra) drives (its own browser download does not work here), installed

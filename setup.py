@@ -1,6 +1,6 @@
 """Package discovery (the rest of the metadata is in pyproject.toml).
 
-The import names differ from the folder names (python/ is `radixgen`, kernels/ is `radixgen.kernels`), which
+The import name differs from the folder name (python/ is `radixgen`, its kernels/ `radixgen.kernels`), which
 pyproject's own `packages.find` cannot express, so every folder under them is found here instead of listed by
 hand: a new subpackage ships in the wheel without anyone remembering to add it.
 """
@@ -21,10 +21,10 @@ def packages_under(folder: str, name: str) -> dict[str, str]:
     return found
 
 
-PACKAGES = {**packages_under("python", "radixgen"), **packages_under("kernels", "radixgen.kernels")}
+PACKAGES = packages_under("python", "radixgen")
 
 setup(
     packages=sorted(PACKAGES),
-    package_dir={"radixgen": "python", "radixgen.kernels": "kernels"},
+    package_dir={"radixgen": "python"},
     package_data={name: PACKAGE_DATA for name in PACKAGES},
 )

@@ -24,8 +24,8 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the scheduler process d
 import torch
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.executor.kv_pool import KVPool
 from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.ground.kv_pool import KVPool
 from radixgen.runtime.loader import load_tokenizer
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 

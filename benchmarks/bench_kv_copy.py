@@ -1,4 +1,4 @@
-"""The hierarchical cache's tier copies (executor.kv_pool.copy_kv_rows) on the CPU: milliseconds per copy of N
+"""The hierarchical cache's tier copies (ground.kv_pool.copy_kv_rows) on the CPU: milliseconds per copy of N
 token rows between a model-dtype pool and a host tier, the C kernels (kernels.cpu_kv_copy, on 1 and on 2 threads)
 against the torch path (a few ops per layer's buffer), taking turns. Shapes default to SmolLM2-135M-Instruct's (30
 layers, 3 KV heads, head_dim 64, bf16 pool, int8 host tier); rows are random distinct slots, as eviction leaves them.
@@ -17,8 +17,8 @@ import time
 import torch
 
 from radixgen.kernels import cpu, cpu_kv_copy
-from radixgen.runtime.executor import kv_pool
-from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, one_thread
+from radixgen.runtime.ground import kv_pool
+from radixgen.runtime.ground.kv_pool import HostKVPool, KVPool, one_thread
 
 HOST = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "same": None}
 

@@ -65,7 +65,7 @@ def timed(eng: Engine, batches: list[tuple[list[list[int]], list[str | None]]], 
     eng.flush_cache()
     tokens, t = 0, time.perf_counter()
     for ids, loras in batches:
-        for r in eng.generate(input_ids=ids, sampling_params=sp, lora_path=loras):
+        for r in eng.generate(input_ids=ids, sampling_params=sp, lora_name=loras):
             tokens += r["meta_info"]["completion_tokens"]
     return tokens / (time.perf_counter() - t)
 

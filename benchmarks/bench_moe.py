@@ -32,7 +32,7 @@ from bench_quant import timed_windows
 from report import Report, add_report_arg
 
 from radixgen.runtime.executor.cpu_decode import FusedDecode
-from radixgen.runtime.executor.kv_pool import KVPool
+from radixgen.runtime.ground.kv_pool import KVPool
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.layers.ops import gather_packed
 from radixgen.runtime.layers.quantization import weight_bytes

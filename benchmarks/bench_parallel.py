@@ -127,7 +127,7 @@ def _rank(layout: dict, threads: int, model_path: str, rank: int, addr, conn) ->
 
 def _decode_steps(runner, totals: dict, batch: int, steps: int, context: int) -> tuple[float, float]:
     """(best step seconds, its communication seconds) over `steps` decode steps at `context` tokens."""
-    from radixgen.runtime.scheduler.batch import ForwardInput
+    from radixgen.runtime.executor.step_messages import ForwardInput
     from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
     kv = KVCacheManager.for_runner(runner)

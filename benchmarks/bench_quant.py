@@ -25,8 +25,8 @@ import torch
 from bench_forward import OurModel
 from bench_kv_cache import kv_cache_row
 
-from radixgen.runtime.executor.kv_pool import KVPool
 from radixgen.runtime.executor.model_runner import ForwardInput
+from radixgen.runtime.ground.kv_pool import KVPool
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.loader import load_tokenizer, resolve_model_path

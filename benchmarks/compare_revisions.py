@@ -28,13 +28,15 @@ FIGURE = re.compile(r"tok/s|req/s|\d\.\d+x|hit", re.I)
 
 
 def package_root(tree: Path, into: Path) -> Path:
-    """A folder holding `radixgen`: links to the tree's python/ entries, and kernels -> the tree's kernels/."""
+    """A folder holding `radixgen`: links to the tree's python/ entries (and, in a revision from before the kernels
+    moved into python/, kernels -> the tree's kernels/)."""
     pkg = into / "radixgen"
     pkg.mkdir(parents=True)
     for entry in (tree / "python").iterdir():
         if entry.name != "__pycache__":
             (pkg / entry.name).symlink_to(entry)
-    (pkg / "kernels").symlink_to(tree / "kernels")
+    if (tree / "kernels").is_dir():
+        (pkg / "kernels").symlink_to(tree / "kernels")
     return into
 
 

@@ -2,7 +2,7 @@
 with what the radix cache saved at each step.
 
     python examples/quickstart.py                   (what `make demo` runs)
-    python examples/quickstart.py --dtype float32   (the dtype of a CPU without AVX512-BF16 / AMX)
+    python examples/quickstart.py --dtype float32   (twice the weights' bytes, the same answers)
 
 The bundled model is small (SmolLM2-135M-Instruct, 135M parameters): every answer below is made right by
 what the program gives it, said next to each section, with a margin that survives the other bf16 rounding
@@ -137,5 +137,5 @@ def main(dtype: str = "auto") -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="weights and activations (auto: bfloat16 on CPUs with AMX / AVX512-BF16, else float32)")
+                        help="weights and activations (auto: bfloat16 wherever it runs fast, see resolve_dtype)")
     main(parser.parse_args().dtype)

@@ -35,6 +35,7 @@ from radixgen.lang import (  # noqa: F401 - re-exported, listed in __all__ via _
     assistant,
     assistant_begin,
     assistant_end,
+    embed,
     flush_cache,
     function,
     gen,

@@ -20,8 +20,9 @@ def kv_of(runner) -> KVCacheManager:
 def check_tiers(kv: KVCacheManager) -> None:
     """The KV invariant in every tier, node by node (with nothing running): each device slot and each host-tier row
     is held by exactly one tree node or free, never both, and the counts add up to each tier's capacity."""
-    from radixgen.runtime.scheduler.radix_cache import Tier
+    from radixgen.runtime.scheduler.radix import Tier
 
+    kv.tree.invariant()
     held: dict[int, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}
     stack = list(kv.tree.root.children.values())
     while stack:

@@ -20,8 +20,8 @@ from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.engine.ranks import GroupHost
 from radixgen.runtime.executor import distributed
 from radixgen.runtime.executor.model_runner import ModelRunner
+from radixgen.runtime.executor.step_messages import ForwardInput
 from radixgen.runtime.loader import read_hf_config
-from radixgen.runtime.scheduler.batch import ForwardInput
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 
 GROUP_TIMEOUT_S = 240.0

@@ -33,15 +33,24 @@ def _radixgen_imports(path: Path) -> list[str]:
 
 
 def test_kernels_import_nothing_of_radixgen_but_themselves():
-    # kernels/ is radixgen.kernels from a folder of its own, which import-linter does not walk
-    bad = {str(p.relative_to(ROOT)): names for p in (ROOT / "kernels").rglob("*.py")
+    bad = {str(p.relative_to(ROOT)): names for p in (ROOT / "python" / "kernels").rglob("*.py")
            if (names := [n for n in _radixgen_imports(p) if not n.startswith("radixgen.kernels")])}
     assert not bad, f"kernels reach into the rest of radixgen: {bad}"
 
 
+def test_the_kernels_do_not_shadow_hugging_faces_kernels_package():
+    # `python -m ...` from the checkout's root puts the root first on sys.path: radixgen.kernels in a root folder
+    # named kernels/ (as it was) hid the installed `kernels` package, which transformers imports at start
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and not (ROOT / "kernels" / "__init__.py").exists(), p.stderr
+    origin = p.stdout.strip()
+    assert origin == "None" or "site-packages" in origin or not Path(origin).resolve().is_relative_to(ROOT), origin
+
+
 def test_no_module_is_longer_than_400_lines_without_saying_why():
     long = []
-    for folder in ("python", "kernels"):
+    for folder in ("python",):
         for p in (ROOT / folder).rglob("*.py"):
             text = p.read_text()
             lines = text.count("\n")

@@ -58,7 +58,69 @@ def hf_config(arch: str):
     if arch == "mixtral":
         return tf.MixtralConfig(**{**_COMMON, "intermediate_size": 32}, rope_theta=10000.0, num_local_experts=8,
                                 num_experts_per_tok=2)
+    return _window_config(arch)
+
+
+WINDOW = 6  # the sliding window of the tiny window models: prompts of the tests are longer
+
+
+def _window_config(arch: str):
+    """Architectures with sliding windows, soft-caps, sinks, sandwich norms, fused projections or layers without
+    rotary (tests/runtime/test_window_models.py)."""
+    import transformers as tf
+
+    hd = dict(_COMMON, head_dim=16)
+    if arch == "mistral-window":  # every layer windowed
+        return tf.MistralConfig(**hd, sliding_window=WINDOW, rope_theta=10000.0)
+    if arch == "qwen2-window":  # Qwen2's max_window_layers: layer 0 full, layer 1 windowed
+        return tf.Qwen2Config(**_COMMON, sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1)
+    if arch == "gemma2":
+        return tf.Gemma2Config(**{**hd, "tie_word_embeddings": True}, sliding_window=WINDOW,
+                               query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+                               pad_token_id=0)
+    if arch == "gemma3":  # local (10k, unscaled) and global (1M, linear x8) rotary, q / k norms
+        return tf.Gemma3TextConfig(**{**hd, "tie_word_embeddings": True}, sliding_window=WINDOW,
+                                   query_pre_attn_scalar=16, pad_token_id=0,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1e6}})
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj checkpoint tensors
+        return tf.Phi3Config(**_COMMON, rope_theta=10000.0, pad_token_id=0)
+    if arch == "smollm3":  # every 4th layer without rotary (the default pattern, which llama.cpp's files imply)
+        return tf.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, rope_theta=10000.0, pad_token_id=0)
+    if arch == "gpt_oss":  # sinks, windows on even layers, yarn rotary, 4 experts of a clamped swiglu, biases
+        return tf.GptOssConfig(**{**hd, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=WINDOW, pad_token_id=0,
+                               rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 256, "rope_theta": 150000.0})
+    if arch == "deepseek_v2":  # latent attention (yarn with mscale), dense layer 0, 4 experts + 2 shared after it
+        return tf.DeepseekV2Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=32,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2,
+                                   first_k_dense_replace=1, routed_scaling_factor=1.5, pad_token_id=0,
+                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                    "original_max_position_embeddings": 256, "rope_theta": 10000.0})
     raise ValueError(arch)
+
+
+def tiny_window_model_dir(arch: str, root: str | os.PathLike | None = None) -> Path:
+    """tiny_model_dir for _window_config's architectures: every parameter drawn at random, vectors too (norm
+    weights, biases, sinks: their defaults would hide a wrong formula)."""
+    import transformers as tf
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(1234)
+        model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.08 if p.dim() >= 2 else 0.2)
+        model.save_pretrained(tmp)
+        copy_default_tokenizer(tmp)
+
+    return build_once(arch, root, build)
 
 
 def tiny_model_dir(arch: str = "llama", root: str | os.PathLike | None = None) -> Path:

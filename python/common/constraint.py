@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
+from radixgen.common.nesting import check_value_depth
+
 # The kinds, in the order a request's fields are read.
 CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "choices")
 
@@ -33,6 +35,7 @@ def constraint_text(kind: str, value: Any) -> Any:
     """The canonical text of one constraint value: a dict schema (or a list of choices) serialised once;
     a string is kept as given (its bytes are the cache key)."""
     if kind == "json_schema" and isinstance(value, dict):
+        check_value_depth(value, "json_schema")  # before anything walks it (json.dumps recurses)
         return json.dumps(value)
     if kind == "choices" and isinstance(value, (list, tuple)):
         return json.dumps(list(value))

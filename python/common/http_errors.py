@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,14 @@ logger = logging.getLogger("radixgen.server")
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s*File \"", re.M)
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.+-]+){2,}")
+# What of a message is the server's own, at any status: a native library's log prefix ("[17:35:00]
+# /project/cpp/x.cc:82: ") and a path to a source file or into the server's installation / working folder.
+_LOG_PREFIX = re.compile(r"\[[\d:.]+\] \S+?:\d+: ")
+_SOURCE = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.+-]+)+\.(?:py|pyc|pyx|c|cc|cpp|cxx|h|hpp|cu|so)\b(?::\d+)?")
+_ROOTS = tuple(dict.fromkeys(r for r in (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sys.prefix, sys.base_prefix, os.getcwd(),
+) if len(r) > 1))
+_OWN_PATH = re.compile("(?:" + "|".join(re.escape(r) for r in _ROOTS) + r")(?:[\\/][\w.+-]+)*")
 
 
 class JSONResponse(Response):
@@ -45,8 +55,9 @@ class APIError(Exception):
 
 
 def public_message(message: str, status: int) -> str:
-    """What of an error message a client may see: never a traceback or a source path (those go to the
-    log). A traceback is reduced to its last line (the exception), and a 5xx message to one line."""
+    """What of an error message a client may see: never a traceback, a source path or a path into the
+    server's own installation (those go to the log). A traceback is reduced to its last line (the
+    exception), and a 5xx message to one line."""
     cut = _TRACEBACK.search(message)
     hidden = cut is not None or status == 500  # something for the log only
     if cut is not None:
@@ -54,6 +65,7 @@ def public_message(message: str, status: int) -> str:
         tail = [line.strip() for line in message[cut.start() :].splitlines() if line.strip()]
         last = tail[-1] if tail and not tail[-1].startswith(("File ", "Traceback ")) else ""
         message = ": ".join(x for x in (head, last) if x)
+    message = _OWN_PATH.sub("<path>", _SOURCE.sub("<source>", _LOG_PREFIX.sub("", message)))
     if status >= 500:
         message = _PATH.sub("<path>", message.strip().split("\n", 1)[0])
         message = (message or "internal error") + (" (details are in the server log)" if hidden else "")
@@ -106,8 +118,11 @@ def error_of(exc: BaseException) -> APIError:
         err = exc
     elif isinstance(exc, ValueError):
         err = APIError(400, str(exc), value_error_param(str(exc)))
-    elif isinstance(exc, RuntimeError):
-        err = APIError(503, str(exc), None, "engine_unavailable")
+    elif isinstance(exc, RecursionError):  # a walker a nesting limit missed: the input's fault, not the server's
+        logger.error("RecursionError on a request: a nesting limit is missing", exc_info=exc)
+        err = APIError(400, "the request nests too deeply to be processed", None, "too_deeply_nested")
+    elif isinstance(exc, RuntimeError):  # one may say which status and code (a full fetch pool: media_fetch_busy)
+        err = APIError(getattr(exc, "status", 503), str(exc), None, getattr(exc, "code", "engine_unavailable"))
     else:
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
     if err.status >= 500:  # the whole story goes to the log; the client gets public_message's summary

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import os
 import re
+import time
+import urllib.parse
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +111,57 @@ def load_image(source: Any, *, allow_remote: bool = False, max_bytes: int = DEFA
                          f"(--max-image-pixels)")
     if w < 1 or h < 1:
         raise MediaError(f"image: empty image ({w}x{h})")
+    if getattr(img, "format", None) == "PNG" and not isinstance(source, Image.Image):
+        _check_png_rows(data, w, h)  # before the pixels are allocated: Pillow fills missing rows silently
     try:
         img.load()
         return img if img.mode == "RGB" else img.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise MediaError(f"image: cannot decode the image data: {type(e).__name__}: {e}") from None
+
+
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type
+
+
+def _check_png_rows(data: bytes, w: int, h: int) -> None:
+    """A MediaError unless the PNG's compressed rows hold every row its header's w x h needs (Pillow fills
+    what is missing: a 4000x4000 header over three rows would cost 48 MB of pixels from a few bytes). The
+    rows are inflated to count them, never kept."""
+    pos, idat, ihdr = 8, [], None
+    while pos + 8 <= len(data):
+        length, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            ihdr = body
+        elif kind == b"IDAT":
+            idat.append(body)
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    if ihdr is None or len(ihdr) < 13:
+        raise MediaError("image: the PNG has no valid IHDR chunk")
+    depth, colour, interlaced = ihdr[8], ihdr[9], ihdr[12] == 1
+    bits = depth * _PNG_CHANNELS.get(colour, 4)
+    passes = _ADAM7 if interlaced else ((0, 0, 1, 1),)
+    needed = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = -(-(w - x0) // dx), -(-(h - y0) // dy)
+        if cols > 0 and rows > 0:
+            needed += rows * (1 + -(-cols * bits // 8))  # a filter byte, then the row's packed samples
+    inflate, got = zlib.decompressobj(), 0
+    try:
+        for part in idat:
+            while part and got < needed:
+                got += len(inflate.decompress(part, min(needed - got, 1 << 20)))
+                part = inflate.unconsumed_tail
+            if got >= needed:
+                return
+    except zlib.error as e:
+        raise MediaError(f"image: the PNG's image data does not inflate: {e}") from None
+    if got < needed:
+        raise MediaError(f"image: truncated PNG: its data holds {got} of the {needed} bytes of rows that its "
+                         f"header's {w}x{h} needs")
 
 
 def to_data_url(source: Any, fmt: str = "PNG") -> str:
@@ -136,24 +186,86 @@ def to_data_url(source: Any, fmt: str = "PNG") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
-    """GET an http(s) URL: at most `max_bytes` read, `timeout_s` for the whole transfer."""
-    import httpx
+MAX_REDIRECTS = 3
 
+
+def fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
+    """GET an http(s) URL: at most `max_bytes`, and `timeout_s` for the whole fetch (connecting, every
+    redirect, the headers and every byte), however the peer paces it. Each socket wait is given only what
+    is left of the deadline, and each read takes what has arrived (a trickle cannot stretch a read). A
+    declared Content-Length over the limit is refused before the body is read; a body longer than it
+    says is cut at the limit, a shorter one is an error."""
+    deadline = time.monotonic() + timeout_s
+    shown = url[:200]
     try:
-        with httpx.Client(timeout=timeout_s, follow_redirects=True, max_redirects=3) as client, \
-                client.stream("GET", url) as resp:
-            if resp.status_code != 200:
-                raise MediaError(f"image: fetching {url[:200]} answered HTTP {resp.status_code}")
-            chunks, total = [], 0
-            for chunk in resp.iter_bytes():
-                total += len(chunk)
-                if total > max_bytes:
-                    raise MediaError(f"image: {url[:200]} is larger than the limit of {max_bytes} bytes")
-                chunks.append(chunk)
+        for _ in range(MAX_REDIRECTS + 1):
+            conn, sock, resp = _open(url, deadline)
+            try:
+                if resp.status in (301, 302, 303, 307, 308):
+                    location = resp.getheader("Location") or ""
+                    url = urllib.parse.urljoin(url, location)
+                    if not is_url(url):
+                        raise MediaError(f"image: fetching {shown} redirected to a URL that is not http(s)")
+                    continue
+                if resp.status != 200:
+                    raise MediaError(f"image: fetching {shown} answered HTTP {resp.status}")
+                return _read_body(sock, resp, shown, deadline, max_bytes)
+            finally:
+                resp.close()
+                conn.close()
+        raise MediaError(f"image: fetching {shown} redirected more than {MAX_REDIRECTS} times")
+    except (OSError, http.client.HTTPException) as e:
+        if _left(deadline) <= 0 or isinstance(e, TimeoutError):
+            raise MediaError(f"image: fetching {shown} took longer than the limit of {timeout_s:g} s "
+                             f"(--media-fetch-timeout-s)") from None
+        raise MediaError(f"image: fetching {shown} failed: {type(e).__name__}: {e}") from None
+
+
+def _left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _open(url: str, deadline: float):
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise MediaError(f"image: {url[:200]} is not an http(s) URL")
+    left = _left(deadline)
+    if left <= 0:
+        raise TimeoutError
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=left)
+    try:
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "radixgen"})
+        sock = conn.sock  # kept: a response that closes the connection takes it off `conn`
+        sock.settimeout(max(_left(deadline), 0.001))  # the headers wait on what is left
+        return conn, sock, conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _read_body(sock, resp, shown: str, deadline: float, max_bytes: int) -> bytes:
+    declared = resp.getheader("Content-Length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise MediaError(f"image: {shown} is larger than the limit of {max_bytes} bytes (its Content-Length says "
+                         f"{int(declared)})")
+    chunks, total = [], 0
+    while True:
+        left = _left(deadline)
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = resp.read1(min(1 << 16, max_bytes + 1 - total))
+        if not chunk:
+            if declared is not None and declared.strip().isdigit() and total < int(declared):
+                raise MediaError(f"image: {shown} ended after {total} of the {int(declared)} bytes its "
+                                 f"Content-Length declares")
             return b"".join(chunks)
-    except httpx.HTTPError as e:
-        raise MediaError(f"image: fetching {url[:200]} failed: {type(e).__name__}: {e}") from None
+        total += len(chunk)
+        if total > max_bytes:
+            raise MediaError(f"image: {shown} is larger than the limit of {max_bytes} bytes")
+        chunks.append(chunk)
 
 
 def _client_path(source: str, local_root: str | None) -> Path | None:

@@ -1,10 +1,12 @@
 """Per-request sampling parameters, declared once and validated before anything is queued.
 
-`SamplingParams` is the one declaration every front end derives from or is checked against (the language's
-`gen(...)`, the native and OpenAI protocols, the offline API): each field is a `param(default, help=...,
-lo=..., hi=...)` whose metadata carries its range and help text, and `validate()` checks the typed, ranged
-fields from that metadata. Adding a parameter is one `param(...)` here plus, where an API spells it
-differently, one entry in that API's name map (tests/runtime/test_sampling_contract.py fails otherwise).
+`SamplingParams` is the one declaration every front end is built from (the language's `gen(...)`, its typed
+gens and `run` / `arun` / `run_batch`, the native and OpenAI bodies, the offline API): each field is a
+`param(default, help=..., lo=..., hi=...)` whose metadata carries its range, help text and, where JSON carries
+it in another shape, its wire type; `check_param` checks one value against that metadata and is the only
+range check (the bodies call it per field, `validate()` for every field). Adding a parameter is one `param(...)`
+here: every surface takes it under its own spelling (an API's name map) unless that surface lists it as not
+exposed (tests/common/test_sampling_contract.py shows a new field reaching every surface).
 
 Types are strict: an int field takes an int (never a bool, a float or a numeric string), a float field an int
 or a float (never a bool), a flag a bool. A bad value is a ValueError that names the field
@@ -16,10 +18,17 @@ from __future__ import annotations
 import json
 import math
 import re
+import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any
 
-from radixgen.common.constraint import CONSTRAINT_KINDS, Constraint, TooManyConstraints, normalize_constraint
+from radixgen.common.constraint import (
+    CONSTRAINT_KINDS,
+    Constraint,
+    TooManyConstraints,
+    constraint_text,
+    normalize_constraint,
+)
 from radixgen.common.stop_regex import stop_regex_patterns
 
 # The one default for every front end (Engine, server, language): how many tokens a request may generate.
@@ -44,11 +53,12 @@ CONSTRAINT_FIELDS = CONSTRAINT_KINDS
 
 def param(default: Any = MISSING, *, help: str, kind: type | None = None, lo: float | None = None,  # noqa: A002
           hi: float | None = None, lo_open: bool = False, optional: bool = False,
-          factory: Any = MISSING) -> Any:
+          factory: Any = MISSING, wire: Any = None) -> Any:
     """One declared sampling parameter: a dataclass field whose metadata holds its help text and, for a plain
-    int / float / bool (`kind`), the range `validate()` checks ([lo, hi], or (lo, hi] with lo_open; None:
-    unbounded). `optional`: None is accepted too. Fields without `kind` have their own check in validate()."""
-    meta = {"help": help, "kind": kind, "lo": lo, "hi": hi, "lo_open": lo_open, "optional": optional}
+    int / float / bool (`kind`), the range `check_param` checks ([lo, hi], or (lo, hi] with lo_open; None:
+    unbounded). `optional`: None is accepted too. Fields without `kind` have their own check in validate().
+    `wire`: the type a JSON body carries it as, where that differs from the field's own (None: the same)."""
+    meta = {"help": help, "kind": kind, "lo": lo, "hi": hi, "lo_open": lo_open, "optional": optional, "wire": wire}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -132,7 +142,8 @@ class SamplingParams:
                                     help="subtracted from the logit of every token already in the output")
     repetition_penalty: float = param(1.0, kind=float, lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY,
                                       help="divides positive (multiplies negative) logits of seen tokens")
-    stop: list[str] = param(factory=list, help="stop strings (not part of the output unless no_stop_trim)")
+    stop: list[str] = param(factory=list, wire=str | list[str] | None,
+                            help="stop strings (not part of the output unless no_stop_trim)")
     stop_token_ids: list[int] = param(factory=list, help="token ids that end the output")
     stop_regex: str | list[str] | None = param(None, help="regexes that end the output where a match ends")
     ignore_eos: bool = param(False, kind=bool, help="keep generating past the end-of-sequence token")
@@ -142,16 +153,19 @@ class SamplingParams:
                              help="seed of this request's sampling (choice k of n uses seed + k)")
     n: int = param(1, kind=int, lo=1, hi=MAX_N, help="independent choices for the same prompt")
     regex: str | None = param(None, help="constraint: the output matches this regular expression")
-    json_schema: str | None = param(None, help="constraint: the output is JSON valid for this schema (a dict is "
-                                               "serialized on construction)")
+    json_schema: str | None = param(None, wire=str | dict[str, Any] | None,
+                                    help="constraint: the output is JSON valid for this schema (a dict is "
+                                         "serialized on construction)")
     ebnf: str | None = param(None, help="constraint: the output derives from this grammar's root rule")
     choices: list[str] | None = param(None, help="constraint: the output is exactly one of these strings")
     # OpenAI's logit_bias; string keys as JSON sends them are converted; -100 bans a token, +100 all but forces it
-    logit_bias: dict[int, float] | None = param(None, help="token id -> added to its logit before sampling")
+    logit_bias: dict[int, float] | None = param(None, wire=dict[str, float] | None,
+                                                help="token id -> added to its logit before sampling")
     # ---- reasoning models: a thinking budget. The output begins inside a think block; when `think_end` (the
     # block's closing text) is not in the first `max_thinking_tokens` output tokens, its tokens are forced there,
     # and the answer (and its grammar's part after the block) follows.
-    max_thinking_tokens: int | None = param(None, help="the most tokens of the think block before it is closed")
+    max_thinking_tokens: int | None = param(None, kind=int, lo=0, optional=True,
+                                            help="the most tokens of the think block before it is closed")
     think_end: str | None = param(None, help="the think block's closing text (with max_thinking_tokens)")
 
     def __post_init__(self) -> None:
@@ -168,8 +182,7 @@ class SamplingParams:
         elif not isinstance(self.stop_token_ids, (list, tuple)):
             self._bad("stop_token_ids", "must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids)
-        if isinstance(self.json_schema, dict):
-            self.json_schema = json.dumps(self.json_schema)
+        self.json_schema = constraint_text("json_schema", self.json_schema)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()} or None
         elif self.logit_bias is not None:
@@ -211,10 +224,7 @@ class SamplingParams:
     def validate(self) -> None:
         bad = self._bad
         for f in fields(self):  # the declared kinds and ranges
-            if f.metadata["kind"] is not None:
-                why = _range_error(f, getattr(self, f.name))
-                if why is not None:
-                    bad(f.name, why)
+            check_param(f.name, getattr(self, f.name))
         if self.min_new_tokens > self.max_new_tokens:
             bad("min_new_tokens", f"must not exceed max_new_tokens={self.max_new_tokens}")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
@@ -245,9 +255,7 @@ class SamplingParams:
         self._validate_thinking()
 
     def _validate_thinking(self) -> None:
-        if self.max_thinking_tokens is not None:
-            if not is_int(self.max_thinking_tokens) or self.max_thinking_tokens < 0:
-                self._bad("max_thinking_tokens", "must be an integer >= 0")
+        if self.max_thinking_tokens is not None:  # its range: the declaration's (validate)
             if not isinstance(self.think_end, str) or not self.think_end:
                 self._bad("think_end", "max_thinking_tokens needs the think block's closing text (e.g. '</think>')")
         elif self.think_end is not None:
@@ -291,3 +299,33 @@ def default_of(name: str) -> Any:
     """The declared default of one parameter (a fresh list for list-valued ones)."""
     f = SamplingParams.__dataclass_fields__[name]
     return f.default_factory() if f.default is MISSING else f.default
+
+
+def declared(name: str) -> Field:
+    """The declaration of one parameter (KeyError: not a declared parameter)."""
+    return SamplingParams.__dataclass_fields__[name]
+
+
+def param_error(name: str, value: Any) -> str | None:
+    """Why `value` breaks parameter `name`'s declared kind and range (None: it does not, or the parameter has
+    its own check in validate()). The one range check: every surface calls it (through check_param)."""
+    f = declared(name)
+    return None if f.metadata["kind"] is None else _range_error(f, value)
+
+
+def check_param(name: str, value: Any, where: str = "sampling_params") -> None:
+    """A ValueError "<where>.<name>: <why> (got <value>)" when `value` breaks the declared kind and range."""
+    why = param_error(name, value)
+    if why is not None:
+        raise ValueError(f"{where}.{name}: {why} (got {value!r})")
+
+
+def param_type(name: str) -> Any:
+    """The declared Python type of a parameter (its resolved annotation)."""
+    return typing.get_type_hints(SamplingParams)[name]
+
+
+def wire_type(name: str) -> Any:
+    """The type a JSON body carries the parameter as (its declared type unless the declaration says `wire`)."""
+    wire = declared(name).metadata["wire"]
+    return param_type(name) if wire is None else wire

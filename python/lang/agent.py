@@ -98,6 +98,9 @@ def thinking_params(params: dict[str, Any], choices: str | None, reasoning_parse
 
     fmt = reasoning_format(reasoning_parser)
     out: dict[str, Any] = {}
+    if fmt.name == "harmony" and (budget is not None or choices is not None
+                                  or any(params.get(k) is not None for k in ("regex", "json_schema", "ebnf"))):
+        raise ValueError("gen: the harmony format (gpt-oss) takes no constraint or thinking budget with reasoning yet")
     if budget is not None:
         out.update(max_thinking_tokens=budget, think_end=fmt.end)
     given = [(k, params.pop(k)) for k in ("regex", "json_schema", "ebnf") if params.get(k) is not None]

@@ -35,7 +35,7 @@ class GenRequest(NamedTuple):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     chat: ChatContext | None = None
-    lora_path: str | None = None  # the LoRA adapter to run on (the program's run option); None: the base model
+    lora_name: str | None = None  # the LoRA adapter to run on (the program's run option); None: the base model
     images: tuple = ()  # the sources of the images whose placeholders `text` holds, in order
 
     @property
@@ -50,7 +50,7 @@ class GenRequest(NamedTuple):
             self.logprob_start_len,
             self.top_logprobs_num,
             self.return_text_in_logprobs,
-            self.lora_path,
+            self.lora_name,
         )
 
 
@@ -76,7 +76,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def plan_choices(prompt_ids: list[int], fulls: list[list[int]], choices: list[str],
-                 lora_path: str | None = None) -> ScorePlan:
+                 lora_name: str | None = None) -> ScorePlan:
     """Spell each choice after the prompt in tokens (`fulls`: the tokens of prompt+choice). The
     prompt's last token may merge with the choice (" Paris" vs " Par" + "is"), so the scored span
     starts where the tokens of prompt+choice stop matching the prompt's own tokens."""
@@ -85,9 +85,9 @@ def plan_choices(prompt_ids: list[int], fulls: list[list[int]], choices: list[st
         if k >= len(f):
             raise ValueError(f"select: choice {c!r} adds no token after the prompt")
     k_min = min(starts)
-    warm = GenRequest(None, prompt_ids[:k_min], dict(PREFILL_ONLY), lora_path=lora_path) if k_min > 0 else None
+    warm = GenRequest(None, prompt_ids[:k_min], dict(PREFILL_ONLY), lora_name=lora_name) if k_min > 0 else None
     # One logprob_start_len for the batch (the smallest); each choice skips what precedes its span.
-    requests = [GenRequest(None, f, dict(PREFILL_ONLY), True, k_min, 0, True, lora_path=lora_path) for f in fulls]
+    requests = [GenRequest(None, f, dict(PREFILL_ONLY), True, k_min, 0, True, lora_name=lora_name) for f in fulls]
     return ScorePlan(list(choices), warm, requests, [k - k_min for k in starts])
 
 
@@ -136,6 +136,13 @@ class BaseBackend:
 
     def agenerate_stream(self, request: GenRequest) -> AsyncIterator[dict]:
         raise NotImplementedError
+
+    def embed(self, text: str, dimensions: int | None = None) -> dict[str, Any]:
+        """The embedding of `text`: {"embedding", "prompt_tokens", "cached_tokens"} (`rg.embed`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot embed")
+
+    async def aembed(self, text: str, dimensions: int | None = None) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} cannot embed")
 
     def flush_cache(self) -> bool:
         raise NotImplementedError(f"{type(self).__name__} cannot flush a cache")
@@ -194,8 +201,8 @@ class BaseBackend:
         return _regroup(requests, flat)
 
     def score_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                      lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
-        steps = self._score_steps(prompt, choices, unconditional, lora_path, tuple(images))
+                      lora_name: str | None = None, images: tuple = ()) -> ScoredChoices:
+        steps = self._score_steps(prompt, choices, unconditional, lora_name, tuple(images))
         results = None
         while True:
             try:
@@ -205,8 +212,8 @@ class BaseBackend:
             results = self.generate(requests)
 
     async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                             lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
-        steps = self._score_steps(prompt, choices, unconditional, lora_path, tuple(images))
+                             lora_name: str | None = None, images: tuple = ()) -> ScoredChoices:
+        steps = self._score_steps(prompt, choices, unconditional, lora_name, tuple(images))
         results = None
         while True:
             try:
@@ -216,21 +223,21 @@ class BaseBackend:
             results = await self.agenerate(requests)
 
     def _score_steps(
-        self, prompt: str, choices: list[str], unconditional: str | None, lora_path: str | None,
+        self, prompt: str, choices: list[str], unconditional: str | None, lora_name: str | None,
         images: tuple = (),
     ) -> Generator[list[GenRequest], list[dict], ScoredChoices]:
         if images:  # the prompt with images; the unconditional context holds none
-            scored = yield from self._image_score_steps(prompt, choices, lora_path, images)
+            scored = yield from self._image_score_steps(prompt, choices, lora_name, images)
             if unconditional is None:
                 return scored
-            plain = yield from self._score_steps(unconditional, choices, None, lora_path)
+            plain = yield from self._score_steps(unconditional, choices, None, lora_name)
             total = {k: scored.usage[k] + plain.usage[k] for k in scored.usage}
             return ScoredChoices(scored.input_token_logprobs, plain.input_token_logprobs, total)
         prompts = [prompt] if unconditional is None else [prompt, unconditional]
         ids = self.tokenize([t for p in prompts for t in (p, *(p + c for c in choices))])
         n = len(choices)
         plans = [
-            plan_choices(ids[i * (n + 1)], ids[i * (n + 1) + 1 : (i + 1) * (n + 1)], choices, lora_path)
+            plan_choices(ids[i * (n + 1)], ids[i * (n + 1) + 1 : (i + 1) * (n + 1)], choices, lora_name)
             for i in range(len(prompts))
         ]
         warm = [p.warm for p in plans if p.warm is not None]
@@ -240,7 +247,7 @@ class BaseBackend:
         return ScoredChoices(parsed[0], parsed[1] if unconditional is not None else None, usage(warmed + results))
 
     def _image_score_steps(
-        self, prompt: str, choices: list[str], lora_path: str | None, images: tuple
+        self, prompt: str, choices: list[str], lora_name: str | None, images: tuple
     ) -> Generator[list[GenRequest], list[dict], ScoredChoices]:
         """Choices after a prompt with images. The scoring requests are text with the images (so each is keyed in
         the radix tree exactly as the warm request that caches the prompt and its images), and the choice's span is
@@ -265,11 +272,11 @@ class BaseBackend:
         for c, f, k in zip(choices, fulls, starts, strict=True):
             if k >= len(f):
                 raise ValueError(f"select: choice {c!r} adds no token after the prompt")
-        [warmed] = yield [GenRequest(prompt, None, dict(PREFILL_ONLY), lora_path=lora_path, images=images)]
+        [warmed] = yield [GenRequest(prompt, None, dict(PREFILL_ONLY), lora_name=lora_name, images=images)]
         extra = warmed["meta_info"]["prompt_tokens"] - len(prompt_ids)  # the images' ids beyond the text's
         k_min = min(starts)
         results = yield [GenRequest(prompt + c, None, dict(PREFILL_ONLY), True, k_min + extra, 0, True,
-                                    lora_path=lora_path, images=images) for c in choices]
+                                    lora_name=lora_name, images=images) for c in choices]
         for c, f, r in zip(choices, fulls, results, strict=True):
             if r["meta_info"]["prompt_tokens"] != len(f) + extra:
                 raise RuntimeError(f"select: the runtime tokenized the prompt with choice {c!r} into "

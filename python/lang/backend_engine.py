@@ -18,8 +18,8 @@ def engine_kwargs(requests: list[GenRequest]) -> dict[str, Any]:
         "top_logprobs_num": first.top_logprobs_num,
         "return_text_in_logprobs": first.return_text_in_logprobs,
     }
-    if first.lora_path is not None:
-        kwargs["lora_path"] = first.lora_path
+    if first.lora_name is not None:
+        kwargs["lora_name"] = first.lora_name
     if first.text is None:
         kwargs["input_ids"] = [r.input_ids for r in requests]
     else:
@@ -78,6 +78,12 @@ class EngineBackend(BaseBackend):
         chunks = await self.engine.async_generate(stream=True, **single_kwargs(request))
         async for chunk in chunks:
             yield chunk
+
+    def embed(self, text: str, dimensions: int | None = None) -> dict[str, Any]:
+        return self.engine.embed(text, dimensions=dimensions)
+
+    async def aembed(self, text: str, dimensions: int | None = None) -> dict[str, Any]:
+        return await self.engine.async_embed(text, dimensions=dimensions)
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

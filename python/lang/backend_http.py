@@ -23,6 +23,8 @@ def request_body(kwargs: dict[str, Any]) -> dict[str, Any]:
     body = dict(kwargs)
     if "prompt" in body:
         body["text"] = body.pop("prompt")
+    if "lora_name" in body:  # SGLang's /generate names the adapter lora_path (ours takes both)
+        body["lora_path"] = body.pop("lora_name")
     if body.get("image_data") is not None:  # images travel as data URLs (an http(s) URL as it is)
         from radixgen.common.media import to_data_url
 
@@ -120,6 +122,20 @@ class RuntimeEndpoint(BaseBackend):
 
     def _generate_group(self, requests: list[GenRequest]) -> list[dict]:
         return self._post("/generate", request_body(engine_kwargs(requests)))
+
+    @staticmethod
+    def _embedding(out: dict) -> dict[str, Any]:
+        usage = out["usage"]
+        return {"embedding": out["data"][0]["embedding"], "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+    def embed(self, text: str, dimensions: int | None = None) -> dict[str, Any]:
+        return self._embedding(self._post("/v1/embeddings", {"input": text, "dimensions": dimensions}))
+
+    async def aembed(self, text: str, dimensions: int | None = None) -> dict[str, Any]:
+        r = await self._aclient().post("/v1/embeddings", json={"input": text, "dimensions": dimensions})
+        raise_for_error(r.status_code, _json(r))
+        return self._embedding(r.json())
 
     async def _agenerate_group(self, requests: list[GenRequest]) -> list[dict]:
         r = await self._aclient().post("/generate", json=request_body(engine_kwargs(requests)))

@@ -17,9 +17,15 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from radixgen.common.sampling_params import default_of
 from radixgen.lang.backend_base import BaseBackend, GenRequest, ScoredChoices
 from radixgen.lang.chat import ChatTemplate
 from radixgen.lang.choices import TokenLogprobs
+from radixgen.lang.ir import SAMPLING_FIELDS
+
+# The gen sampling fields _kwargs maps by name onto the OpenAI body (every other one goes in the extra body as is).
+_MAPPED = frozenset(("max_new_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop",
+                     "top_k", "min_p", "ignore_eos", "min_new_tokens", "stop_token_ids", "stop_regex"))
 
 COMPLETION_ONLY_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 IMAGE_MARK = "<image>"  # an image's place in the state's text (and in the messages, until they are sent)
@@ -71,7 +77,7 @@ class OpenAI(BaseBackend):
     def _kwargs(self, request: GenRequest, stream: bool) -> dict[str, Any]:
         p = request.sampling_params
         kwargs: dict[str, Any] = {
-            "model": request.lora_path or self.model_name,  # a LoRA adapter is a model name on OpenAI-shaped servers
+            "model": request.lora_name or self.model_name,  # a LoRA adapter is a model name on OpenAI-shaped servers
             "max_tokens": p["max_new_tokens"],
             "temperature": p["temperature"],
             "top_p": p["top_p"],
@@ -94,6 +100,9 @@ class OpenAI(BaseBackend):
                 extra[key] = p[key]
         if "stop_regex" in p:
             extra["stop_regex"] = p["stop_regex"]
+        for key in SAMPLING_FIELDS:  # a declared parameter without its own mapping above: the extra body, by name
+            if key not in _MAPPED and key in p and p[key] != default_of(key):
+                extra[key] = p[key]
         if "regex" in p:
             extra["regex"] = p["regex"]
         if "ebnf" in p:  # SGLang's extra body (gen with tools and a tool_choice that forces a call)
@@ -197,14 +206,14 @@ class OpenAI(BaseBackend):
                 yield chunk
 
     # ---- select
-    def _score_kwargs(self, prompt: str, choice: str, lora_path: str | None) -> dict[str, Any]:
+    def _score_kwargs(self, prompt: str, choice: str, lora_name: str | None) -> dict[str, Any]:
         if self.is_chat_model:
             raise NotImplementedError(
                 f"select needs prompt logprobs, which the chat API of {self.model_name!r} does not give; "
                 "use OpenAI(..., is_chat_model=False) with a server whose /v1/completions supports echo"
             )
         return {
-            "model": lora_path or self.model_name,
+            "model": lora_name or self.model_name,
             "prompt": prompt + choice,
             "max_tokens": 0,
             "echo": True,
@@ -213,21 +222,21 @@ class OpenAI(BaseBackend):
         }
 
     def score_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                      lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
+                      lora_name: str | None = None, images: tuple = ()) -> ScoredChoices:
         def score(context: str) -> list[TokenLogprobs]:
             return [
-                choice_span(self.client.completions.create(**self._score_kwargs(context, c, lora_path)), context, c)
+                choice_span(self.client.completions.create(**self._score_kwargs(context, c, lora_name)), context, c)
                 for c in choices
             ]
 
         return ScoredChoices(score(prompt), None if unconditional is None else score(unconditional))
 
     async def ascore_choices(self, prompt: str, choices: list[str], unconditional: str | None,
-                             lora_path: str | None = None, images: tuple = ()) -> ScoredChoices:
+                             lora_name: str | None = None, images: tuple = ()) -> ScoredChoices:
         async def score(context: str) -> list[TokenLogprobs]:
             out = []
             for c in choices:
-                response = await self.aclient.completions.create(**self._score_kwargs(context, c, lora_path))
+                response = await self.aclient.completions.create(**self._score_kwargs(context, c, lora_name))
                 out.append(choice_span(response, context, c))
             return out
 

@@ -6,14 +6,14 @@ Expressions are small immutable dataclasses; `+` concatenates them (strings beco
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from radixgen.common.constraint import TooManyConstraints, normalize_constraint
+from radixgen.common.constraint import TooManyConstraints, constraint_text, normalize_constraint
+from radixgen.common.sampling_params import check_param, param_type, sampling_fields
 
 # The texts a typed gen may write (SGLang's names). A number is SGLang's pattern: no leading space (a prompt
 # ends in "A: "), then trailing spaces or newlines, which are also its stops (DTYPE_STOPS): the model ends the
@@ -77,27 +77,43 @@ class Image(Node):
     source: Any
 
 
-# The sampling fields a `gen` may set (radixgen.common.sampling_params declares each; tests/common/
-# test_sampling_contract.py fails when a declared one is neither here nor listed as not exposed); None means
-# "the run's default". `n` and the constraints (regex, json_schema, dtype; choices via select) are Gen fields too.
-SAMPLING_FIELDS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "ignore_eos",
-)
 # gen()'s keyword -> the declared parameter, where SGLang spells it differently
 GEN_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# Declared parameters (radixgen.common.sampling_params) that are not keywords of the language's gen / run: SGLang's
+# gen has none of them, and a program's requests keep the declared defaults. think_end: gen(reasoning=True) sets
+# it from the model's reasoning format. Every other declared parameter is a gen keyword and a Gen field
+# (tests/common/test_sampling_contract.py).
+LANG_NOT_EXPOSED = frozenset(("repetition_penalty", "skip_special_tokens", "no_stop_trim", "seed", "ebnf",
+                              "logit_bias", "think_end"))
+# Declared parameters a gen gives a meaning of its own, beyond the request: n samples into a list, regex and
+# json_schema beside dtype, choices make a select (or, with reasoning, a sampled grammar), max_thinking_tokens
+# goes with reasoning.
+GEN_SPECIAL = ("n", "regex", "json_schema", "choices", "max_thinking_tokens")
+# The declared parameters a gen takes; those it passes to its request as they are (None: the run's default).
+LANG_FIELDS = tuple(f.name for f in sampling_fields() if f.name not in LANG_NOT_EXPOSED)  # gen's, in order
+SAMPLING_FIELDS = tuple(name for name in LANG_FIELDS if name not in GEN_SPECIAL)
 # Logprob options: not sampling parameters, they shape what comes back.
 LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+
+
+def with_declared_fields(names: tuple[str, ...], default: Any = None, after: str | None = None):
+    """Class decorator, under @dataclass: a field per declared parameter in `names` (typed as declared,
+    `default(name)` or None as its default), placed after field `after` (None: first), so the record follows the
+    declaration instead of repeating it."""
+
+    def add(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        keys = list(own)
+        cut = 0 if after is None else keys.index(after) + 1
+        added = {name: param_type(name) | None for name in names if name not in own}
+        cls.__annotations__ = {**{k: own[k] for k in keys[:cut]}, **added, **{k: own[k] for k in keys[cut:]}}
+        for name in added:
+            setattr(cls, name, None if default is None else default(name))
+        return cls
+
+    return add
+
+
 DTYPE_REGEX = {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
 DTYPES = tuple(DTYPE_REGEX)
 # Stop strings a typed gen adds to its own (SGLang's): the whitespace that ends a number is not kept.
@@ -105,28 +121,17 @@ DTYPE_STOPS = {"int": (" ", "\n"), "float": (" ", "\n"), "bool": (), "str": ()}
 
 
 @dataclass(frozen=True)
+@with_declared_fields(LANG_FIELDS, after="name")
 class Gen(Node):
+    """One gen: a field per declared parameter the language exposes (LANG_FIELDS; None: the run's default;
+    `choices` is a JSON list of strings the answer is sampled from, with reasoning), then the language's own."""
+
     name: str | None = None
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    stop: tuple[str, ...] | None = None
-    stop_token_ids: tuple[int, ...] | None = None
-    stop_regex: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    ignore_eos: bool | None = None
-    n: int | None = None  # None: the run's n
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
     dtype: str | None = None  # one of DTYPES: the output matches DTYPE_REGEX (the variable holds the text)
-    regex: str | None = None
-    json_schema: str | None = None
     # ---- agents (issue 29, lang/agent.py): calls and thinking read out of the output
     tools: str | None = None  # a JSON list of OpenAI function specs: the calls go to variable `<name>_calls`
     tool_choice: str = "auto"  # "auto", "required" or a tool's name (then a grammar makes the model call)
@@ -134,8 +139,6 @@ class Gen(Node):
     parallel_tool_calls: bool = True
     reasoning: str | None = None  # the variable that holds the think block (None: it stays in the answer)
     reasoning_parser: str = "qwen3"
-    max_thinking_tokens: int | None = None  # with reasoning: the think block is closed after this many tokens
-    choices: str | None = None  # with reasoning: a JSON list of strings the answer is one of (sampled, not scored)
     # ---- end of issue 29's fields
 
     def __post_init__(self) -> None:
@@ -148,10 +151,7 @@ class Gen(Node):
             raise ValueError("gen: tools / reasoning take n=1")
         if self.reasoning is None and (self.max_thinking_tokens is not None or self.choices is not None):
             raise ValueError("gen: max_thinking_tokens (and sampled choices) need reasoning=True")
-        if self.max_thinking_tokens is not None and (not isinstance(self.max_thinking_tokens, int)
-                                                     or isinstance(self.max_thinking_tokens, bool)
-                                                     or self.max_thinking_tokens < 0):
-            raise ValueError(f"gen.max_thinking_tokens: must be an integer >= 0 (got {self.max_thinking_tokens!r})")
+        check_param("max_thinking_tokens", self.max_thinking_tokens, "gen")
         if self.choices is not None and (self.regex or self.json_schema or self.dtype or self.tools):
             raise ValueError("gen: choices are a constraint; no regex / json_schema / dtype / tools too")
         if isinstance(self.stop, str):
@@ -160,8 +160,7 @@ class Gen(Node):
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.json_schema, dict):
-            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        object.__setattr__(self, "json_schema", constraint_text("json_schema", self.json_schema))
         if isinstance(self.stop_regex, (list, tuple)):  # SGLang takes a list: stop at any of them
             object.__setattr__(self, "stop_regex", join_patterns(self.stop_regex))
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -177,8 +176,8 @@ class Gen(Node):
             normalize_constraint(dict([pattern, ("json_schema", self.json_schema)]), kinds={"dtype": "regex"})
         except TooManyConstraints as e:
             raise ValueError(f"gen: at most one of dtype/regex and json_schema may be set, got {e.given}") from None
-        if self.n is not None and (not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1):
-            raise ValueError(f"gen.n: must be a positive integer (got {self.n!r})")
+        if self.n is not None:
+            check_param("n", self.n, "gen")
 
     def sampling_overrides(self) -> dict[str, Any]:
         """The sampling fields this gen sets explicitly."""
@@ -202,6 +201,22 @@ class Select(Node):
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0:
             raise ValueError(f"select.temperature: must be a number >= 0 (got {t!r})")
+
+
+@dataclass(frozen=True)
+class Embed(Node):
+    """The embedding of the program's text so far (a pooling model's vector), stored as variable `name`."""
+
+    name: str
+    dimensions: int | None = None  # Matryoshka truncation, where the model allows it
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "embed")
+        if self.name is None:
+            raise ValueError("embed.name: the vector needs a variable name")
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"embed.dimensions: must be a positive integer or None (got {d!r})")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS
+from radixgen.common.sampling_params import default_of, param_type
 from radixgen.lang.backend_base import PREFILL_ONLY, BaseBackend, GenRequest
 from radixgen.lang.global_config import global_config
 from radixgen.lang.interpreter import SamplingDefaults, StateCore, TraceStop, start_driver
@@ -50,9 +50,34 @@ def resolve_backend(backend: Any) -> BaseBackend:
     return as_backend(backend)
 
 
-# The run-level sampling arguments of run / arun / run_batch (SGLang's names and defaults): a gen's sampling
-# and logprob fields and n, less min_new_tokens, which SGLang's run does not take.
-_SAMPLING_KEYS = tuple(k for k in SAMPLING_FIELDS + LOGPROB_FIELDS if k != "min_new_tokens") + ("n",)
+# The run-level sampling keywords of run / arun / run_batch, built from the declaration (SGLang's names; the
+# declared defaults): every parameter a gen passes through and n, less RUN_NOT_EXPOSED; then the logprob options.
+RUN_NOT_EXPOSED = frozenset(("min_new_tokens",))  # SGLang's run does not take it (a gen does)
+RUN_FIELDS = tuple(k for k in (*SAMPLING_FIELDS, "n") if k not in RUN_NOT_EXPOSED)
+_SAMPLING_KEYS = RUN_FIELDS + LOGPROB_FIELDS
+# Each method's own keywords beside the sampling ones, with their defaults.
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "run": {"stream": False, "backend": None, "use_thread": True, "lora_name": None},
+    "arun": {"stream": False, "backend": None, "lora_name": None},
+    "run_batch": {"backend": None, "lora_name": None, "num_threads": "auto", "progress_bar": False,
+                  "generator_style": False},
+}
+
+
+def _signature(method: str, head: list[inspect.Parameter], program_kwargs: bool) -> inspect.Signature:
+    """What help() and inspect show for a run method: `head`, the sampling keywords (declared defaults; a list
+    default shows as None), the method's options, and **kwargs (the program's arguments) where it takes them."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *head]
+    for name in RUN_FIELDS:
+        default = default_of(name)
+        params.append(inspect.Parameter(name, kw, default=None if isinstance(default, list) else default,
+                                        annotation=param_type(name)))
+    params += [inspect.Parameter(name, kw, default=None) for name in LOGPROB_FIELDS]
+    params += [inspect.Parameter(name, kw, default=v) for name, v in _OPTIONS[method].items()]
+    if program_kwargs:
+        params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any))
+    return inspect.Signature(params)
 
 
 def _print_if_verbose(state: ProgramState) -> None:
@@ -93,44 +118,22 @@ class Function:
         bound = self.signature.bind(*args, **{**self.bind_arguments, **kwargs})
         return dict(bound.arguments)
 
-    def run(
-        self,
-        *args: Any,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        n: int = 1,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop_regex: str | list[str] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-        stream: bool = False,
-        backend: Any = None,
-        use_thread: bool = True,
-        lora_path: str | None = None,
-        **kwargs: Any,
-    ) -> ProgramState:
+    def run(self, *args: Any, **kwargs: Any) -> ProgramState:
         """Run the program. With stream=False it returns when the program has finished (raising
         a ProgramError, with the failing program line, if it failed); with stream=True it returns
         as soon as the body has queued its expressions: iterate `state.text_iter()`.
         `n`: the number of samples of every gen that does not set its own (its variable is then a
         list of n texts). `use_thread=False`: each expression runs in the calling thread when it is
         appended, instead of in a worker thread of the state (fork branches still get threads).
-        `lora_path`: the LoRA adapter every request of the run uses (gens, selects' scoring, fork and cache
-        prefills), by name; None: the base model."""
+        `lora_name`: the LoRA adapter every request of the run uses (gens, selects' scoring, fork and cache
+        prefills), by name; None: the base model. The sampling keywords are the declared parameters'
+        (radixgen.common.sampling_params); every other keyword is the program's."""
         self._check_sync("run")
-        local = locals()
-        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS}, lora_path=lora_path)
+        opts, defaults, kwargs = self._take_options("run", kwargs)
         arguments = self._arguments(args, kwargs)
-        state = self._start(resolve_backend(backend), defaults, stream, "thread" if use_thread else "inline")
+        stream = opts["stream"]
+        state = self._start(resolve_backend(opts["backend"]), defaults, stream,
+                            "thread" if opts["use_thread"] else "inline")
         try:
             state.ret_value = self.func(state, **arguments)
         except BaseException as e:
@@ -147,37 +150,14 @@ class Function:
 
     __call__ = run
 
-    async def arun(
-        self,
-        *args: Any,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        n: int = 1,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop_regex: str | list[str] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-        stream: bool = False,
-        backend: Any = None,
-        lora_path: str | None = None,
-        **kwargs: Any,
-    ) -> ProgramState:
+    async def arun(self, *args: Any, **kwargs: Any) -> ProgramState:
         """Run the program on the running event loop: generation awaits the backend's async API.
         An `async def` body runs on the loop too (read values with `await s.aget_var(name)`);
         a plain `def` body runs in a worker thread so that `s["x"]` may block."""
-        local = locals()
-        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS}, lora_path=lora_path)
+        opts, defaults, kwargs = self._take_options("arun", kwargs)
         arguments = self._arguments(args, kwargs)
-        state = self._start(resolve_backend(backend), defaults, stream, "async")
+        stream = opts["stream"]
+        state = self._start(resolve_backend(opts["backend"]), defaults, stream, "async")
         core = state._core
         try:
             if self.is_async:
@@ -197,30 +177,7 @@ class Function:
         return state
 
     def run_batch(
-        self,
-        batch_kwargs: list[dict[str, Any]] | list[tuple],
-        *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        n: int = 1,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop_regex: str | list[str] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-        backend: Any = None,
-        lora_path: str | None = None,
-        num_threads: int | str = "auto",
-        progress_bar: bool = False,
-        generator_style: bool = False,
+        self, batch_kwargs: list[dict[str, Any]] | list[tuple], **kwargs: Any
     ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per argument set, concurrently; states come back in input order.
         A program that fails does not stop the others: its state's `error()` tells why.
@@ -229,6 +186,11 @@ class Function:
         iterator instead of a list: each state, in input order, as soon as it (and those before it)
         has finished."""
         self._check_sync("run_batch")
+        opts, defaults, unknown = self._take_options("run_batch", kwargs)
+        if unknown:
+            raise TypeError(f"{self.__name__}.run_batch: unknown keyword(s) {sorted(unknown)} (program arguments "
+                            "go in batch_kwargs)")
+        num_threads = opts["num_threads"]
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch: batch_kwargs must be a list of dicts (or of argument tuples)")
         arguments = [
@@ -239,11 +201,9 @@ class Function:
             num_threads = max(1, min(len(arguments), 64))
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"run_batch.num_threads: must be 'auto' or a positive integer (got {num_threads!r})")
-        local = locals()
-        defaults = SamplingDefaults(**{k: local[k] for k in _SAMPLING_KEYS}, lora_path=lora_path)
-        resolved = resolve_backend(backend)
-        states = self._batch_states(arguments, resolved, defaults, num_threads, progress_bar)
-        return states if generator_style else list(states)
+        resolved = resolve_backend(opts["backend"])
+        states = self._batch_states(arguments, resolved, defaults, num_threads, opts["progress_bar"])
+        return states if opts["generator_style"] else list(states)
 
     def _batch_states(
         self, arguments: list[dict], backend: BaseBackend, defaults: SamplingDefaults, num_threads: int, bar: bool
@@ -253,7 +213,7 @@ class Function:
         if len(arguments) > 1 and backend.can_prefill and global_config.enable_precache_with_tracing:
             prefix = self.shared_prefix(arguments[:4], backend, defaults)
             if prefix:
-                backend.generate([GenRequest(prefix, None, dict(PREFILL_ONLY), lora_path=defaults.lora_path)])
+                backend.generate([GenRequest(prefix, None, dict(PREFILL_ONLY), lora_name=defaults.lora_name)])
 
         def one(args: dict[str, Any]) -> ProgramState:
             state = self._start(backend, defaults, False, "thread")
@@ -314,6 +274,17 @@ class Function:
             prefix = prefix[:n]
         return prefix if len(prefix) >= 16 else ""
 
+    def _take_options(self, method: str, kwargs: dict[str, Any]) -> tuple[dict, SamplingDefaults, dict]:
+        """A run method's keywords split three ways: its options, the run's sampling defaults, and the rest (the
+        program's arguments)."""
+        kwargs = dict(kwargs)
+        if "lora_path" in kwargs and "lora_path" not in self.arg_names:
+            raise TypeError(f"{self.__name__}.{method}: the adapter is named by lora_name (lora_path names an "
+                            "adapter's folder, given to Engine.load_lora_adapter)")
+        opts = {k: kwargs.pop(k, v) for k, v in _OPTIONS[method].items()}
+        sampling = {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs}
+        return opts, SamplingDefaults(**sampling, lora_name=opts["lora_name"]), kwargs
+
     def _check_sync(self, method: str) -> None:
         if self.is_async:
             raise TypeError(
@@ -335,3 +306,11 @@ class Function:
 
     def __repr__(self) -> str:
         return f"<radixgen function {self.__name__}>"
+
+
+_ARGS = inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL, annotation=Any)
+Function.run.__signature__ = _signature("run", [_ARGS], program_kwargs=True)  # type: ignore[attr-defined]
+Function.arun.__signature__ = _signature("arun", [_ARGS], program_kwargs=True)  # type: ignore[attr-defined]
+Function.run_batch.__signature__ = _signature(  # type: ignore[attr-defined]
+    "run_batch", [inspect.Parameter("batch_kwargs", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    annotation=list[dict[str, Any]] | list[tuple])], program_kwargs=False)

@@ -266,7 +266,7 @@ class LLM:
         requests = [self._request(it[1], p, it[2] if len(it) > 2 else None)
                     for it, p in zip(items, params, strict=True)]
         for (_, kwargs), lora in zip(requests, loras or [None] * len(requests), strict=True):
-            kwargs["lora_path"] = lora
+            kwargs["lora_name"] = lora
         eos = set(self.engine.model_info.get("eos_token_ids") or [])
 
         async def one(kwargs: dict[str, Any]) -> list[dict]:

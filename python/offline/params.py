@@ -8,11 +8,11 @@ runtime's native `radixgen.SamplingParams` (max_new_tokens...) is a different cl
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
-from radixgen.common.sampling_params import CONSTRAINT_FIELDS, sampling_fields
+from radixgen.common.constraint import constraint_text
+from radixgen.common.sampling_params import CONSTRAINT_FIELDS, default_of, param_type, sampling_fields
 
 # vLLM's name of a declared sampling parameter where it differs (radixgen.common.sampling_params)
 OFFLINE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -20,6 +20,7 @@ OFFLINE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 # Declared parameters vLLM's SamplingParams has no field for (the native dict LLM.generate takes has them).
 # The constraints come from guided_decoding / structured_outputs.
 OFFLINE_NOT_EXPOSED = frozenset(("stop_regex", "max_thinking_tokens", "think_end"))
+
 
 @dataclass
 class GuidedDecodingParams:
@@ -54,9 +55,9 @@ class GuidedDecodingParams:
             schema = self.json
             if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model
                 schema = schema.model_json_schema()
-            return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+            return {"json_schema": constraint_text("json_schema", schema)}
         if self.json_object:
-            return {"json_schema": json.dumps({"type": "object"})}
+            return {"json_schema": constraint_text("json_schema", {"type": "object"})}
         if self.regex is not None:
             return {"regex": self.regex}
         if self.choice is not None:
@@ -74,39 +75,40 @@ _UNSUPPORTED = {
 }
 
 
-@dataclass
-class SamplingParams:
-    """vLLM's sampling parameters (names, meanings and defaults), for `LLM.generate` / `LLM.chat`."""
+# vLLM's defaults where they differ from the declared ones (16 new tokens; top_k 0 is the whole vocabulary).
+OFFLINE_DEFAULTS = {"max_new_tokens": 16, "top_k": 0}
+# vLLM's own options (not declared sampling parameters): (name, type, default).
+_VLLM_OWN: list[tuple[str, Any, Any]] = [
+    ("logprobs", int | None, None),  # top logprobs per output token (0: the sampled token's only)
+    ("prompt_logprobs", int | None, None),  # top logprobs per prompt token
+    ("spaces_between_special_tokens", bool, True),
+    ("truncate_prompt_tokens", int | None, None),  # keep only the prompt's last k tokens
+    ("guided_decoding", GuidedDecodingParams | dict | None, None),
+    ("structured_outputs", GuidedDecodingParams | dict | None, None),  # vLLM's newer name for guided_decoding
+    ("best_of", int | None, None),
+    ("allowed_token_ids", list[int] | None, None),
+    ("bad_words", list[str] | None, None),
+    ("logits_processors", list | None, None),
+    ("detokenize", bool, True),
+    ("extra_args", dict, field(default_factory=dict)),
+]
 
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: the whole vocabulary
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to the context length
-    min_tokens: int = 0
-    logprobs: int | None = None  # top logprobs per output token (0: the sampled token's only)
-    prompt_logprobs: int | None = None  # top logprobs per prompt token
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
-    guided_decoding: GuidedDecodingParams | dict | None = None
-    structured_outputs: GuidedDecodingParams | dict | None = None  # vLLM's newer name for guided_decoding
-    best_of: int | None = None
-    logit_bias: dict | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logits_processors: list | None = None
-    detokenize: bool = True
-    extra_args: dict = field(default_factory=dict)
+
+def _offline_fields() -> list[tuple[str, Any, Any]]:
+    """A field per declared parameter vLLM's SamplingParams has (under its vLLM name; a list default is None,
+    as vLLM's), then vLLM's own options."""
+    out: list[tuple[str, Any, Any]] = []
+    for f in sampling_fields():
+        if f.name in CONSTRAINT_FIELDS or f.name in OFFLINE_NOT_EXPOSED:
+            continue
+        default = OFFLINE_DEFAULTS.get(f.name, default_of(f.name))
+        annotation = param_type(f.name) | None
+        out.append((OFFLINE_NAMES.get(f.name, f.name), annotation, None if isinstance(default, list) else default))
+    return out + _VLLM_OWN
+
+
+class _OfflineParams:
+    """The behaviour of the offline SamplingParams; its fields are built from the declaration (_offline_fields)."""
 
     def __post_init__(self) -> None:
         for name, default in _UNSUPPORTED.items():
@@ -152,3 +154,10 @@ class SamplingParams:
         if self.guided_decoding is not None:
             out.update(self.guided_decoding.native())
         return out
+
+
+SamplingParams = make_dataclass("SamplingParams", _offline_fields(), bases=(_OfflineParams,), namespace={
+    "__module__": __name__, "__qualname__": "SamplingParams",
+    "__doc__": "vLLM's sampling parameters (names, meanings and defaults), for `LLM.generate` / `LLM.chat`: every "
+               "declared parameter (radixgen.common.sampling_params) vLLM has, under its vLLM name, and vLLM's own "
+               "options."})

@@ -58,6 +58,50 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """413 (OpenAI shape) for a body over `max_bytes`, judged from Content-Length when given and by counting
+    the bytes as they arrive otherwise, before any of it is kept whole or forwarded."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is too large: this router accepts at most {self.max_bytes} bytes " \
+                  "(--max-request-bytes)"
+        await error_response(413, message, None, "request_too_large")(scope, receive, send)
+
+
 def create_router_app(args: RouterConfig, worker_urls: tuple[str, ...] = ()) -> FastAPI:
     policy = make_policy(args.policy, **args.cache_aware_options())
     any_worker = RoundRobin()  # for routes that need one worker, any one: they leave the policy's state alone
@@ -87,7 +131,8 @@ def create_router_app(args: RouterConfig, worker_urls: tuple[str, ...] = ()) -> 
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    if args.api_keys:
+    app.add_middleware(BodyLimit, max_bytes=args.max_request_bytes)
+    if args.api_keys:  # added last: runs first (an unauthenticated body is not even read)
         app.add_middleware(APIKeyCheck, keys=args.api_keys)
 
     async def forward(request: Request, path: str, text: str, route: str, chooser) -> Response:

@@ -34,6 +34,7 @@ class RouterConfig:
     )
     max_tree_chars: int = option(1 << 24, "cache_aware: characters of prompt text remembered per worker (LRU)")
     log_level: str = option("info", "log level of the router", choices=LOG_LEVELS)
+    max_request_bytes: int = option(32 << 20, "a request body larger than this is refused (413) before it is forwarded")
 
     def __post_init__(self) -> None:
         check_choice("policy", self.policy, POLICIES)
@@ -42,6 +43,8 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.health_check_interval <= 0:
             raise ValueError(f"health_check_interval must be positive, got {self.health_check_interval}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_tree_chars <= 0:
             raise ValueError(f"max_tree_chars must be positive, got {self.max_tree_chars}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:

@@ -94,15 +94,20 @@ def image_key(images: Any) -> str:
     for src in sources:
         if src is None:
             continue
-        raw = src.encode("utf-8", "surrogatepass") if isinstance(src, str) else orjson.dumps(src, default=str)
+        if not isinstance(src, str):  # no image source a worker takes (it answers the 400): no routing hint,
+            out.append("\x01?\x01")  # and nothing that walks a nested value
+            continue
+        raw = src.encode("utf-8", "surrogatepass")
         out.append(f"\x01{hashlib.blake2b(raw, digest_size=10).hexdigest()}\x01")
     return "".join(out)
 
 
 def _adapter_key(payload: dict) -> str:
-    """`lora_path` (native and extra-body) or `model` (OpenAI: it may name an adapter), in a form no prompt
-    text starts with; "" for neither."""
-    names = payload.get("lora_path")
+    """`lora_name` or its alias `lora_path` (native and extra-body) or `model` (OpenAI: it may name an adapter),
+    in a form no prompt text starts with; "" for none."""
+    names = payload.get("lora_name")
+    if names is None:
+        names = payload.get("lora_path")
     if names is None:
         names = payload.get("model")
     if isinstance(names, list):
@@ -126,13 +131,15 @@ def _part_text(part: dict) -> str:
     return part["text"] if isinstance(part.get("text"), str) else ""
 
 
-def _flatten(x: Any) -> str:
+def _flatten(x: Any, depth: int = 0) -> str:
+    """A prompt's routing text: a string, token ids, or lists of them (two levels at most; deeper nesting is
+    no prompt, and the worker refuses it, so it adds nothing here and never recurses further)."""
     if isinstance(x, str):
         return x
     if isinstance(x, list) and all(isinstance(i, int) for i in x):
         return " ".join(map(str, x))  # token ids: a common id prefix is a common text prefix (nearly)
-    if isinstance(x, list):
-        return "\n".join(_flatten(i) for i in x)
+    if isinstance(x, list) and depth < 2:
+        return "\n".join(_flatten(i, depth + 1) for i in x)
     return ""
 
 

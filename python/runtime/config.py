@@ -6,12 +6,14 @@ beside it are what those options are checked against; split, a new option would 
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from radixgen.common.lora_names import check_target_names, parse_lora_paths
 from radixgen.common.options import check_choice, option, split_addr
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
@@ -75,6 +77,11 @@ class MoEConfig:
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if arch == "mixtral":  # every layer; softmax, top-k, renormalised
             return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, tuple(layers))
+        if arch == "deepseek_v2":  # dense until first_k_dense_replace, then every moe_layer_freq-th layer
+            first, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+            return cls(hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                       bool(hf.get("norm_topk_prob", False)), tuple(i for i in layers if i >= first and i % freq == 0),
+                       hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0))
         if arch not in ("qwen2_moe", "qwen3_moe") or not experts:  # num_experts 0: every layer dense
             return None
         step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
@@ -82,6 +89,61 @@ class MoEConfig:
         shared = hf.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
         return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
                    bool(hf.get("norm_topk_prob", False)), sparse, int(shared or 0))
+
+
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")  # layers/rotary.py
+
+
+def rope_of(hf: dict[str, Any], layer_type: str = "full_attention") -> tuple[float, dict | None, list | None]:
+    """(rope_theta, rope_scaling or None, mrope_section or None) of a config, for layers of `layer_type` where
+    transformers 5 nests its rope_parameters per layer type (Gemma 3: sliding_attention / full_attention)."""
+    params = hf.get("rope_parameters") or {}
+    if isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    rope_scaling, rope_theta = hf.get("rope_scaling"), hf.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 folds rope_theta into rope_parameters
+        rope_theta = params.get("rope_theta", 10000.0)
+    if rope_scaling is None and params.get("rope_type", "default") != "default":
+        rope_scaling = params
+    mrope = (rope_scaling or params).get("mrope_section")
+    if rope_scaling is not None:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if kind == "mrope" or mrope is not None:  # Qwen2-VL's config names its M-RoPE a rope type
+            kind = "default"
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+    return float(rope_theta), rope_scaling, mrope
+
+
+def sliding_windows(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), () where none has one: transformers' layer_types where
+    the config has them, else the older fields (Mistral: every layer; Qwen2: use_sliding_window from
+    max_window_layers on; Gemma 2: even layers; Gemma 3: all but every sliding_window_pattern-th)."""
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    if not window or window >= hf.get("max_position_embeddings", 1 << 62):
+        return ()  # no window, or one no context fills
+    types = hf.get("layer_types")
+    if types is None:
+        model_type = hf.get("model_type", "")
+        if model_type == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif model_type in ("gemma3", "gemma3_text"):
+            pattern = hf.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        elif "use_sliding_window" in hf:  # Qwen2's fields
+            first = hf.get("max_window_layers") or 0
+            types = ["sliding_attention" if hf["use_sliding_window"] and i >= first else "full_attention"
+                     for i in range(n)]
+        else:
+            types = ["sliding_attention"] * n
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown} (supported: sliding_attention, full_attention)")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +174,14 @@ class ModelConfig:
     multimodal: dict | None = None
     # Qwen2-VL's M-RoPE: the rotary frequencies' split over temporal / height / width position ids (None: plain)
     mrope_section: tuple[int, ...] | None = None
+    # per layer: the sliding window of its attention (0: full attention); () where no layer has one
+    sliding_windows: tuple[int, ...] = ()
+    # the (text) config.json itself, where an architecture's file reads the fields only it has
+    hf: dict | None = field(default=None, compare=False, repr=False)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: full attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -135,30 +205,16 @@ class ModelConfig:
             hf = text
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        kv_heads = hf.get("num_key_value_heads") or num_heads
+        if arch == "deepseek_v2":  # the pool holds the compressed latent (models/deepseek_v2.py): one KV head of
+            # half its width in K and the other half in V
+            latent = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+            if latent % 2:
+                raise ValueError(f"kv_lora_rank + qk_rope_head_dim = {latent} must be even")
+            head_dim, kv_heads = latent // 2, 1
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
-        # transformers >= 5 folds rope_theta into rope_parameters
-        params = hf.get("rope_parameters") or {}
-        if rope_theta is None:
-            rope_theta = params.get("rope_theta", 10000.0)
-        if rope_scaling is None and params.get("rope_type", "default") != "default":
-            rope_scaling = params
-        mrope = (rope_scaling or params).get("mrope_section")
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind == "mrope" or mrope is not None:  # Qwen2-VL's config names its M-RoPE a rope type
-                kind = "default"
-            if kind not in ("default", "llama3"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
-            if kind == "default":
-                rope_scaling = None
-        window = hf.get("sliding_window")
-        if window is not None and hf.get("use_sliding_window", True) and window < hf.get(
-            "max_position_embeddings", 0
-        ):
-            raise ValueError(f"sliding-window attention is not supported (config.sliding_window={window})")
+        rope_theta, rope_scaling, mrope = rope_of(hf)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -166,12 +222,14 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # a decoder body without an LM head (an embedding model): the head shares the embedding, so a step's
+            # logits are defined; its embed requests read hidden states (runtime/pooling.py)
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) or _headless(hf),
             rope_scaling=rope_scaling,
             attention_bias=(arch == "qwen2" or bool(hf.get("attention_bias", False))
                             or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
@@ -182,7 +240,15 @@ class ModelConfig:
             text_architecture=text_arch,
             multimodal=full,
             mrope_section=tuple(mrope) if mrope is not None else None,
+            sliding_windows=sliding_windows(hf),
+            hf=hf,
         )
+
+
+def _headless(hf: dict) -> bool:
+    from radixgen.runtime.pooling import EMBEDDING_ONLY_DECODERS
+
+    return any(n in EMBEDDING_ONLY_DECODERS for n in hf.get("architectures") or ())
 
 
 @dataclass(frozen=True)
@@ -192,8 +258,9 @@ class RuntimeConfig:
     model: str | None = option(
         None, "Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
         flags=("--model", "--model-path"))
-    dtype: str = option("auto", "weights and activations; auto: bfloat16 on CUDA and on CPUs with fast bf16 "
-                        "(AMX / AVX512-BF16), else float32", choices=("auto", *DTYPES))
+    dtype: str = option("auto", "weights and activations; auto: bfloat16 on CUDA and on x86 CPUs (AMX / "
+                        "AVX512-BF16, or the C kernels' float32 math on bf16 weights), else float32",
+                        choices=("auto", *DTYPES))
     device: str = option("cpu", "cpu, cuda or cuda:N")
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights (benchmarks)",
                               choices=LOAD_FORMATS)
@@ -230,7 +297,9 @@ class RuntimeConfig:
     # ---- quantized weights (layers/quantization)
     quantization: str = option(
         "auto", "linear layers' weights: auto (the checkpoint's quantization_config: awq, gptq or fp8; else none; "
-        "a .gguf file dequantized), none, int8 (per output channel, quantized at load), int4 (CPU: groups of 64 "
+        "a .gguf file on the CPU: gguf, its own blocks, except in deterministic mode or without the C kernels; on "
+        "CUDA dequantized), none (a .gguf file dequantized to the dtype), int8 (per output channel, quantized at "
+        "load), int4 (CPU: groups of 64 "
         "input columns, fp16 scale and offset, quantized at load; experts and every linear layer but the LM head), "
         "awq / gptq (int4 checkpoints), gguf (a .gguf file run from its own Q4_0 / Q4_1 / Q8_0 / Q6_K blocks; an "
         "expert block's too), fp8 (e4m3 checkpoints, or quantized at load)", choices=QUANTIZATIONS,
@@ -285,7 +354,7 @@ class RuntimeConfig:
         (), "modules the pool holds LoRA weights for (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
         "or all); default: those of --lora-paths, all without", several=True)
 
-    # ---- speculative decoding (runtime/speculative/)
+    # ---- speculative decoding (runtime/scheduler/speculative/)
     speculative_algorithm: str = option(
         "none", "speculative decoding: none; ngram (drafts copied from the request's own prompt and output and "
         "from what earlier requests generated after the same context, no extra model); draft (a small model of "
@@ -428,8 +497,8 @@ class RuntimeConfig:
         """The host / disk tier's code dtype (None: the pool's format, values in the model dtype or its codes)."""
         if self.kv_code_dtype is not None or self.hicache_kv_format == "model":
             return self.kv_code_dtype
-        if self.hicache_kv_format == "auto":
-            return torch.int8 if self.device == "cpu" else None
+        if self.hicache_kv_format == "auto":  # (the deterministic mode keeps the pool's bits: reloaded, exact)
+            return torch.int8 if self.device == "cpu" and not self.deterministic else None
         return HICACHE_KV_FORMATS[self.hicache_kv_format]
 
     @property
@@ -437,8 +506,6 @@ class RuntimeConfig:
         return self.tp_size * self.pp_size
 
     def _check_lora(self) -> None:
-        from radixgen.runtime.lora.adapter import check_target_names, parse_lora_paths
-
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 0:
@@ -482,15 +549,35 @@ ENGINE_ALIASES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bf16 on CUDA; on the CPU bf16 wherever bf16 weights are multiplied fast, float32 elsewhere (see
+    cpu_keeps_bf16). float32 and bfloat16 by name are taken as they are."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    return "bfloat16" if cpu_keeps_bf16() else "float32"
+
+
+def cpu_keeps_bf16() -> bool:
+    """Whether bf16 weights run at least as fast as float32 ones here: AMX or AVX512-BF16 (bf16 dot products), or
+    the C kernels' build for this CPU multiplies bf16 weights in float32 registers (AVX2 and FMA: every x86-64 CPU
+    of the last decade), which reads half float32's bytes a decode step and matched oneDNN's float32 prefill.
+    Without the C kernels (no compiler, RADIXGEN_DISABLE_CPU_KERNELS=1, another architecture) bf16 matmuls would
+    be torch's, several times slower than float32 on CPUs without bf16 instructions."""
+    if cpu_has_fast_bf16():
+        return True
+    from radixgen.kernels import cpu  # builds the kernels on first use: only when auto has to decide
+
+    kl = cpu.lib()
+    return kl is not None and kl.has_fast_bf16_linear
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16 make bf16 GEMMs several times faster than fp32 on this CPU."""
+    """AMX or AVX512-BF16 make bf16 GEMMs several times faster than fp32 on this CPU. Under RADIXGEN_CPU_ISA naming
+    another CPU's build (the emulation of an older CPU), that CPU's answer: only cooperlake has AVX512-BF16."""
+    isa = os.environ.get("RADIXGEN_CPU_ISA") or "native"
+    if isa != "native":
+        return isa == "cooperlake"
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

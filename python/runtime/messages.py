@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from radixgen.common.prompt import MediaItem
 from radixgen.common.sampling_params import SamplingParams
+from radixgen.runtime.pooling import RequestKind
 
 FinishKind = Literal["stop", "length", "abort"]
 
@@ -84,8 +85,12 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     cache_salt: str | None = None
-    lora_path: str | None = None  # a LoRA adapter's name (None: the base model)
+    lora_name: str | None = None  # a LoRA adapter's name (None: the base model)
     media: tuple[MediaItem, ...] = ()  # the prompt's media items, each over its span of input_ids
+    # generate: sample tokens; embed: pool the prompt's final hidden states into one vector; score: a reranker's
+    # relevance logits of the prompt (runtime/pooling.py). embed and score requests are prefill-only.
+    kind: RequestKind = "generate"
+    token_type_ids: list[int] | None = None  # an encoder's segment ids (a cross-encoder's query / document)
 
 
 @dataclass
@@ -131,7 +136,7 @@ class UnloadLoRAAdapter:
 
 @dataclass
 class TreeSnapshotRequest:
-    """Ask for a bounded picture of the radix tree (scheduler/tree_snapshot.py), answered by a ControlReply with
+    """Ask for a bounded picture of the radix tree (scheduler/radix/snapshot.py), answered by a ControlReply with
     the same id whose payload is a TreeSnapshot: the `max_nodes` largest subtrees, `max_depth` edges deep at most,
     each edge with a preview of its first `preview_chars` characters. `viewer`: the cache namespace of the API key
     asking under per-key isolation (it sees only its own namespaces); None: every namespace (shared cache)."""
@@ -237,6 +242,7 @@ class ReqOutput:
     duplicate: bool = False
     spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
     cached_details: dict | None = None  # with the hierarchical cache: cached_tokens by tier (device / host / disk)
+    pooled: list[float] | None = None  # an embed request's vector (not normalised) or a score request's logits
 
 
 @dataclass

@@ -1,8 +1,13 @@
-"""One sampling-parameter declaration (radixgen.common.sampling_params), and every front end checked against it:
-a parameter added to the declaration and neither exposed by an API (under its name map) nor listed here as
-deliberately not exposed fails these tests. No model needed."""
+"""One sampling-parameter declaration (radixgen.common.sampling_params), and every front end built from it: each
+surface's field set is the declaration's less that surface's documented exclusion list (under its name map), and
+a field added to the declaration (in a subprocess, before anything imports it) shows up on every surface: the
+language's gen / typed gens / run and the request a gen sends (also to an OpenAI-compatible server), the native
+body, the OpenAI body, the offline SamplingParams. No model needed."""
 
 import inspect
+import subprocess
+import sys
+import textwrap
 from dataclasses import fields
 
 import pytest
@@ -15,8 +20,8 @@ from radixgen.common.sampling_params import (
     sampling_fields,
 )
 from radixgen.lang.interpreter.core import SamplingDefaults
-from radixgen.lang.ir import GEN_NAMES, SAMPLING_FIELDS, Gen
-from radixgen.lang.program import Function
+from radixgen.lang.ir import GEN_NAMES, LANG_NOT_EXPOSED, SAMPLING_FIELDS, Gen
+from radixgen.lang.program import RUN_NOT_EXPOSED, Function
 from radixgen.offline.params import OFFLINE_NAMES, OFFLINE_NOT_EXPOSED
 from radixgen.offline.params import SamplingParams as OfflineParams
 from radixgen.runtime.server.native_protocol import NativeSamplingParams
@@ -63,16 +68,15 @@ SAMPLE = {
 COMPANIONS = {"max_thinking_tokens": {"think_end": "</think>"}, "think_end": {"max_thinking_tokens": 64}}
 NON_CONSTRAINT = [name for name in DECLARED if name not in CONSTRAINT_FIELDS]
 
-# Deliberately not a keyword of the language's gen(...) (SGLang's gen has none of them; a run's requests keep
-# the declared defaults). `choices` is gen's too, but makes a select.
-LANG_NOT_EXPOSED = {"repetition_penalty", "skip_special_tokens", "no_stop_trim", "seed", "ebnf", "logit_bias",
-                    # the think block's closing text: gen(reasoning=True) sets it from the model's reasoning format
-                    "think_end"}
 
 
 def native(name: str, value):
     """`value` as the declared parameter holds it after construction (e.g. logit_bias keys as ints)."""
     return getattr(SamplingParams(**{**COMPANIONS.get(name, {}), name: value}), name)
+
+
+def declared_with(name: str, value) -> SamplingParams:
+    return SamplingParams(**{**COMPANIONS.get(name, {}), name: value})
 
 
 def test_every_declared_parameter_has_a_sample_and_help():
@@ -88,16 +92,16 @@ def test_declared_ranges_are_what_validation_checks(f):
     lo, hi, kind = f.metadata["lo"], f.metadata["hi"], f.metadata["kind"]
     step = 1 if kind is int else 1e-3
     below = lo if f.metadata["lo_open"] else lo - step
-    SamplingParams(**{f.name: lo + step})  # inside
+    declared_with(f.name, lo + step)  # inside
     with pytest.raises(ValueError, match=f"^sampling_params.{f.name}: "):
-        SamplingParams(**{f.name: below})
+        declared_with(f.name, below)
     if hi is not None:
-        SamplingParams(**{f.name: hi})
+        declared_with(f.name, hi)
         with pytest.raises(ValueError, match=f"^sampling_params.{f.name}: "):
-            SamplingParams(**{f.name: hi + step})
+            declared_with(f.name, hi + step)
     if kind is int:
         with pytest.raises(ValueError, match=f"^sampling_params.{f.name}: must be an integer"):
-            SamplingParams(**{f.name: True})
+            declared_with(f.name, True)
 
 
 # ---------------------------------------------------------------- the language
@@ -133,7 +137,9 @@ def test_run_defaults_are_the_declared_defaults():
         assert native(name, list(default) if isinstance(default, tuple) else default) == default_of(name), name
     for method in (Function.run, Function.arun, Function.run_batch):
         params = inspect.signature(method).parameters
-        for name in set(SAMPLING_FIELDS) - {"min_new_tokens"} | {"n"}:
+        run_keywords = set(SAMPLING_FIELDS) - RUN_NOT_EXPOSED | {"n"}
+        assert run_keywords == {name for name in params if name in DECLARED}, method.__name__
+        for name in run_keywords:
             default = params[name].default
             assert native(name, default) == default_of(name), (method.__name__, name)
 
@@ -202,3 +208,157 @@ def test_offline_params_map_every_parameter():
     for name in NON_CONSTRAINT:
         if name not in OFFLINE_NOT_EXPOSED:
             assert getattr(out, name) == native(name, SAMPLE[name]), name
+
+
+# ---------------------------------------------------------------- each surface: the declaration less its exclusions
+
+
+def test_each_surface_is_the_declaration_less_its_documented_exclusions():
+    lang = set(DECLARED) - LANG_NOT_EXPOSED
+    gen_keywords = {GEN_NAMES.get(k, k) for k in inspect.signature(lang_api.gen).parameters}
+    assert gen_keywords & set(DECLARED) == lang
+    assert {f.name for f in fields(Gen)} & set(DECLARED) == lang
+    assert {f.name for f in fields(SamplingDefaults)} & set(DECLARED) == set(SAMPLING_FIELDS) | {"n"}
+    assert {f.name for f in fields(Gen)} & {f.name for f in fields(SamplingDefaults)} >= set(SAMPLING_FIELDS)
+    assert set(NativeSamplingParams.model_fields) & set(DECLARED) == set(DECLARED)
+    openai = {OPENAI_NAMES.get(n, n) for n in set(DECLARED) - OPENAI_NOT_EXPOSED - SET_BY_CHAT - {"max_new_tokens"}}
+    for model in (CompletionRequest, ChatCompletionRequest):
+        assert set(model.declared_names) == openai, model.__name__  # the body's spelling -> the declared name
+        assert openai <= set(model.model_fields)
+    offline = {OFFLINE_NAMES.get(n, n) for n in set(DECLARED) - set(CONSTRAINT_FIELDS) - OFFLINE_NOT_EXPOSED}
+    vllm_own = {"logprobs", "prompt_logprobs", "spaces_between_special_tokens", "truncate_prompt_tokens",
+                "guided_decoding", "structured_outputs", "best_of", "allowed_token_ids", "bad_words",
+                "logits_processors", "detokenize", "extra_args"}
+    assert {f.name for f in fields(OfflineParams)} == offline | vllm_own
+
+
+def test_each_body_checks_a_value_with_the_declared_range():
+    """The declaration's one range check runs on every body, per field, so the 400 names the field."""
+    from radixgen.runtime.server.native_protocol import parse_sampling_params
+
+    with pytest.raises(ValueError, match=r"^sampling_params.n: must be an integer in \[1, 128\]"):
+        parse_sampling_params({"n": 2000})
+    with pytest.raises(ValueError, match=r"^sampling_params.max_thinking_tokens: must be an integer >= 0"):
+        parse_sampling_params({"max_thinking_tokens": -1, "think_end": "</think>"})
+    with pytest.raises(ValueError, match=r"min_tokens\n.*must be an integer >= 0"):
+        CompletionRequest(prompt="x", min_tokens=-1)
+    with pytest.raises(ValueError, match=r"max_thinking_tokens\n.*must be an integer >= 0"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_thinking_tokens=-1)
+    with pytest.raises(ValueError, match="gen.max_thinking_tokens: must be an integer >= 0"):
+        lang_api.gen("a", reasoning=True, max_thinking_tokens=-1)
+
+
+def test_a_json_schema_is_serialised_the_same_on_every_surface():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    from radixgen.common.constraint import constraint_text
+    from radixgen.offline.params import GuidedDecodingParams
+
+    text = constraint_text("json_schema", schema)
+    assert SamplingParams(json_schema=schema).json_schema == text
+    assert lang_api.gen("x", json_schema=schema).json_schema == text
+    assert GuidedDecodingParams(json=schema).native() == {"json_schema": text}
+    req = CompletionRequest(prompt="x", json_schema=schema)
+    assert OpenAIServing.constraint(req) == {"json_schema": text}
+
+
+# ---------------------------------------------------------------- a new field is one declaration
+
+# Run in a fresh interpreter: an import hook adds `typical_p` to the declaration as the module is first imported,
+# before any surface is built from it; then every surface is asked to take it.
+_NEW_FIELD = textwrap.dedent('''
+    import dataclasses, importlib.abc, importlib.util, inspect, sys
+
+    NAME = "radixgen.common.sampling_params"
+
+    class AddField(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != NAME:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+
+                @dataclasses.dataclass
+                class SamplingParams(module.SamplingParams):
+                    typical_p: float = module.param(1.0, kind=float, lo=0.0, hi=1.0, lo_open=True,
+                                                    help="locally typical sampling mass")
+
+                SamplingParams.__module__ = NAME
+                module.SamplingParams = SamplingParams
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, AddField())
+
+    import radixgen as rg
+    from radixgen.common.sampling_params import SamplingParams
+    from radixgen.lang.backend_base import BaseBackend
+    from radixgen.offline.params import SamplingParams as OfflineParams
+    from radixgen.runtime.server.native_protocol import parse_sampling_params
+    from radixgen.runtime.server.openai_api import OpenAIServing
+    from radixgen.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    def refused(fn, *words):
+        try:
+            fn()
+        except ValueError as e:
+            assert all(w in str(e) for w in words), e
+            return
+        raise AssertionError("accepted an out-of-range typical_p")
+
+    assert SamplingParams(typical_p=0.5).typical_p == 0.5
+    refused(lambda: SamplingParams(typical_p=0.0), "sampling_params.typical_p")
+
+    # the language: a gen keyword (and the typed gens'), a run keyword with the declared default, in the request
+    assert inspect.signature(rg.gen).parameters["typical_p"].default is None
+    assert rg.gen_int("n", typical_p=0.25).typical_p == 0.25
+    assert inspect.signature(rg.Function.run).parameters["typical_p"].default == 1.0
+
+    class Recording(BaseBackend):
+        model_info = {}
+        sent = []
+
+        def _generate_group(self, requests):
+            self.sent += [r.sampling_params for r in requests]
+            return [{"text": "ok", "meta_info": {}} for _ in requests]
+
+    @rg.function
+    def prog(s):
+        s += "Q: " + rg.gen("a", max_tokens=2, typical_p=0.7) + rg.gen("b", max_tokens=2)
+
+    backend = Recording()
+    prog.run(backend=backend, typical_p=0.3)
+    assert [p["typical_p"] for p in backend.sent] == [0.7, 0.3], backend.sent
+    assert SamplingParams.from_dict(backend.sent[0]).typical_p == 0.7
+    from radixgen.lang.backend_base import GenRequest
+    from radixgen.lang.backend_openai import OpenAI
+
+    oai = OpenAI("m", is_chat_model=False, base_url="http://127.0.0.1:9/v1")  # no request is sent
+    assert oai._kwargs(GenRequest("Q:", None, backend.sent[0]), False)["extra_body"]["typical_p"] == 0.7
+
+    # the native body
+    engine_dict = parse_sampling_params({"typical_p": 0.5}).to_engine(None, 100)
+    assert SamplingParams.from_dict(engine_dict).typical_p == 0.5
+    refused(lambda: parse_sampling_params({"typical_p": 2.0}), "sampling_params.typical_p")
+
+    # the OpenAI bodies (as an extra-body field)
+    for req in (CompletionRequest(prompt="x", typical_p=0.5),
+                ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], typical_p=0.5)):
+        assert SamplingParams.from_dict(OpenAIServing.sampling(req, 7, {})).typical_p == 0.5
+    refused(lambda: CompletionRequest(prompt="x", typical_p=0), "typical_p")
+
+    # the offline (vLLM-shaped) SamplingParams
+    assert OfflineParams().typical_p == 1.0
+    assert SamplingParams.from_dict(OfflineParams(typical_p=0.5).native(1, 100)).typical_p == 0.5
+    print("every surface takes typical_p")
+''')
+
+
+def test_a_field_added_to_the_declaration_reaches_every_surface():
+    out = subprocess.run([sys.executable, "-c", _NEW_FIELD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "every surface takes typical_p" in out.stdout

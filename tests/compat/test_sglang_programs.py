@@ -8,6 +8,8 @@ xfail(raises=AssertionError): a protocol error there still fails the test, since
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import types
 
@@ -39,7 +41,6 @@ def endpoint(sglang_server):
     [
         "test_mt_bench",
         "test_decode_json_regex",
-        "test_decode_json",
         "test_regex",
         "test_dtype_gen",
         "test_stream",
@@ -49,6 +50,25 @@ def endpoint(sglang_server):
 )
 def test_program(name):
     getattr(programs, name)()
+
+
+def test_decode_json():
+    """Five constrained gens (`gen_string`, `gen_int`, `gen(dtype=...)`) at SGLang's max_new_tokens=64. The bundled
+    135M model can run a string field for all 64 tokens without closing it (which one, and whether, follows the
+    CPU's arithmetic), or write an integer JSON refuses ("+5", "007": REGEX_INT allows both), and the program's
+    JSON then does not parse. That alone is the model's length, not the
+    protocol: every field must still be exactly what its constraint allows, with only a string's closing quote
+    missing; anything else fails here."""
+    try:
+        programs.test_decode_json()
+    except json.JSONDecodeError as error:
+        string, integer = r'"[\w\d\s]*"?', r"[-+]?[0-9]+[ \n]*"  # sglang.lang.ir's REGEX_STR / REGEX_INT
+        fields = [("name", string), ("population", integer), ("area", integer), ("country", string),
+                  ("timezone", string)]
+        shape = r"\{\n" + ",\n".join(f'  "{key}": {value}' for key, value in fields) + r"\n\}"
+        assert re.fullmatch(shape, error.doc), f"the constrained fields broke their regex: {error.doc!r}"
+        pytest.xfail("the model's text within the constraints is not JSON: a string cut at max_new_tokens=64, or "
+                     "an integer with a sign or leading zeros")
 
 
 @pytest.mark.xfail(raises=AssertionError, reason="the model's arithmetic: where a prefill's bf16 bits follow the "

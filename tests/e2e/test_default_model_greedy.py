@@ -1,4 +1,6 @@
-"""The bundled default model: our greedy output equals transformers' greedy generate, token for token."""
+"""The bundled default model, dequantized (quantization="none", transformers' weights): our greedy output equals
+transformers' greedy generate, token for token. The default (its own blocks) against this:
+test_gguf_native_greedy.py."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def test_greedy_matches_transformers_fp32(prompt_ids):
                                eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(ids):].tolist())
     del ref
-    with Engine(dtype="float32") as eng:
+    with Engine(dtype="float32", quantization="none") as eng:  # the dequantized file: transformers' weights
         got = eng.generate(input_ids=prompt_ids, sampling_params={
             "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True})
         assert eng.get_server_info()["invariant_ok"]

@@ -3,7 +3,8 @@ in a subprocess, once per kind of CPU emulated here, and each answer it prints i
 
 The kinds differ in bf16 rounding and in which kernels run: this CPU's C kernels at the dtype `auto` picks
 here (bf16 on AMX), the C kernels of a CPU with AVX512-BF16 but no AMX (RADIXGEN_CPU_ISA=cooperlake, oneDNN
-held below AMX: an AMD EPYC of the Zen 4 kind), those of an AVX2 CPU (x86-64-v3, float32: `auto` there),
+held below AMX: an AMD EPYC of the Zen 4 kind), those of an AVX2 CPU (x86-64-v3, bf16 weights in float32 math:
+`auto` there),
 and the plain torch path (RADIXGEN_DISABLE_CPU_KERNELS=1) in bf16 without AMX. A kind whose build needs what this
 CPU lacks (AVX512-BF16 on an AVX2 CPU) is skipped: its kernels would die of SIGILL here."""
 
@@ -25,8 +26,8 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 CPUS = {
     "native-auto": ({}, "auto"),
     "avx512bf16-no-amx": ({"RADIXGEN_CPU_ISA": "cooperlake", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "bfloat16"),
-    "avx2-float32": ({"RADIXGEN_CPU_ISA": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-                     "float32"),
+    "avx2-bfloat16": ({"RADIXGEN_CPU_ISA": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+                      "bfloat16"),
     "torch-bf16-no-amx": ({"RADIXGEN_DISABLE_CPU_KERNELS": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
                           "bfloat16"),
 }

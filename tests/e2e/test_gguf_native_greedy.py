@@ -1,5 +1,5 @@
-"""The bundled default model run from its own Q4_1 / Q8_0 blocks (quantization="gguf") against the dequantized
-path (the default for a .gguf file), through the Engine, on the prompts of test_default_model_greedy.py.
+"""The bundled default model run from its own Q4_1 / Q8_0 blocks (the default, quantization auto, as `gguf`) against
+the dequantized path (quantization="none"), through the Engine, on the prompts of test_default_model_greedy.py.
 
 float32: the same greedy tokens over 32 steps (both paths compute with the blocks' exact values). bf16: the
 dequantized path keeps each weight rounded to bf16 while the native decode step computes with the exact values,
@@ -28,17 +28,21 @@ def prompt_ids():
             for m in PROMPTS]
 
 
-def greedy(prompt_ids, **config) -> list[list[int]]:
+def greedy(prompt_ids, native: bool | None = None, **config) -> list[list[int]]:
     with Engine(**config) as eng:
+        if native is not None:  # a native folder holds the config and tokenizer only: weights from the file
+            assert eng.model_path.name.endswith("-native") == native
         got = eng.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
                                                                    "ignore_eos": True})
         assert eng.get_server_info()["invariant_ok"]
     return [g["output_ids"] for g in got]
 
 
-def test_greedy_matches_dequantized_fp32(prompt_ids):
-    native = greedy(prompt_ids, dtype="float32", quantization="gguf")
-    assert native == greedy(prompt_ids, dtype="float32")
+def test_default_runs_own_blocks_and_matches_dequantized_fp32(prompt_ids):
+    """The default (auto) runs the file's own blocks: top-1 agreement with the dequantized path on every one of
+    the 3 x 32 greedy steps in float32."""
+    native = greedy(prompt_ids, True, dtype="float32")
+    assert native == greedy(prompt_ids, False, dtype="float32", quantization="none")
     assert all(len(t) == NEW_TOKENS for t in native)
 
 
@@ -73,8 +77,8 @@ def test_bf16_as_accurate_as_the_dequantized_path(prompt_ids):
     # the radix cache off: the Engine prefills the prompts in one step, as forced_logits does (with it, later prompts
     # reuse the first one's cached system prompt, whose other bf16 roundings flip a near-tie at token 17)
     native = greedy(prompt_ids, dtype="bfloat16", quantization="gguf", disable_radix_cache=True)
-    ours, deq = (forced_logits(prompt_ids, native, q) for q in ("gguf", "auto"))
-    exact = forced_logits(prompt_ids, native, "auto", "float32")
+    ours, deq = (forced_logits(prompt_ids, native, q) for q in ("gguf", "none"))
+    exact = forced_logits(prompt_ids, native, "none", "float32")
     assert ours.argmax(-1).tolist() == native  # the engine's tokens, recomputed step by step
 
     def rel(a, b):

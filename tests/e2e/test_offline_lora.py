@@ -68,7 +68,7 @@ def test_lora_request_without_lora_enabled():
 
 
 def test_frontend_program_on_an_in_process_engine(setup):
-    """The frontend's run(lora_path=...) through EngineBackend: the gen is Engine.generate's with that adapter,
+    """The frontend's run(lora_name=...) through EngineBackend: the gen is Engine.generate's with that adapter,
     and the select's scoring runs on it too (its prefill of the prompt is a cache hit of the gen's, which only
     the adapter's own namespace holds)."""
     import radixgen as rg
@@ -87,6 +87,6 @@ def test_frontend_program_on_an_in_process_engine(setup):
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
     for lora in ("sql", None):
         engine.flush_cache()
-        state = prog.run(backend=rg.EngineBackend(engine), lora_path=lora)
+        state = prog.run(backend=rg.EngineBackend(engine), lora_name=lora)
         assert state["x"] == engine.generate(text, sp, lora_path=lora)["text"]
         assert state.get_meta_info("pick")["cached_tokens"] > 0

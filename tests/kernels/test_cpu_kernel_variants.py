@@ -62,8 +62,8 @@ def test_weight_streams_prefetch_nta_only_in_an_amd_native_build(monkeypatch, ve
     assert ("-DRG_STREAM_NTA" in _cpu_build.flags("native")) == nta
     assert "-DRG_STREAM_NTA" not in _cpu_build.flags("x86-64-v3")
     if "avx512_bf16" in _cpu_build.cpu_flags():  # the AVX512-BF16 matmuls are in this CPU's native build: their hint
-        text = _cpu_build.preprocess("native")
-        assert ("_MM_HINT_NTA" in text) == nta and ("_MM_HINT_T0" in text) != nta
+        text = _cpu_build.preprocess("native")  # (other kernels prefetch into L1 with _MM_HINT_T0 on every build)
+        assert ("_MM_HINT_NTA" in text) == nta
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,4 +1,4 @@
-"""The C row copies between KV pools (kernels.cpu_kv_copy, what executor.kv_pool.copy_kv_rows runs for CPU pools)
+"""The C row copies between KV pools (kernels.cpu_kv_copy, what ground.kv_pool.copy_kv_rows runs for CPU pools)
 against the torch path (kv_pool._copy_kv_rows: index_select / index_copy per buffer, kv_quant's quantize_kv_ref and
 dequantize_kv_ref): every buffer bit for bit, for bf16 and fp32 pools to and from int8, fp8 and same-format host
 tiers, an 8-bit pool's codes and scales, head sizes on and off the vector paths, 1 row and many, on 1 and 2
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from radixgen.kernels import cpu, cpu_kv_copy
-from radixgen.runtime.executor import kv_pool
-from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, copy_kv_rows
+from radixgen.runtime.ground import kv_pool
+from radixgen.runtime.ground.kv_pool import HostKVPool, KVPool, copy_kv_rows
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 

@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 import radixgen.cli as cli
+import radixgen.cli.router as cli_router
+import radixgen.cli.serve as cli_serve
 from radixgen.router.app import create_router_app
 from radixgen.router.config import RouterConfig
 from radixgen.runtime.server.launch import SHUTDOWN_GRACE_S
@@ -67,8 +69,8 @@ def every_command() -> list[tuple[str, list[str]]]:
 def parse_with_the_cli(argv: list[str], monkeypatch) -> tuple[str, object]:
     """Run radixgen.cli.main on argv with the real parsers and validation; capture what it would run."""
     seen = []
-    monkeypatch.setattr(cli, "run_server", lambda args: seen.append(("serve", args)) or 0)
-    monkeypatch.setattr(cli, "run_router", lambda config, urls: seen.append(("router", (config, urls))) or 0)
+    monkeypatch.setattr(cli_serve, "run_server", lambda args: seen.append(("serve", args)) or 0)
+    monkeypatch.setattr(cli_router, "run_router", lambda config, urls: seen.append(("router", (config, urls))) or 0)
     assert argv[0] == "radixgen", argv
     assert cli.main(argv[1:]) == 0
     return seen[0]

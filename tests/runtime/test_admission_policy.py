@@ -7,7 +7,7 @@ from __future__ import annotations
 from radixgen.common.prompt import MediaItem
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.executor.kv_pool import new_req_to_slot_table
+from radixgen.runtime.ground.kv_pool import new_req_to_slot_table
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.policy import SHARED_PREFIX_DEFER_TOKENS, AdmissionPolicy
 from radixgen.runtime.scheduler.request import GenerateRequest, Req

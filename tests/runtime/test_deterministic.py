@@ -105,23 +105,22 @@ def test_without_the_mode_some_probes_round_apart(model):
     (dict(tp_size=2, pp_size=2), "tp_size=2 and pp_size=2"),
     (dict(disable_cpu_kernels=True), "disable_cpu_kernels"),
     (dict(dtype="float32"), "dtype=float32"),
-    (dict(quantization="int8"), "quantization=int8"),
-    (dict(kv_cache_dtype="int8"), "kv_cache_dtype=int8"),
-    (dict(enable_lora=True), "LoRA"),
+    (dict(quantization="fp8"), "quantization=fp8"),
 ])
 def test_what_the_mode_cannot_keep_is_refused_by_name(kw, named):
     with pytest.raises(ValueError, match=f"deterministic mode does not run with {named}"):
         RuntimeConfig(deterministic=True, **kw)
 
 
-def test_the_runner_refuses_a_quantized_checkpoint_or_missing_kernels():
+def test_the_runner_refuses_an_fp8_checkpoint_or_missing_kernels():
     ops = ops_mod.CpuOps(KL, deterministic=True)
     deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops, 64)  # what the tests above run
-    with pytest.raises(ValueError, match="quantized weights .* awq"):
-        deterministic.check_deterministic(QuantSpec(method="awq", group_size=128), torch.bfloat16, ops, 64)
-    with pytest.raises(ValueError, match="AVX512-BF16"):
+    deterministic.check_deterministic(QuantSpec(method="awq", group_size=128), torch.bfloat16, ops, 64)
+    with pytest.raises(ValueError, match="fp8 weights"):
+        deterministic.check_deterministic(QuantSpec(method="fp8"), torch.bfloat16, ops, 64)
+    with pytest.raises(ValueError, match="C kernels"):
         deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops_mod.CpuOps(None, deterministic=True), 64)
-    with pytest.raises(ValueError, match="bfloat16 weights"):
+    with pytest.raises(ValueError, match="bfloat16 activations"):
         deterministic.check_deterministic(QuantSpec(), torch.float32, ops, 64)
     with pytest.raises(ValueError, match=f"head_dim={KL.d_max + 8}"):
         deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops, KL.d_max + 8)
@@ -134,7 +133,7 @@ def test_the_runner_refuses_a_layer_off_the_c_matmuls():
     mode holds to the row count: refused by the layer's name."""
     from radixgen.runtime.executor.model_runner import ModelRunner
 
-    with pytest.raises(ValueError, match="every linear layer on the C bf16 matmuls; .*down_proj runs onednn"):
+    with pytest.raises(ValueError, match="every linear layer on radixgen's C matmuls .*down_proj runs onednn"):
         ModelRunner(RuntimeConfig(model=str(tiny_model_dir("llama-odd")), dtype="bfloat16", deterministic=True,
                                   max_total_tokens=256, max_running_requests=2))
 

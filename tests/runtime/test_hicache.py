@@ -21,10 +21,10 @@ from test_scheduler import make_scheduler, outputs, run
 
 from radixgen.common.sampling_params import SamplingParams
 from radixgen.kernels.kv_quant import dequantize_kv_ref, quantize_kv_ref
-from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, new_req_to_slot_table
 from radixgen.runtime.executor.step_messages import KVCopyQueue
+from radixgen.runtime.ground.kv_pool import HostKVPool, KVPool, new_req_to_slot_table
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
-from radixgen.runtime.scheduler.radix_cache import Tier
+from radixgen.runtime.scheduler.radix import Tier
 from radixgen.runtime.scheduler.request import AbortRequest, GenerateRequest, Req, ReqOutput
 from radixgen.runtime.scheduler.tiers import HierarchicalCache
 

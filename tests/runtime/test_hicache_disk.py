@@ -124,3 +124,27 @@ def test_sigkill_in_the_middle_of_writes_leaves_whole_pages_or_nothing(tmp_path)
         assert store.read_page(name, "", [int(name, 16)]) is not None  # whole, checksum and all
     assert store.counts["read_failures"] == 0
     store.close()
+
+
+def test_a_corrupt_page_is_removed_and_written_again(tmp_path):
+    """Issue 46 item 6: a page failing its checksum is a miss and its file goes, so the recomputed page is written
+    in its place and a restarted store reads it."""
+    store = DiskStore(tmp_path, FP, max_bytes=1 << 30)
+    p = page(7)
+    store.write(p)
+    store.drain()
+    path = store.path(p.name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert store.read_page(p.name, p.parent, p.tokens) is None and store.info()["read_failures"] == 1
+    assert not path.exists() and not store.known(p.name)
+    store.write(p)  # the page computed again
+    store.drain()
+    store.close()
+    again = DiskStore(tmp_path, FP, max_bytes=1 << 30)  # a restart
+    rows = again.read_page(p.name, p.parent, p.tokens)
+    assert rows is not None and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                    for a, b in zip(rows, p.rows, strict=True))
+    assert again.info()["read_failures"] == 0
+    again.close()

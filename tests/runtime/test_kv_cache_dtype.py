@@ -17,8 +17,8 @@ from tiny_models import tiny_model_dir
 from radixgen.common.flags import add_dataclass_flags
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.executor.kv_pool import KVPool
 from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
+from radixgen.runtime.ground.kv_pool import KVPool
 
 QUANT = ["int8", "fp8_e4m3"]
 VS_16BIT = {"int8": 0.03, "fp8_e4m3": 0.08}

@@ -11,10 +11,16 @@ from parallel_helpers import drive_copy, run_group
 from tiny_models import tiny_model_dir
 
 from radixgen.runtime.config import RuntimeConfig
-from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog
 from radixgen.runtime.executor.model_runner import ModelRunner
-from radixgen.runtime.executor.step_messages import CopyDirection, KVCopies, KVCopyQueue, StepDescription, StepKind
-from radixgen.runtime.scheduler.batch import ForwardInput
+from radixgen.runtime.executor.step_messages import (
+    CopyDirection,
+    ForwardInput,
+    KVCopies,
+    KVCopyQueue,
+    StepDescription,
+    StepKind,
+)
+from radixgen.runtime.ground.kv_pool import KVPool, TableWriteLog
 
 
 def test_copy_orders_travel_in_the_step_description():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixgen.common.sampling_params import SamplingParams
-from radixgen.runtime.executor.kv_pool import new_req_to_slot_table
+from radixgen.runtime.ground.kv_pool import new_req_to_slot_table
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.request import GenerateRequest, Req
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from radixgen.common.sampling_params import SamplingParams
-from radixgen.runtime.executor.kv_pool import KVPool, new_req_to_slot_table
+from radixgen.runtime.ground.kv_pool import KVPool, new_req_to_slot_table
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
-from radixgen.runtime.scheduler.radix_cache import KVLocation, RadixCache, Tier, TreeNode
+from radixgen.runtime.scheduler.radix import KVLocation, RadixCache, Tier, TreeNode
 from radixgen.runtime.scheduler.request import GenerateRequest, Req
 
 
@@ -184,7 +184,7 @@ def test_kv_buffers_skip_huge_pages_unless_asked_and_numpy_keeps_its_setting():
     compact memory), the device pool's with it under --kv-huge-pages; numpy's own setting is as it was after."""
     import numpy as np
 
-    from radixgen.runtime.executor import kv_pool
+    from radixgen.runtime.ground import kv_pool
 
     switch = np._core.multiarray._set_madvise_hugepage
     seen = []
@@ -214,7 +214,7 @@ def test_kv_buffers_skip_huge_pages_unless_asked_and_numpy_keeps_its_setting():
 def test_write_rows_in_c_equals_the_torch_path(code, monkeypatch):
     """A disk page's tensors stored into host-tier rows: the one C call leaves every buffer (codes, scales, values)
     bit for bit as the per-buffer torch path does; out-of-range rows are refused."""
-    from radixgen.runtime.executor import kv_pool
+    from radixgen.runtime.ground import kv_pool
 
     src = kv_pool.KVPool(3, 40, 2, 16, torch.bfloat16)
     for b in src.k_buffers + src.v_buffers:

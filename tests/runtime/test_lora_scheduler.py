@@ -69,7 +69,7 @@ def scheduler(tokenizer, root, names=("a", "b", "c"), **kw) -> Scheduler:
 
 def req(rid: str, i: int, lora: str | None, salt: str | None = None, new: int = NEW) -> GenerateRequest:
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    return GenerateRequest(rid, list(PROMPTS[i]), params, cache_salt=salt, lora_path=lora)
+    return GenerateRequest(rid, list(PROMPTS[i]), params, cache_salt=salt, lora_name=lora)
 
 
 def control(sched: Scheduler, msg, timeout: float = 60.0) -> LoRAUpdate:
@@ -265,12 +265,12 @@ def test_speculation_keeps_each_adapters_greedy_output(adapters, tokenizer, dtyp
         if "speculative_draft_model" in kw:
             sched.spec.drafter.forward_cost = 0.0  # draft although a draft as large as the target does not pay
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-        reqs = [GenerateRequest(f"{u}-{i}", list(p), params, lora_path=u) for i, p in enumerate(looping) for u in uses]
+        reqs = [GenerateRequest(f"{u}-{i}", list(p), params, lora_name=u) for i, p in enumerate(looping) for u in uses]
         return run(sched, reqs), sched.counters
 
     plain, _ = outputs()
     drafted, counters = outputs(**spec)
-    assert counters["spec_draft_tokens"] > 0
+    assert counters.spec_draft_tokens > 0
     assert {rid: o["ids"] for rid, o in drafted.items()} == {rid: o["ids"] for rid, o in plain.items()}
 
 

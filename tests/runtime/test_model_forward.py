@@ -40,6 +40,8 @@ class Driver:
             p = self.lens[name]
             s = kv_of(self.runner).allocator.allocate(len(toks))
             kv_of(self.runner).table.write(self.rows[name], p, s)
+            if kv_of(self.runner).window is not None:  # window layers: their own slots for the new positions
+                kv_of(self.runner).window.extend(self.rows[name], p, s, lambda n: None)
             ids += toks
             pos += range(p, p + len(toks))
             slots.append(s)
@@ -190,7 +192,7 @@ def test_a_steps_logits_keep_the_row_kernels(monkeypatch):
     import transformers as tf
 
     from radixgen.runtime.executor import cpu_decode
-    from radixgen.runtime.executor.forward_context import in_decode_or_verify
+    from radixgen.runtime.ground.forward_context import in_decode_or_verify
 
     folder = tiny_model_dir("llama")
     runner = ModelRunner(RuntimeConfig(model=str(folder), dtype="float32", max_total_tokens=4096,

@@ -101,7 +101,7 @@ def test_a_draft_model_the_targets_weight_format_cannot_load_is_refused_naming_t
     import dataclasses
 
     from radixgen.runtime.loader import load_tokenizer
-    from radixgen.runtime.speculative.draft_model import DraftModelDrafter
+    from radixgen.runtime.scheduler.speculative.draft_model import DraftModelDrafter
 
     folder, draft = tiny_model_dir("qwen3_moe"), tiny_model_dir("llama")
     cfg = RuntimeConfig(model=str(folder), dtype="float32", max_total_tokens=256, max_running_requests=2,

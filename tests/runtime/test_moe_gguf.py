@@ -123,7 +123,7 @@ def test_gguf_experts_round_trip(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXGEN_CACHE", str(tmp_path / "cache"))
     path = tmp_path / f"{arch}.gguf"
     write_moe_gguf(arch, folder, path)
-    runner = ModelRunner(RuntimeConfig(model=str(path), dtype="float32", max_total_tokens=1024,
+    runner = ModelRunner(RuntimeConfig(model=str(path), dtype="float32", quantization="none", max_total_tokens=1024,
                                        max_running_requests=4))
     assert type(runner.model).__name__ == {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                                            "mixtral": "MixtralForCausalLM"}[arch]
@@ -168,7 +168,7 @@ def test_quantized_gguf_experts_run_from_their_blocks(arch, tmp_path, monkeypatc
     kw = {"dtype": "float32", "max_total_tokens": 1024, "max_running_requests": 4}
     with caplog.at_level(logging.INFO, logger="radixgen.runtime.layers.quantization.gguf"):
         native = ModelRunner(RuntimeConfig(model=str(path), quantization="gguf", **kw))
-    ref = ModelRunner(RuntimeConfig(model=str(path), **kw))  # the default for a .gguf: dequantized at conversion
+    ref = ModelRunner(RuntimeConfig(model=str(path), quantization="none", **kw))  # dequantized at conversion
     experts = [m for m in native.model.modules() if isinstance(m, GroupedLinear)]
     got = [m.method.name for m in experts]
     if cpu.available():
@@ -185,7 +185,7 @@ def test_quantized_gguf_experts_run_from_their_blocks(arch, tmp_path, monkeypatc
         assert rel(logits_of(torch_path), logits_of(ref)) < 1e-4
     if arch == "qwen3_moe" and cpu.available() and cpu.lib().has_decode_step:  # bf16: inside the fused step
         kw["dtype"] = "bfloat16"
-        native, ref = (ModelRunner(RuntimeConfig(model=str(path), quantization=q, **kw)) for q in ("gguf", "auto"))
+        native, ref = (ModelRunner(RuntimeConfig(model=str(path), quantization=q, **kw)) for q in ("gguf", "none"))
         assert native.fused_decode is not None
         a, b = logits_of(native), logits_of(ref)  # the reference's weights rounded to bf16, ours exact: a token
         rows = sorted(rel(a[i], b[i]) for i in range(len(a)))  # near a routing tie may take another expert

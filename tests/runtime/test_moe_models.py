@@ -18,13 +18,13 @@ from tiny_models import hf_config, tiny_model_dir
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.executor.cuda_graph_runner import graph_unsafe
 from radixgen.runtime.executor.model_runner import ModelRunner
+from radixgen.runtime.ground.parallel_context import ParallelContext
 from radixgen.runtime.layers.moe import MoERouting, experts_forward, route
 from radixgen.runtime.layers.quantization.experts import GroupedLinear, QuantizedGroupedLinear, grouped_method
 from radixgen.runtime.loader import read_hf_config
 from radixgen.runtime.lora.adapter import LoRAAdapterError
 from radixgen.runtime.models.moe_block import SparseMoEBlock
 from radixgen.runtime.models.parts import MOE_GATED_SILU
-from radixgen.runtime.parallel_context import ParallelContext
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 TOL = 1e-4
@@ -243,8 +243,9 @@ def test_combinations_refused_at_start_name_the_problem():
     with pytest.raises(ValueError, match="ep_size=2 splits expert blocks, and llama has none"):
         runner_of(tiny_model_dir("llama"), tp_size=2, ep_size=2)
     folder = tiny_model_dir("qwen3_moe")
-    with pytest.raises(ValueError, match="deterministic mode does not run mixture-of-experts"):
-        ModelRunner(RuntimeConfig(model=str(folder), dtype="bfloat16", deterministic=True, max_total_tokens=256))
+    with pytest.raises(ValueError, match="deterministic mode does not run the experts of .* as int8"):
+        ModelRunner(RuntimeConfig(model=str(folder), dtype="bfloat16", deterministic=True, quantization="int8",
+                                  max_total_tokens=256))
     with pytest.raises(LoRAAdapterError, match=r"targets \['down_proj', 'gate_proj'\].*attention-only"):
         runner_of(folder, enable_lora=True, lora_target_modules=("q_proj", "gate_proj", "down_proj"))
     with pytest.raises(ValueError, match="expert blocks: quantization 'awq' has no grouped-expert form"):

@@ -353,3 +353,18 @@ def test_select_after_an_image_scores_the_choices_over_the_cached_image_prefix(e
         [t[0] for t in state.get_meta_info("a")["input_token_logprobs"][0]], abs=1e-5)
     assert len(meta["unconditional_token_logprobs"]) == len(choices)
     idle_and_consistent(engine)
+
+
+def test_the_encoder_cache_is_shared_only_within_a_cache_salt(engine):
+    """Issue 46: under per-key isolation every request carries its key's namespace as its cache salt; an image's
+    embeddings are kept per salt, so one key cannot learn from the encoder cache (its counts in /server_info, or
+    the time an encoding takes) whether another key sent an image."""
+    img = make_image(41)
+    engine.generate("USER: <image>\nWhat colour?", SHORT, image_data=img, cache_salt="key-a")
+    before = engine.get_server_info()["encoder_cache"]
+    engine.generate("Look: <image> now.", SHORT, image_data=img, cache_salt="key-b")
+    after = engine.get_server_info()["encoder_cache"]
+    assert after["encoded_items"] == before["encoded_items"] + 1  # encoded again: key-a's entry is not key-b's
+    engine.generate("Again: <image> now.", SHORT, image_data=img, cache_salt="key-b")
+    assert engine.get_server_info()["encoder_cache"]["encoded_items"] == after["encoded_items"]  # shared in a salt
+    idle_and_consistent(engine)

@@ -125,7 +125,7 @@ def test_prefill_matmuls_of_8_rows_or_more_run_on_the_amx_gemm(monkeypatch, fmt)
     rounding of the C matmul; fewer rows, decode steps and draft verifications (any row count) stay on the C
     kernels, and so does every row count in the deterministic mode; builds for other CPUs have no AMX route."""
     from radixgen.kernels import cpu_linear
-    from radixgen.runtime.executor import forward_context
+    from radixgen.runtime.ground import forward_context
     from radixgen.runtime.layers import fixed_order
     from radixgen.runtime.layers.quantization import base, int4, int8
 
@@ -210,8 +210,8 @@ def test_cpu_verification_rows_attend_bit_for_bit_as_decode_steps(dtype):
     otherwise have computed them, one token a step: the same kernel, the same split of each context, so that
     speculative decoding leaves outputs bit for bit (a different kernel rounds differently, and a seeded request
     then samples another token at a near-tie of its draw)."""
-    from radixgen.runtime.executor.forward_context import ForwardContext
-    from radixgen.runtime.executor.kv_pool import KVPool
+    from radixgen.runtime.ground.forward_context import ForwardContext
+    from radixgen.runtime.ground.kv_pool import KVPool
 
     gen = torch.Generator().manual_seed(0)
     h, hkv, d, prefixes, new = 6, 2, 64, [300, 41], [3, 2]  # per request: tokens in the pool, rows verified

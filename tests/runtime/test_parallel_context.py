@@ -1,4 +1,4 @@
-"""The parallel context (runtime/parallel_context.py): its layout arithmetic, no-op collectives at size 1, and the
+"""The parallel context (ground/parallel_context.py): its layout arithmetic, no-op collectives at size 1, and the
 axis collectives over gloo between 2 spawned processes (all_to_all with uneven counts, all_gather, all_reduce)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import traceback
 import pytest
 import torch
 
-from radixgen.runtime.parallel_context import SINGLE, ParallelAxis, ParallelContext
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelAxis, ParallelContext
 
 
 def test_layout_places_every_rank_on_its_axes():

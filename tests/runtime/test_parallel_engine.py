@@ -25,7 +25,8 @@ from radixgen.runtime.executor.distributed import GroupError
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "List three colors:", "Once upon a time in a small village,"]
 GREEDY = {"max_new_tokens": 32, "temperature": 0}
-COMMON = {"num_threads": 1, "max_total_tokens": 4096, "max_running_requests": 16}
+COMMON = {"num_threads": 1, "max_total_tokens": 4096, "max_running_requests": 16,
+          "quantization": "none"}  # the dequantized default model: bf16 / float32 weights split by rank
 
 
 def free_port() -> int:
@@ -42,7 +43,7 @@ def node_command(port: int, *flags: str) -> list[str]:
     """`radixgen serve` for node 1 of a two-node group, one rank per node."""
     return [sys.executable, "-m", "radixgen.serve", "--node-rank", "1", "--nnodes", "2", "--dist-init-addr",
             f"127.0.0.1:{port}", "--num-threads", "1", "--max-total-tokens", "4096", "--max-running-requests", "16",
-            *flags]
+            "--quantization", COMMON["quantization"], *flags]
 
 
 @pytest.fixture(scope="module")

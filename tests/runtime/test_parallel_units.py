@@ -8,11 +8,10 @@ import torch
 
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.executor import distributed
-from radixgen.runtime.executor.distributed import HeadShard, head_shard, layer_range, split_range, vocab_shard
-from radixgen.runtime.executor.kv_pool import ReqToSlotTable, TableWriteLog, new_req_to_slot_table
-from radixgen.runtime.executor.step_messages import StepDescription, StepKind
+from radixgen.runtime.executor.step_messages import ForwardInput, StepDescription, StepKind
+from radixgen.runtime.ground.kv_pool import ReqToSlotTable, TableWriteLog, new_req_to_slot_table
+from radixgen.runtime.ground.sharding import HeadShard, head_shard, layer_range, split_range, vocab_shard
 from radixgen.runtime.rank_args import node_ranks, rank_threads
-from radixgen.runtime.scheduler.batch import ForwardInput
 
 
 def test_split_range_covers_everything_once_in_order():

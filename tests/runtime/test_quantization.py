@@ -14,6 +14,7 @@ from tiny_models import tiny_model_dir
 from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.model_runner import ModelRunner
+from radixgen.runtime.ground.parallel_context import ParallelAxis
 from radixgen.runtime.layers import quantization
 from radixgen.runtime.layers.linear import (
     ColumnParallelLinear,
@@ -24,7 +25,6 @@ from radixgen.runtime.layers.linear import (
 from radixgen.runtime.layers.ops import CpuOps, TorchOps
 from radixgen.runtime.layers.quantization import QuantSpec, resolve
 from radixgen.runtime.layers.quantization.base import QuantizedWeight
-from radixgen.runtime.parallel_context import ParallelAxis
 
 OPS = {"c": lambda: CpuOps(cpu.lib()), "torch": TorchOps}
 

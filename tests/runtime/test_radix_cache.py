@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixgen.runtime.scheduler.radix_cache import MatchResult, NamespaceKey, RadixCache, TreeNode
+from radixgen.runtime.scheduler.radix import MatchResult, NamespaceKey, RadixCache, TreeNode, views
 
 
 def slots(*xs: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def check_structure(cache: RadixCache) -> None:
         assert node.slots.dtype == torch.int64
         for k, child in node.children.items():
             assert child.parent is node
-            assert k == cache._child_key(child.key, 0)
+            assert k == cache.child_key(child.key, 0)
             assert node.lock_ref >= child.lock_ref
         if len(node) == 0:  # a namespace subtree root: a child of the root, never empty
             assert node.parent is cache.root and node.children
@@ -57,6 +57,7 @@ def check_structure(cache: RadixCache) -> None:
     assert cache.total_size() == evictable + protected
     for k, child in cache.root.children.items():
         assert (len(child) == 0) == isinstance(k, NamespaceKey)
+    cache.invariant()  # the tier ledger (leaf sets included) against a walk of the tree
 
 
 # ---- match / split ------------------------------------------------------------------------------
@@ -379,7 +380,7 @@ def test_pretty_print(capsys):
     cache = RadixCache()
     cache.insert([1, 2, 3], slots(0, 1, 2))
     cache.insert([4], slots(3), namespace="salt")
-    text = cache.pretty_print()
+    text = views.pretty_print(cache)
     assert "namespace 'salt'" in text and "key=[1, 2, 3]" in text
     assert capsys.readouterr().out.strip() == text
 
@@ -596,3 +597,16 @@ CacheMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_the_ledger_invariant_names_a_difference():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], torch.tensor([10, 11, 12]))
+    cache.invariant()
+    cache.ledger.evictable += 1  # a bookkeeping bug
+    with pytest.raises(RuntimeError, match="evictable is 4, the tree holds 3"):
+        cache.invariant()
+    cache.ledger.evictable -= 1
+    cache.ledger.leaves.clear()  # a leaf the LRU would never see
+    with pytest.raises(RuntimeError, match="leaves is 0 nodes, the tree holds 1 nodes"):
+        cache.invariant()

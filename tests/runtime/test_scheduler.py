@@ -236,5 +236,5 @@ def test_stalled_prefills_are_unstalled_by_retracting_the_newest(model_dir, toke
     monkeypatch.setattr(sched.kv, "can_allocate", lambda n, running=False: True if sched.step_no <= 1 else
                         real(n, running))
     out = run(sched, long_prompts(2, 200), max_steps=600)
-    assert sched.counters["retractions"] >= 1
+    assert sched.counters.retractions >= 1
     assert all(len(o["ids"]) == 4 for o in out.values()), out

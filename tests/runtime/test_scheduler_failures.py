@@ -14,7 +14,7 @@ from radixgen.common.sampling_params import SamplingParams
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.scheduler import Scheduler
-from radixgen.runtime.scheduler import output as output_mod
+from radixgen.runtime.scheduler import sampling as sampling_mod
 from radixgen.runtime.scheduler.process import _make_grammar_backend
 from radixgen.runtime.scheduler.request import FinishReason, GenerateRequest, ReqOutput
 from radixgen.runtime.special_tokens import eos_token_ids
@@ -114,13 +114,13 @@ def inject(stage: str, sched: Scheduler, monkeypatch) -> SamplingParams:
         monkeypatch.setattr(sched.grammar, "mask_fn", only_for_bad(sched.grammar.mask_fn, lambda reqs: reqs))
         return greedy(8, regex="[a-z]{5,40}")
     elif stage == "sampling":  # SamplingBatch.build raises whenever the bad request's params are in it
-        real = output_mod.SamplingBatch.build
+        real = sampling_mod.SamplingBatch.build
 
         def build(params, *rest):
             if any(p.seed == 4242 for p in params):
                 raise RuntimeError("injected failure")
             return real(params, *rest)
-        monkeypatch.setattr(output_mod.SamplingBatch, "build", staticmethod(build))
+        monkeypatch.setattr(sampling_mod.SamplingBatch, "build", staticmethod(build))
         return greedy(8, seed=4242)
     elif stage == "stop-check":
         monkeypatch.setattr(out, "check_stop_strings", only_for_bad(out.check_stop_strings, lambda req: [req]))
@@ -263,5 +263,5 @@ def test_the_scheduler_stops_where_a_grammar_may_end(model_dir, tokenizer):
     """One derivation of the end ids: every id the grammar accepts as its end also stops the scheduler."""
     sched = make_scheduler(model_dir, tokenizer, grammar=True)
     grammar_ends = set(sched.grammar.stop_token_ids)
-    assert grammar_ends and grammar_ends <= sched.output.eos_ids
-    assert tokenizer.eos_token_id in sched.output.eos_ids
+    assert grammar_ends and grammar_ends <= sched.sampling.eos_ids
+    assert tokenizer.eos_token_id in sched.sampling.eos_ids

@@ -21,11 +21,11 @@ from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
 from radixgen.runtime.grammar import make_backend
 from radixgen.runtime.scheduler import Scheduler
-from radixgen.runtime.scheduler.radix_cache import RadixCache
+from radixgen.runtime.scheduler.radix import RadixCache, views
 from radixgen.runtime.scheduler.request import FinishReason, GenerateRequest
-from radixgen.runtime.speculative import adaptive
-from radixgen.runtime.speculative.adaptive import Acceptance, draft_lengths
-from radixgen.runtime.speculative.ngram import NgramIndex
+from radixgen.runtime.scheduler.speculative import adaptive
+from radixgen.runtime.scheduler.speculative.adaptive import Acceptance, draft_lengths
+from radixgen.runtime.scheduler.speculative.ngram import NgramIndex
 
 
 def spec_scheduler(model_dir, tokenizer, algo: str = "ngram", draft=None, **kw):
@@ -427,19 +427,19 @@ def test_tree_continuations_are_read_only_and_namespaced():
     tree.insert([1, 2, 3, 4, 5, 6], torch.arange(1, 7))
     tree.insert([1, 2, 3, 9, 9], torch.arange(7, 12))
     tree.insert([1, 2, 7], torch.arange(12, 15), namespace="other")
-    before = (tree.pretty_print(), tree.evictable_size())
-    assert tree.continuation([1, 2], max_tokens=8) == [3, 9, 9]  # the most recent branch
-    assert tree.continuation([1, 2, 3, 4], max_tokens=1) == [5]
-    assert tree.continuation([1, 2, 3, 4, 5, 6]) == []  # nothing follows
-    assert tree.continuation([2, 3]) == []  # not a prefix the tree holds
-    assert tree.continuation([1, 2], namespace="other") == [7]
-    assert tree.continuation([1, 2, 7]) == []
-    assert (tree.pretty_print(), tree.evictable_size()) == before  # no split, no refresh
+    before = (views.pretty_print(tree), tree.evictable_size())
+    assert views.continuation(tree, [1, 2], max_tokens=8) == [3, 9, 9]  # the most recent branch
+    assert views.continuation(tree, [1, 2, 3, 4], max_tokens=1) == [5]
+    assert views.continuation(tree, [1, 2, 3, 4, 5, 6]) == []  # nothing follows
+    assert views.continuation(tree, [2, 3]) == []  # not a prefix the tree holds
+    assert views.continuation(tree, [1, 2], namespace="other") == [7]
+    assert views.continuation(tree, [1, 2, 7]) == []
+    assert (views.pretty_print(tree), tree.evictable_size()) == before  # no split, no refresh
     tree.match_prefix([1, 2, 3, 4])  # now the more recent branch
-    assert tree.continuation([1, 2], max_tokens=8) == [3, 4, 5, 6]
+    assert views.continuation(tree, [1, 2], max_tokens=8) == [3, 4, 5, 6]
     paged = RadixCache(page_size=2)
     paged.insert([1, 2, 3, 4, 5, 6], torch.arange(1, 7))
-    assert paged.continuation([1, 2, 3]) == [4, 5, 6]  # a context ending inside a page
+    assert views.continuation(paged, [1, 2, 3]) == [4, 5, 6]  # a context ending inside a page
 
 
 @pytest.mark.skipif(not (cpu.available() and cpu.lib().has_decode_step),

@@ -1,4 +1,4 @@
-"""The radix tree snapshot of the web console (scheduler/tree_snapshot.py) over a real RadixCache: bounds, the
+"""The radix tree snapshot of the web console (scheduler/radix/snapshot.py) over a real RadixCache: bounds, the
 tree shape (every shown edge's parent is shown), hit counts, and who sees which namespace."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from radixgen.runtime.messages import TreeSnapshotRequest
-from radixgen.runtime.scheduler.radix_cache import RadixCache
-from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply, snapshot_tree
+from radixgen.runtime.scheduler.radix import RadixCache
+from radixgen.runtime.scheduler.radix.snapshot import snapshot_reply, snapshot_tree
 
 
 class CharTokenizer:

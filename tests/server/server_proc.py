@@ -14,6 +14,7 @@ from typing import NamedTuple
 import httpx
 
 API_KEY = "test-key-123"
+APIS_KEYS = ("apis-key-one", "apis-key-two")  # the Anthropic / Ollama / KServe adapters' server (conftest.py)
 START_TIMEOUT_S = 300.0
 
 
@@ -45,7 +46,7 @@ def start_server(*extra: str, api_key: str | None = API_KEY) -> Server:
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="radixgen-server-", suffix=".log")
     # one scheduler thread: the HTTP process and the test client need the other core. The dtype `auto` picks: bf16
-    # where the CPU has fast bf16 (AVX512-BF16), else float32 (an AVX2 CPU's bf16 prefill ran 6.6x slower)
+    # where the CPU has fast bf16 (AVX512-BF16) or the C kernels multiply bf16 in float32 (AVX2), else float32
     server_args = f"--host 127.0.0.1 --port {port} --dtype auto --log-level warning --num-threads 1"
     cmd = [sys.executable, "-m", "radixgen.serve", *server_args.split(), *extra]
     if api_key:

@@ -1,6 +1,7 @@
 """LoRA adapters through a real `radixgen serve` subprocess (the tiny Llama, float32, two adapters at start and
-two pool slots): /generate's lora_path, the OpenAI API's model names and /v1/models, /load_lora_adapter and
-/unload_lora_adapter under traffic, the errors, the frontend language over HTTP, and the router's key."""
+two pool slots): /generate's lora_name (and lora_path, SGLang's name of it), the OpenAI API's model names and
+/v1/models, /load_lora_adapter and /unload_lora_adapter under traffic, the errors, the frontend language over
+HTTP, and the router's key."""
 
 from __future__ import annotations
 
@@ -59,6 +60,27 @@ def test_generate_with_lora_path_equals_peft(http, adapters):
     r = http.post("/generate", json={"input_ids": [PROMPT] * 3, "lora_path": ["b", None, "a"],
                                      "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
     assert [o["output_ids"] for o in r.json()] == [want["b"], want[None], want["a"]]
+
+
+def test_lora_name_and_its_sglang_alias(http, adapters):
+    """A request names its adapter with lora_name; SGLang's lora_path is the same field (an adapter's name, not a
+    folder) on /generate and in the OpenAI extra body; both given and different is a 400."""
+    _, want = adapters
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    r = http.post("/generate", json={"input_ids": PROMPT, "lora_name": "a", "sampling_params": sp})
+    assert r.status_code == 200 and r.json()["output_ids"] == want["a"], r.text
+    r = http.post("/generate", json={"input_ids": [PROMPT] * 2, "lora_name": [None, "b"], "lora_path": [None, "b"],
+                                     "sampling_params": sp})
+    assert [o["output_ids"] for o in r.json()] == [want[None], want["b"]], r.text
+    r = http.post("/generate", json={"input_ids": PROMPT, "lora_name": "a", "lora_path": "b", "sampling_params": sp})
+    assert r.status_code == 400 and "different adapters" in r.text, r.text
+    body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    by_name = http.post("/v1/completions", json={**body, "lora_name": "b"}).json()
+    by_path = http.post("/v1/completions", json={**body, "lora_path": "b"}).json()
+    assert by_name["model"] == by_path["model"] == "b"
+    assert by_name["choices"][0]["text"] == by_path["choices"][0]["text"]
+    r = http.post("/v1/completions", json={**body, "lora_name": "zz"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
 
 
 def test_openai_model_names_select_adapters(http, lora_server, adapters):
@@ -153,13 +175,13 @@ class _Recording(rg.RuntimeEndpoint):
         self.sent: list[str | None] = []
 
     def generate(self, requests):
-        self.sent += [r.lora_path for r in requests]
+        self.sent += [r.lora_name for r in requests]
         return super().generate(requests)
 
 
 def test_frontend_program_runs_on_an_adapter(lora_server):
-    """`run(lora_path=...)`: every request of the program carries the adapter; its gen is what /generate gives
-    with that lora_path."""
+    """`run(lora_name=...)`: every request of the program carries the adapter; its gen is what /generate gives
+    with that adapter. `lora_path` names a folder, not a run's adapter: refused with the right name."""
 
     @rg.function
     def prog(s, text):
@@ -173,12 +195,14 @@ def test_frontend_program_runs_on_an_adapter(lora_server):
             "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}).json()["text"] for lora in ("b", None)}
     for lora in ("b", None):
         backend = _Recording(lora_server.url)
-        state = prog.run(text=text, backend=backend, lora_path=lora)
+        state = prog.run(text=text, backend=backend, lora_name=lora)
         assert state["x"] == direct[lora] and state["pick"] in (" yes", " no")
         assert len(backend.sent) >= 3 and set(backend.sent) == {lora}  # the gen and the scoring requests
     assert direct["b"] != direct[None]
     with pytest.raises(Exception, match="unknown LoRA adapter 'zz'"):
-        prog.run(text=text, backend=rg.RuntimeEndpoint(lora_server.url), lora_path="zz")
+        prog.run(text=text, backend=rg.RuntimeEndpoint(lora_server.url), lora_name="zz")
+    with pytest.raises(TypeError, match="lora_name"):
+        prog.run(text=text, backend=rg.RuntimeEndpoint(lora_server.url), lora_path="b")
 
 
 def test_router_keys_prefixes_by_adapter():
@@ -187,3 +211,4 @@ def test_router_keys_prefixes_by_adapter():
     assert prompt_text({"model": "a", "prompt": "hi"}).endswith("hi")
     assert prompt_text({"model": "a", "prompt": "hi"}) != prompt_text({"model": "b", "prompt": "hi"})
     assert prompt_text({"text": ["x", "y"], "lora_path": ["a", None]}).startswith("\x00a,None\x00")
+    assert prompt_text({"text": "hello", "lora_name": "a"}) == prompt_text({"text": "hello", "lora_path": "a"})

@@ -135,6 +135,33 @@ def test_openai_chat_with_an_image_url_part(server):
         ask(small(4), "ultra")
 
 
+def test_anthropic_and_ollama_image_inputs_answer_as_the_openai_chat(server):
+    """An image as Anthropic's base64 image block and as an Ollama message's `images`: the same prompt, the same
+    greedy answer as the OpenAI chat's image_url part; count_tokens counts the image's tokens."""
+    import anthropic
+    import ollama
+    import openai
+
+    img, question = small(6), "What is in this picture?"
+    b64 = base64.b64encode(png_bytes(img)).decode()
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key).chat.completions.create(
+        model=server.model, max_tokens=8, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": data_url(img)}}]}])
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0)
+    blocks = [{"type": "text", "text": question},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]
+    msg = claude.messages.create(model=server.model, max_tokens=8, messages=[{"role": "user", "content": blocks}],
+                                 extra_body={"temperature": 0.0})
+    assert msg.content[0].text == oai.choices[0].message.content
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == oai.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model=server.model, messages=[{"role": "user", "content": blocks}])
+    assert counted.input_tokens == oai.usage.prompt_tokens
+    llama = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {server.api_key}"})
+    reply = llama.chat(model=server.model, messages=[{"role": "user", "content": question, "images": [b64]}],
+                       options={"temperature": 0, "num_predict": 8})
+    assert reply.message.content == oai.choices[0].message.content
+
+
 def test_remote_images_are_fetched_within_the_size_limit(server, image_host):
     with server.client() as c:
         ok = c.post("/generate", json={"text": "<image> Describe.", "sampling_params": GREEDY,
@@ -148,8 +175,73 @@ def test_remote_images_are_fetched_within_the_size_limit(server, image_host):
         assert gone.status_code == 400 and "answered HTTP 404" in gone.json()["error"]["message"]
     from radixgen.common.media import MediaError, load_image
 
-    with pytest.raises(MediaError, match=r"fetching .*/slow.png failed: ReadTimeout"):  # the fetch's time limit
+    with pytest.raises(MediaError, match=r"fetching .*/slow.png took longer than the limit of 0.3 s"):
         load_image(f"{image_host}/slow.png", allow_remote=True, timeout_s=0.3)
+
+
+def test_hanging_image_hosts_hold_up_only_their_own_requests(server):
+    """Issue 46 item 5: image fetches run on their own bounded pool. While 9 requests wait on 18 image URLs that
+    hang (more than the pool's 16 fetches: the rest are refused at once with a 503 media_fetch_busy), text requests
+    are tokenized and answered; released, the waiting image requests finish."""
+    from radixgen.runtime.engine.media_fetch import FETCH_WORKERS
+
+    release, arrived, lock = threading.Event(), [], threading.Lock()
+    image = png_bytes(small(7))
+
+    class Hang(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            with lock:
+                arrived.append(self.path)
+            release.wait(60)  # bounded: the test releases it
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hang)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    host = f"http://127.0.0.1:{httpd.server_address[1]}"
+    results: dict[int, tuple[int, dict]] = {}
+
+    def image_request(i: int) -> None:
+        with server.client() as c:
+            r = c.post("/generate", json={"text": "<image><image> Describe.", "sampling_params": GREEDY,
+                                          "image_data": [f"{host}/{i}-a.png", f"{host}/{i}-b.png"]})
+            results[i] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=image_request, args=(i,)) for i in range(9)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(600):  # every fetch thread is busy with the hanging host (bounded wait)
+            with lock:
+                if len(arrived) >= FETCH_WORKERS:
+                    break
+            time.sleep(0.1)
+        assert len(arrived) == FETCH_WORKERS
+        with server.client() as c:
+            for _ in range(3):  # text requests go through while every fetch hangs
+                r = c.post("/generate", json={"text": "One, two,", "sampling_params": GREEDY})
+                assert r.status_code == 200, r.text
+            r = c.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200, r.text
+        assert not release.is_set() and len(arrived) == FETCH_WORKERS  # the hanging fetches are still hanging
+        busy = [body for status, body in results.values() if status == 503]
+        assert busy and all(b["error"]["code"] == "media_fetch_busy" for b in busy), results
+    finally:
+        release.set()
+        for t in threads:
+            t.join(120)
+        httpd.shutdown()
+    assert len(results) == 9
+    for status, body in results.values():  # served, refused at once, or (a very slow machine) past the fetch deadline
+        assert status == 200 or body["error"]["code"] == "media_fetch_busy" or (
+            status == 400 and "took longer than the limit" in body["error"]["message"]), body
 
 
 @pytest.mark.parametrize("image_data,message", [

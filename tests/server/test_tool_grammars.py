@@ -129,4 +129,5 @@ def test_raw_string_keywords_qwen3_coder():
             (call,) = collect(parser.feed(text) + parser.finish()).calls
             jsonschema.validate(json.loads(call["function"]["arguments"]), when,
                                 format_checker=jsonschema.FormatChecker())
-    assert set(FORMATS) == set(TOOL_PARSERS) - {"qwen25"}
+    # harmony (gpt-oss) has no call grammar yet: its constraints are refused by name (docs/models.md)
+    assert set(FORMATS) == set(TOOL_PARSERS) - {"qwen25", "harmony"}

@@ -8,6 +8,8 @@ import json
 import warnings
 from typing import Any, NamedTuple
 
+from radixgen.common.nesting import MAX_SCHEMA_DEPTH, NestingError, check_text_depth, check_value_depth
+
 ENFORCED_FORMATS = frozenset({
     "date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
     "uri-template", "uuid", "json-pointer", "relative-json-pointer",
@@ -29,7 +31,10 @@ class SchemaAnalysis(NamedTuple):
 
 def parse_schema(text: str) -> Any:
     try:
+        check_text_depth(text, "json_schema")
         schema = json.loads(text)
+    except NestingError as e:
+        raise ConstraintError(str(e)) from None
     except ValueError as e:
         raise ConstraintError(f"json_schema: not valid JSON: {e}") from e
     if not isinstance(schema, (dict, bool)):
@@ -145,6 +150,7 @@ class _SchemaWalker:
         self.root = root
         self.found: list[str] = []
         self.visited: set[str] = set()
+        self.depth = 0  # schemas being walked, one inside the other (a chain of $refs counts too)
 
     def resolve(self, ref: str, path: str) -> Any:
         if ref != "#" and not ref.startswith("#/"):
@@ -182,7 +188,7 @@ class _SchemaWalker:
         if isinstance(t, str):
             return {t}
         if isinstance(t, list):
-            return set(t)
+            return {x for x in t if isinstance(x, str)}  # other members are refused when the node is walked
         if any(k in node for k in _OBJECT_KW):
             return {"object"}
         if any(k in node for k in _ARRAY_KW):
@@ -193,11 +199,20 @@ class _SchemaWalker:
         self.found.append(f"{path or '/'}: {why}")
 
     def walk(self, node: Any, path: str) -> None:
+        if self.depth >= MAX_SCHEMA_DEPTH:
+            raise ConstraintError(f"json_schema: {path or '/'}: subschemas (and $refs) nested deeper than the "
+                                  f"limit of {MAX_SCHEMA_DEPTH} levels")
+        self.depth += 1
+        self.walk_node(node, path)  # a ConstraintError ends the whole walk: no need to unwind the count
+        self.depth -= 1
+
+    def walk_node(self, node: Any, path: str) -> None:
         if isinstance(node, bool):
             return
         if not isinstance(node, dict):
             raise ConstraintError(f"json_schema: {path or '/'}: a schema must be an object or a boolean, "
                                   f"got {type(node).__name__}")
+        _check_shapes(node, path)
         keys = [k for k in node if k in _VALIDATION_KW]
         for k in keys:
             if k in _NEVER_ENFORCED:
@@ -268,7 +283,9 @@ class _SchemaWalker:
         """Objects told apart by a required property whose const/enum values never coincide."""
         objs = []
         for b in branches:
-            while isinstance(b, dict) and isinstance(b.get("$ref"), str) and b["$ref"].startswith("#"):
+            for _ in range(MAX_SCHEMA_DEPTH):  # a $ref to a $ref...; a cycle of them ends here
+                if not (isinstance(b, dict) and isinstance(b.get("$ref"), str) and b["$ref"].startswith("#")):
+                    break
                 b = self.resolve(b["$ref"], "")
             if not isinstance(b, dict) or not isinstance(b.get("properties"), dict):
                 return False
@@ -347,6 +364,18 @@ class _SchemaWalker:
                 self.walk(node[k], f"{path}/{k}")
 
 
+def _check_shapes(node: dict, path: str) -> None:
+    """A ConstraintError for a keyword whose value has the wrong JSON type (the walk relies on them)."""
+    t = node.get("type")
+    if "type" in node and not (isinstance(t, str) or (isinstance(t, list) and all(isinstance(x, str) for x in t))):
+        raise ConstraintError(f"json_schema: {path}/type: must be a type name or a list of them")
+    req = node.get("required")
+    if "required" in node and not (isinstance(req, list) and all(isinstance(x, str) for x in req)):
+        raise ConstraintError(f"json_schema: {path}/required: must be a list of property names")
+    if "prefixItems" in node and not isinstance(node["prefixItems"], list):
+        raise ConstraintError(f"json_schema: {path}/prefixItems: must be a list of schemas")
+
+
 def _is_int(x: Any) -> bool:
     return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, float) and x.is_integer())
 
@@ -355,6 +384,10 @@ def analyze_schema(schema: Any) -> SchemaAnalysis:
     """The schema to compile and "<json pointer>: <why>" for every validation keyword the grammar does not
     enforce (reachable from the root, following local $refs). Raises ConstraintError for unsupported
     forms. `schema` itself is not modified."""
+    try:
+        check_value_depth(schema, "json_schema")
+    except NestingError as e:
+        raise ConstraintError(str(e)) from None
     copy = json.loads(json.dumps(schema))
     walker = _SchemaWalker(copy)
     walker.walk(copy, "")

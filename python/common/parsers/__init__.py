@@ -16,6 +16,7 @@ from radixgen.common.parsers.base import (
     ToolParser,
     collect,
 )
+from radixgen.common.parsers.harmony import HarmonyFormat, HarmonyToolParser
 from radixgen.common.parsers.json_calls import (
     ForcedParser,
     HermesParser,
@@ -34,12 +35,14 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralParser,
     "pythonic": PythonicParser,
     "qwen3_coder": Qwen3CoderParser,
+    "harmony": HarmonyToolParser,  # gpt-oss: calls in the commentary channel
 }
 DEFAULT_TOOL_PARSER = "hermes"  # what the server teaches a model whose template does not render tools
 
 __all__ = [
     "DEFAULT_TOOL_PARSER", "REASONING_FORMATS", "TOOL_PARSERS", "CallArgs", "CallStart", "Content", "Event",
-    "ForcedParser", "NamedParser", "ParsedCalls", "ReasoningFormat", "ReasoningParser", "Split", "ToolParser",
+    "ForcedParser", "HarmonyFormat", "NamedParser", "ParsedCalls", "ReasoningFormat", "ReasoningParser", "Split",
+    "ToolParser",
     "collect", "detect_reasoning_format", "detect_tool_parser", "reasoning_format", "tool_parser_class",
 ]
 
@@ -63,6 +66,8 @@ def tool_parser_class(name: str) -> type[ToolParser]:
 def detect_reasoning_format(template: str | None) -> ReasoningFormat | None:
     """The reasoning format a chat template writes, or None (the model does not think in a block)."""
     t = template or ""
+    if "<|channel|>" in t:
+        return REASONING_FORMATS["harmony"]  # type: ignore[return-value]
     if "</think>" not in t:
         return None
     if "<｜Assistant｜>" in t or "<｜assistant｜>" in t:
@@ -73,6 +78,8 @@ def detect_reasoning_format(template: str | None) -> ReasoningFormat | None:
 def detect_tool_parser(template: str | None) -> str:
     """The tool-call format a chat template teaches; the default when it names none."""
     t = template or ""
+    if "<|channel|>" in t:
+        return "harmony"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
     if "<tool_call>" in t:

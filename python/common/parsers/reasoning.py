@@ -4,6 +4,7 @@
   template opened the block, as Qwen3's thinking-only models do);
 - deepseek-r1: the output starts inside the block (R1's template writes ``<think>`` into the prompt), so
   everything before ``</think>`` is thinking, unless the prompt already closed the block.
+- harmony: gpt-oss's analysis channel (parsers/harmony.py).
 Whitespace between the block and the answer belongs to neither.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from radixgen.common.parsers.base import Split, partial_suffix
+from radixgen.common.parsers.harmony import HarmonyFormat
 
 
 class ReasoningFormat(NamedTuple):
@@ -85,4 +87,5 @@ class ReasoningParser:
 REASONING_FORMATS = {
     "qwen3": ReasoningFormat("qwen3", "<think>", "</think>", opens_in_prompt=False),
     "deepseek-r1": ReasoningFormat("deepseek-r1", "<think>", "</think>", opens_in_prompt=True),
+    "harmony": HarmonyFormat(),  # gpt-oss: the analysis channel (parsers/harmony.py)
 }

@@ -9,42 +9,37 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from radixgen.common.sampling_params import default_of
+from radixgen.common.lora_names import check_lora_name
+from radixgen.common.sampling_params import check_param, default_of
 from radixgen.lang.backend_base import BaseBackend
 from radixgen.lang.interpreter.drivers import run_item_sync, start_driver
 from radixgen.lang.interpreter.errors import Origin, ProgramError
 from radixgen.lang.interpreter.execute import OpenRole, run_traced
 from radixgen.lang.interpreter.notifier import Notifier
-from radixgen.lang.ir import Gen, Join, Node, Select, Seq, SetVar, VarScopeEnd
+from radixgen.lang.ir import SAMPLING_FIELDS, Gen, Join, Node, Select, Seq, SetVar, VarScopeEnd, with_declared_fields
 
 # thread: a worker thread runs the queue; inline: `s += x` runs x in the caller's thread (run(use_thread=False));
 # async: a task on the event loop runs the queue; trace: run without the model up to its first call.
 MODES = ("thread", "inline", "async", "trace")
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """The run's defaults (the declared ones, radixgen.common.sampling_params); a gen's own arguments override
-    them."""
+def _run_default(name: str) -> Any:
+    """A declared default as a run holds it (a frozen record: lists become tuples)."""
+    value = default_of(name)
+    return tuple(value) if isinstance(value, list) else value
 
-    max_new_tokens: int = default_of("max_new_tokens")
-    min_new_tokens: int = default_of("min_new_tokens")
-    n: int = default_of("n")
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    stop_regex: str | None = default_of("stop_regex")
-    temperature: float = default_of("temperature")
-    top_p: float = default_of("top_p")
-    top_k: int = default_of("top_k")
-    min_p: float = default_of("min_p")
-    frequency_penalty: float = default_of("frequency_penalty")
-    presence_penalty: float = default_of("presence_penalty")
-    ignore_eos: bool = default_of("ignore_eos")
+
+@dataclass(frozen=True)
+@with_declared_fields((*SAMPLING_FIELDS, "n"), default=_run_default)
+class SamplingDefaults:
+    """The run's defaults: a field per declared parameter a gen passes through, and n (their declared
+    defaults, radixgen.common.sampling_params); a gen's own arguments override them."""
+
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
-    lora_path: str | None = None  # the LoRA adapter of every request the run sends (None: the base model)
+    lora_name: str | None = None  # the LoRA adapter of every request the run sends, by name (None: the base model)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
@@ -53,10 +48,8 @@ class SamplingDefaults:
             if len(self.stop_regex) > 1:
                 raise ValueError("run.stop_regex: one regular expression (combine several with |)")
             object.__setattr__(self, "stop_regex", self.stop_regex[0] if self.stop_regex else None)
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"run.n: must be a positive integer (got {self.n!r})")
-        if self.lora_path is not None and not isinstance(self.lora_path, str):
-            raise ValueError(f"run.lora_path: must be a LoRA adapter's name (got {self.lora_path!r})")
+        check_param("n", self.n, "run")
+        check_lora_name(self.lora_name, "run.lora_name")
 
 
 class LogEntry(NamedTuple):

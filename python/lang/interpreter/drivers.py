@@ -12,7 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from radixgen.lang.interpreter.errors import Origin
-from radixgen.lang.interpreter.execute import Generate, Score, Wait, execute
+from radixgen.lang.interpreter.execute import EmbedCall, Generate, Score, Wait, execute
 from radixgen.lang.ir import Node
 
 if TYPE_CHECKING:
@@ -42,8 +42,10 @@ def perform_sync(core: StateCore, call: Any) -> Any:
                 on_chunk(chunk)
                 last = chunk
             return [last]
-        case Score(prompt, choices, unconditional, lora_path, images):
-            return core.backend.score_choices(prompt, choices, unconditional, lora_path, images)
+        case Score(prompt, choices, unconditional, lora_name, images):
+            return core.backend.score_choices(prompt, choices, unconditional, lora_name, images)
+        case EmbedCall(text, dimensions):
+            return core.backend.embed(text, dimensions)
         case Wait(notifier, pred):
             notifier.wait(pred)
             return None
@@ -76,8 +78,10 @@ async def perform_async(core: StateCore, call: Any) -> Any:
                 on_chunk(chunk)
                 last = chunk
             return [last]
-        case Score(prompt, choices, unconditional, lora_path, images):
-            return await core.backend.ascore_choices(prompt, choices, unconditional, lora_path, images)
+        case Score(prompt, choices, unconditional, lora_name, images):
+            return await core.backend.ascore_choices(prompt, choices, unconditional, lora_name, images)
+        case EmbedCall(text, dimensions):
+            return await core.backend.aembed(text, dimensions)
         case Wait(notifier, pred):
             await notifier.wait_async(pred)
             return None

@@ -22,6 +22,7 @@ from radixgen.lang.ir import (
     DTYPE_REGEX,
     DTYPE_STOPS,
     SAMPLING_FIELDS,
+    Embed,
     Fork,
     Gen,
     Image,
@@ -54,8 +55,14 @@ class Score(NamedTuple):
     prompt: str
     choices: list[str]
     unconditional: str | None
-    lora_path: str | None = None
+    lora_name: str | None = None
     images: tuple = ()  # the sources of the images whose placeholders `prompt` holds, in order
+
+
+class EmbedCall(NamedTuple):
+    text: str
+    dimensions: int | None
+    images: tuple = ()
 
 
 class Wait(NamedTuple):
@@ -87,6 +94,12 @@ def execute(core: StateCore, node: Node) -> Generator[Any, Any, None]:
             yield from execute_gen(core, node)
         case Select():
             yield from execute_select(core, node)
+        case Embed(name, dimensions):
+            if core.images:
+                raise ValueError("embed: a program with images cannot be embedded (text only)")
+            out = yield EmbedCall(core.text, dimensions)
+            core.set_var(name, out["embedding"], {"prompt_tokens": out["prompt_tokens"],
+                                                  "cached_tokens": out["cached_tokens"]})
         case RoleBegin(role):
             begin_role(core, role)
         case RoleEnd(role):
@@ -194,7 +207,7 @@ def gen_request(core: StateCore, node: Gen) -> GenRequest:
         top_logprobs_num=_pick(node.top_logprobs_num, d.top_logprobs_num, 0) if return_logprob else 0,
         return_text_in_logprobs=bool(return_logprob and text_in_logprobs),
         chat=chat,
-        lora_path=d.lora_path,
+        lora_name=d.lora_name,
         images=tuple(core.images),
     )
 
@@ -249,7 +262,7 @@ def execute_select(core: StateCore, node: Select) -> Generator[Any, Any, None]:
     if getattr(node.method, "requires_unconditional_logprobs", False):
         # "No context": just the turn's header when inside a turn, else the BOS/EOS token.
         unconditional = core.role.frame.prefix if core.role else core.backend.unconditional_prompt()
-    scored: ScoredChoices = yield Score(core.text, list(node.choices), unconditional, core.defaults.lora_path,
+    scored: ScoredChoices = yield Score(core.text, list(node.choices), unconditional, core.defaults.lora_name,
                                         tuple(core.images))
     decision = decide(
         node.method,
@@ -271,7 +284,7 @@ def execute_fork(core: StateCore, children: tuple[StateCore, ...]) -> Generator[
     if len(core.text) > core.cached_len and core.backend.can_prefill:
         # Cache the shared prefix once, so the branches' requests all start from a cache hit
         # (not needed when the text is what the last request read or wrote: that is cached).
-        yield Generate([GenRequest(core.text, None, dict(PREFILL_ONLY), lora_path=core.defaults.lora_path,
+        yield Generate([GenRequest(core.text, None, dict(PREFILL_ONLY), lora_name=core.defaults.lora_name,
                                    images=tuple(core.images))])
         core.cached_len = len(core.text)
     for child in children:

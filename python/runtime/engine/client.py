@@ -282,6 +282,29 @@ class SchedulerClient:
                 self._groups.pop(base, None)
             raise
 
+    async def run_group(self, base: str, reqs: list[GenerateRequest], states: list[RequestState]) -> None:
+        """Submit `reqs` and wait (on the running event loop) until every one of `states` has finished; a cancelled
+        caller aborts them. The group ends either way."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for st in states:
+            fut = loop.create_future()
+
+            def done(fut=fut, st=st):
+                if st.finished and not fut.done():
+                    fut.set_result(None)
+
+            st.notify = lambda done=done: call_soon(loop, done)
+            futures.append(fut)
+        self.submit(base, reqs, states)
+        try:
+            await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            self.abort(base)
+            raise
+        finally:
+            self.end_group(base)
+
     def end_group(self, base: str) -> None:
         """The generate call that made `base`'s requests has returned."""
         self._groups.pop(base, None)

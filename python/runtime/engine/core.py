@@ -8,6 +8,9 @@ before a request is sent are in `request_validation.py`; what the Engine knows o
 (its output, detokenized incrementally) is a `request_state.RequestState`. A bad request raises RequestError
 (a ValueError) before anything is sent; a request that failed inside the runtime raises RequestFailed; a dead
 scheduler raises RuntimeError.
+
+Longer than 400 lines: the Engine is the public in-process API (generate, embed, score and their async forms, LoRA
+and cache control), one class a user reads in one place; its machinery lives in the modules named above.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from typing import Any
 from radixgen.common.prompt import Prompt
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.engine.client import SchedulerClient, call_soon
-from radixgen.runtime.engine.media_input import MediaFrontEnd
+from radixgen.runtime.engine.media_fetch import RemoteFetcher
+from radixgen.runtime.engine.media_input import MediaFrontEnd, salted
+from radixgen.runtime.engine.pooling import Pooling, check_kind
 from radixgen.runtime.engine.request_state import RequestError, RequestFailed, RequestState
 from radixgen.runtime.engine.validation import (
     ModelLimits,
@@ -37,7 +42,7 @@ from radixgen.runtime.engine.validation import (
     segment_texts,
     segmented_prompts,
 )
-from radixgen.runtime.loader import load_tokenizer, read_hf_config, resolve_model_path
+from radixgen.runtime.loader import load_tokenizer, model_path_for, read_hf_config
 from radixgen.runtime.messages import (
     GenerateRequest,
     LoadLoRAAdapter,
@@ -46,6 +51,7 @@ from radixgen.runtime.messages import (
     TreeSnapshotRequest,
     UnloadLoRAAdapter,
 )
+from radixgen.runtime.pooling import PoolingSpec
 
 __all__ = ["Engine", "RequestError", "RequestFailed"]
 
@@ -58,8 +64,9 @@ TREE_LIMITS = {"max_nodes": 500, "max_depth": 64, "preview_chars": 200}
 class Engine:
     def __init__(self, model: str | os.PathLike | None = None, **config: Any) -> None:
         self.config = RuntimeConfig.from_kwargs(model=None if model is None else str(model), **config)
-        self.model_path = resolve_model_path(self.config.model, self.config.quantization)
+        self.model_path = model_path_for(self.config)
         self.tokenizer = load_tokenizer(self.model_path)
+        self.pooling = PoolingSpec.read(self.model_path, self.tokenizer)  # the request kinds it serves
         self._client = SchedulerClient(self.config, str(self.model_path))
         ready = self._client.ready
         self.model_info = self._build_model_info(ready)
@@ -69,18 +76,23 @@ class Engine:
         # is not enabled
         self.lora_adapters: dict[str, str] | None = ready.lora_adapters
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixgen-tokenize")
+        self._pooling = Pooling(self)  # embed and score requests (engine/pooling.py)
         # images: decoded and processed here, by the model's processor (None for a text-only model)
-        self.media = MediaFrontEnd.for_model(self._model_config.architecture, read_hf_config(self.model_path),
+        self.media = MediaFrontEnd.for_model(self.model_info["architecture"], read_hf_config(self.model_path),
                                              self.model_path, self.config)
         self.model_info["image_token"] = self.media.image_token
         self.model_info["supports_images"] = self.media.processor is not None
+        # http(s) images: fetched on their own bounded pool, so that a slow host never holds the tokenizer threads
+        self._fetcher = RemoteFetcher(self.config)
 
     def _build_model_info(self, ready) -> dict:
         from radixgen.runtime.config import ModelConfig
         from radixgen.runtime.loader import read_hf_config
         from radixgen.runtime.special_tokens import eos_token_ids
 
-        mc = self._model_config = ModelConfig.from_hf(read_hf_config(self.model_path))
+        spec = self.pooling
+        mc = None if spec.encoder is not None else ModelConfig.from_hf(read_hf_config(self.model_path))
+        self._model_config = mc  # None for an encoder (runtime/pooling.py reads its folder)
         return {
             "model_path": str(self.model_path),
             "model_name": self.config.model or "SmolLM2-135M-Instruct",
@@ -89,12 +101,13 @@ class Engine:
             "num_kv_slots": ready.num_slots,
             "dtype": ready.dtype,
             "chat_template": getattr(self.tokenizer, "chat_template", None),
-            "eos_token_ids": list(eos_token_ids(mc.eos_token_ids, self.tokenizer)),
-            "bos_token_id": mc.bos_token_id,
-            "architecture": mc.architecture,
+            "eos_token_ids": list(eos_token_ids(mc.eos_token_ids, self.tokenizer)) if mc else [],
+            "bos_token_id": mc.bos_token_id if mc else None,
+            "architecture": mc.architecture if mc else spec.encoder,
             "max_running_requests": ready.max_running_requests,
             "supports_constraints": ready.grammar,
-            "is_generation": True,
+            "is_generation": spec.is_generation,
+            "request_kinds": list(spec.kinds()),  # generate / embed / score (runtime/pooling.py)
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -102,6 +115,7 @@ class Engine:
     def shutdown(self) -> None:
         self._client.shutdown()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetcher.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -144,6 +158,7 @@ class Engine:
 
     def _prepare(self, prompt, input_ids, sampling_params, image_data=None, **kw) -> Prepared:
         """Tokenize and process images (in the calling thread) and validate; nothing is sent."""
+        check_kind(self.pooling, "generate")  # an embedding model or a reranker refuses generation
         if image_data is not None:
             if input_ids is not None:
                 raise RequestError("image_data: goes with a text prompt, not input_ids")
@@ -151,7 +166,7 @@ class Engine:
         segmented = segmented_prompts(prompt) if input_ids is None else None
         if segmented is not None:
             batched, prompts = segmented
-            media = self.media.process(prompts, batched)
+            media = salted(self.media.process(prompts, batched), kw.get("cache_salt"))
             first, rest = segment_texts(prompts)
             ids, kw["media"] = assemble_ids(prompts, self.tokenize(first),
                                             self.tokenize(rest, add_special_tokens=False), self.limits.vocab_size,
@@ -165,6 +180,8 @@ class Engine:
 
     async def _aprepare(self, prompt, input_ids, sampling_params, image_data=None, **kw) -> Prepared:
         """As `_prepare`, on the engine's tokenizer threads (off the event loop): tokenizing and image decoding."""
+        if self.media.processor is not None:  # a text-only model refuses images without fetching them
+            prompt, image_data = await self._fetcher.resolve(prompt, image_data)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._tokenize_pool, functools.partial(self._prepare, prompt, input_ids, sampling_params, image_data, **kw))
@@ -172,6 +189,8 @@ class Engine:
     async def media_prompt(self, text: str, images: list, where: str = "messages") -> tuple[Prompt, int]:
         """A rendered chat prompt with image placeholders and its images as a Prompt (tokens and processed images,
         prepared off the event loop) and its length in tokens; RequestError for a bad image (engine/media_input)."""
+        if self.media.processor is not None:
+            images = await self._fetcher.resolve_list(images)
         loop = asyncio.get_running_loop()
         prompt, ids = await loop.run_in_executor(self._tokenize_pool, self.media.tokenized_prompt, text, images,
                                                  self.tokenize, where)
@@ -184,10 +203,11 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
                  rid: str | None = None, cache_salt: str | None = None,
-                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None,
-                 image_data=None):
-        """Generate for one prompt (a dict) or a list (a list of dicts); see the module docstring. `lora_path`:
-        the name of a loaded LoRA adapter (or a list with one per prompt, None for the base model). `image_data`:
+                 return_text_in_logprobs: bool = False, lora_name: str | list[str | None] | None = None,
+                 image_data=None, lora_path: str | list[str | None] | None = None):
+        """Generate for one prompt (a dict) or a list (a list of dicts); see the module docstring. `lora_name`:
+        the name of a loaded LoRA adapter (or a list with one per prompt, None for the base model); `lora_path` is
+        SGLang's name of it (an adapter's name here too, not a folder). `image_data`:
         an image or a list of images for a text prompt (a list with one entry per prompt for a list of prompts),
         each a path, bytes, base64, a data URL or a PIL image (engine/media_input.py); a prompt may also be a
         common.prompt.Prompt with media segments."""
@@ -195,7 +215,7 @@ class Engine:
                                             return_logprob=return_logprob,
                                             logprob_start_len=logprob_start_len,
                                             top_logprobs_num=top_logprobs_num, rid=rid, cache_salt=cache_salt,
-                                            lora_path=lora_path)
+                                            lora_name=lora_name, lora_path=lora_path)
         if stream:
             if batched:
                 raise RequestError("stream=True takes a single prompt with n=1")
@@ -257,14 +277,16 @@ class Engine:
                              return_logprob: bool = False, logprob_start_len: int = -1,
                              top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None,
                              cache_salt: str | None = None, return_text_in_logprobs: bool = False,
-                             lora_path: str | list[str | None] | None = None, image_data=None):
+                             lora_name: str | list[str | None] | None = None, image_data=None,
+                             lora_path: str | list[str | None] | None = None):
         """Like generate; with stream=True returns an async iterator of chunks. Prompts are tokenized and their
         images processed off the event loop (see `async_tokenize`)."""
         batched, base, reqs = await self._aprepare(prompt, input_ids, sampling_params, image_data,
                                                    return_logprob=return_logprob,
                                                    logprob_start_len=logprob_start_len,
                                                    top_logprobs_num=top_logprobs_num, rid=rid,
-                                                   cache_salt=cache_salt, lora_path=lora_path)
+                                                   cache_salt=cache_salt, lora_name=lora_name,
+                                                   lora_path=lora_path)
         loop = asyncio.get_running_loop()
         if stream:
             if batched:
@@ -277,24 +299,7 @@ class Engine:
             self._client.submit(base, reqs, [st])
             return self._astream(st, q)
         states = self._states(reqs, return_text_in_logprobs)
-        futures = []
-        for st in states:
-            fut = loop.create_future()
-
-            def done(fut=fut, st=st):
-                if st.finished and not fut.done():
-                    fut.set_result(None)
-
-            st.notify = lambda done=done: call_soon(loop, done)
-            futures.append(fut)
-        self._client.submit(base, reqs, states)
-        try:
-            await asyncio.gather(*futures)
-        except asyncio.CancelledError:
-            self.abort(base)
-            raise
-        finally:
-            self._client.end_group(base)
+        await self._client.run_group(base, reqs, states)
         results = [self._final(st) for st in states]
         return results if batched else results[0]
 
@@ -312,6 +317,29 @@ class Engine:
         finally:
             if not st.finished:
                 self.abort(st.rid)
+
+    # ------------------------------------------------------------------ embed and score (engine/pooling.py)
+
+    def embed(self, prompt=None, input_ids=None, dimensions: int | None = None, prompt_name: str | None = None,
+              rid: str | None = None, cache_salt: str | None = None):
+        """The embedding of a text (or token ids): {"embedding", "prompt_tokens", "cached_tokens"}; a list of them
+        for a list. `dimensions`: Matryoshka truncation (then renormalised); `prompt_name`: one of the model's
+        sentence-transformers prompts, prepended. A model that does not embed: RequestError."""
+        return self._pooling.embed(prompt, input_ids, dimensions, prompt_name, rid, cache_salt)
+
+    async def async_embed(self, prompt=None, input_ids=None, dimensions: int | None = None,
+                          prompt_name: str | None = None, rid: str | None = None, cache_salt: str | None = None):
+        return await self._pooling.aembed(prompt, input_ids, dimensions, prompt_name, rid, cache_salt)
+
+    def score(self, query: str, documents: list[str], instruction: str | None = None, rid: str | None = None,
+              cache_salt: str | None = None) -> list[dict]:
+        """A reranker's relevance of each document to `query`, in document order: {"index", "score" (in [0, 1]),
+        "prompt_tokens", "cached_tokens"}. A model that does not score: RequestError."""
+        return self._pooling.score(query, documents, instruction, rid, cache_salt)
+
+    async def async_score(self, query: str, documents: list[str], instruction: str | None = None,
+                          rid: str | None = None, cache_salt: str | None = None) -> list[dict]:
+        return await self._pooling.ascore(query, documents, instruction, rid, cache_salt)
 
     # ------------------------------------------------------------------ control
 
@@ -346,7 +374,7 @@ class Engine:
 
     def get_radix_tree(self, max_nodes: int = 64, max_depth: int = 12, preview_chars: int = 48,
                        viewer: str | None = None) -> TreeSnapshot:
-        """A bounded picture of the radix cache (scheduler/tree_snapshot.py): the `max_nodes` largest subtrees,
+        """A bounded picture of the radix cache (scheduler/radix/snapshot.py): the `max_nodes` largest subtrees,
         at most `max_depth` edges deep, each edge with a `preview_chars` text preview. `viewer`: an API key's cache
         namespace, which then sees only its own namespaces (per-key isolation). Out-of-range bounds: RequestError;
         a snapshot that failed in the scheduler: RequestFailed."""

@@ -11,6 +11,7 @@ Every problem is a RequestError naming the prompt, the image and why.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -163,6 +164,16 @@ class MediaFrontEnd:
                 ids += done.tokens.ids
                 out.append(MediaSegment(s.kind, done.item, done.content_hash))
         return Prompt(tuple(out)), ids
+
+
+def salted(media: list[list[ProcessedSegment]], cache_salt: str | None) -> list[list[ProcessedSegment]]:
+    """Each segment's content hash inside the request's cache salt (under per-key isolation, the API key's
+    namespace): the encoder cache keys embeddings by it, so that one key can never learn from the encoder
+    cache's hits whether another sent an image. Unsalted requests share entries as before."""
+    if cache_salt is None:
+        return media
+    mix = lambda h: hashlib.sha256(f"{cache_salt}\x00{h}".encode()).hexdigest()  # noqa: E731
+    return [[seg._replace(content_hash=mix(seg.content_hash)) for seg in segs] for segs in media]
 
 
 def _as_list(data: Any) -> list:

@@ -120,9 +120,9 @@ class GroupHost:
 def run_node(cfg: RuntimeConfig) -> int:
     """`radixgen serve --node-rank N` (N > 0): this node's ranks, until they exit. One that fails stops the
     others (the group cannot go on without it); SIGTERM / SIGINT stop them all."""
-    from radixgen.runtime.loader import resolve_model_path
+    from radixgen.runtime.loader import model_path_for
 
-    model_path = str(resolve_model_path(cfg.model))
+    model_path = str(model_path_for(cfg))
     store_addr = split_addr(cfg.dist_init_addr)
     folder = tempfile.mkdtemp(prefix="radixgen-node-")
     ranks = node_ranks(cfg)

@@ -57,6 +57,7 @@ class RequestState:
         self.input_top: list | None = None
         self.sent_text_len = 0
         self.spec: SpecCounts | None = None  # with speculative decoding on
+        self.pooled: list[float] | None = None  # an embed / score request's result (runtime/pooling.py)
         self.notify = None  # callable, set by the waiter
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
         self.lock = threading.Lock()
@@ -75,6 +76,8 @@ class RequestState:
         self.cached_tokens = out.cached_tokens
         self.cached_details = out.cached_details
         self.spec = out.spec
+        if out.pooled is not None:
+            self.pooled = out.pooled
         self.output_ids += out.new_ids
         self.detok.add(out.new_ids)
         if self.return_logprob:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, NamedTuple
 
+from radixgen.common.lora_names import check_lora_name, pick_lora_name
 from radixgen.common.prompt import MediaItem, MediaSegment, Prompt, TextSegment
 from radixgen.common.sampling_params import SamplingParams, check_text, choice_seeds, is_int
 from radixgen.runtime.engine.request_state import RequestError
@@ -168,24 +169,25 @@ def sampling_params_list(sampling_params: Any, count: int) -> list[SamplingParam
     return [SamplingParams.from_dict(sampling_params)] * count
 
 
-def lora_names(lora_path: Any, count: int, loras: dict[str, str] | None) -> list[str | None]:
+def lora_names(lora_name: Any, count: int, loras: dict[str, str] | None,
+               key: str = "lora_name") -> list[str | None]:
     """One LoRA adapter name (None: the base model) per prompt, from a name for all or a list with one per prompt;
-    each must be loaded (`loras`: the loaded adapters, None when LoRA is not enabled)."""
-    if lora_path is None:
+    each must be loaded (`loras`: the loaded adapters, None when LoRA is not enabled). `key`: the keyword the
+    caller used (lora_name, or SGLang's lora_path), named in errors."""
+    if lora_name is None:
         return [None] * count
-    names = list(lora_path) if isinstance(lora_path, (list, tuple)) else [lora_path] * count
+    check_lora_name(lora_name, key, per_prompt=True)
+    names = list(lora_name) if isinstance(lora_name, (list, tuple)) else [lora_name] * count
     if len(names) != count:
-        raise _reject(f"lora_path: got {len(names)} for {count} prompts")
+        raise _reject(f"{key}: got {len(names)} for {count} prompts")
     for name in names:
         if name is None:
             continue
-        if not isinstance(name, str):
-            raise _reject(f"lora_path: must be an adapter name (a string) or a list of them, got {name!r}")
         if loras is None:
-            raise _reject("lora_path: LoRA adapters are not enabled on this server (start it with --lora-paths "
+            raise _reject(f"{key}: LoRA adapters are not enabled on this server (start it with --lora-paths "
                           "or --enable-lora)")
         if name not in loras:
-            raise _reject(f"lora_path: unknown LoRA adapter {name!r} (loaded: {sorted(loras)})")
+            raise _reject(f"{key}: unknown LoRA adapter {name!r} (loaded: {sorted(loras)})")
     return names
 
 
@@ -193,7 +195,7 @@ def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: An
                    **kw: Any) -> Prepared:
     """Validate one generate call and build its scheduler requests (one per prompt and choice); nothing is
     sent. A request with n > 1 becomes n requests with n=1, choice k seeded with seed + k. Keyword arguments:
-    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, lora_path (as Engine.generate),
+    return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, lora_name / lora_path (as Engine.generate),
     loras (the loaded LoRA adapters, see lora_names) and media (each prompt's MediaItems)."""
     try:
         return _build(batched, ids_list, sampling_params, limits, **kw)
@@ -205,10 +207,11 @@ def build_requests(batched: bool, ids_list: list[list[int]], sampling_params: An
 
 def _build(batched: bool, ids_list: list[list[int]], sampling_params: Any, limits: ModelLimits, *,
            return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-           rid: str | None = None, cache_salt: str | None = None, lora_path: Any = None,
+           rid: str | None = None, cache_salt: str | None = None, lora_name: Any = None, lora_path: Any = None,
            loras: dict[str, str] | None = None, media: list[tuple] | None = None) -> Prepared:
     params_list = sampling_params_list(sampling_params, len(ids_list))
-    adapters = lora_names(lora_path, len(ids_list), loras)
+    key, named = pick_lora_name(lora_name, lora_path)
+    adapters = lora_names(named, len(ids_list), loras, key)
     if not isinstance(return_logprob, bool):
         raise _reject(f"return_logprob: must be a boolean, got {return_logprob!r}")
     if not is_int(logprob_start_len) or logprob_start_len < -1:

@@ -63,6 +63,8 @@ class FusedDecode:
                         f"and {MOE_GATED_SILU!r})")
             if a.rotary.kind != ROPE:
                 return f"layer {i}'s rotary is {a.rotary.kind!r} (the fused step runs {ROPE!r})"
+            if a.variant is not None:  # the masked attention path's (layers/masked_attention.py)
+                return f"layer {i}'s attention has {a.variant}"
             if layer.input_norm.dtype != torch.bfloat16 or not layer.input_norm.is_cpu:
                 return "the fused step runs bf16 activations on the CPU"
             if a.head_dim > d_max:
@@ -79,7 +81,7 @@ class FusedDecode:
         if not kl.has_decode_step:
             return None
         mine = model.decoder_structure()  # this pipeline stage's
-        if cls.supports(mine, kl.d_max) is not None:
+        if cls.supports(mine, kl.d_max) is not None or getattr(model, "unfused", lambda: None)() is not None:
             return None
 
         def packed(layer):  # the layer's own weight as the C matmuls read it, or None

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixgen.runtime.executor.forward_context import ForwardContext, forward_context
+from radixgen.runtime.ground.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
     from radixgen.runtime.executor.model_runner import ForwardInput, ModelRunner
@@ -66,7 +66,9 @@ def graph_unsafe(model) -> str | None:
     for i, layer in enumerate(model.decoder_structure()):
         if not layer.mlp.graph_safe:
             return f"layer {model.start_layer + i}'s MLP part {layer.mlp.kind!r} is not graph-safe"
-    return None
+        if layer.attention.variant is not None:  # the masked path reads the step's lengths on the host
+            return f"layer {model.start_layer + i}'s attention has {layer.attention.variant}"
+    return getattr(model, "unfused", lambda: None)()  # what the model adds around its layers
 
 
 class CudaGraphRunner:

@@ -15,20 +15,22 @@ from radixgen.runtime.executor.cpu_decode import MAX_BATCH as MAX_FUSED_BATCH
 from radixgen.runtime.executor.cpu_decode import FusedDecode
 from radixgen.runtime.executor.cuda_graph_runner import CudaGraphRunner, graph_unsafe
 from radixgen.runtime.executor.encoder_cache import EncoderCache
-from radixgen.runtime.executor.forward_context import ForwardContext, forward_context, row_kernels
-from radixgen.runtime.executor.kv_pool import KVPool, TableWriteLog, host_tier_pool, new_req_to_slot_table
-from radixgen.runtime.executor.step_messages import KVCopyQueue
-from radixgen.runtime.executor.weights import load_weights
+from radixgen.runtime.executor.parallel_step import StepGroup
+from radixgen.runtime.executor.step_messages import ForwardInput, KVCopyQueue
+from radixgen.runtime.executor.weights import load_weights, release_gguf_pages
+from radixgen.runtime.ground import sharding
+from radixgen.runtime.ground.forward_context import ForwardContext, forward_context, row_kernels
+from radixgen.runtime.ground.kv_pool import KVPool, TableWriteLog, host_tier_pool, new_req_to_slot_table
+from radixgen.runtime.ground.parallel_context import ParallelContext
+from radixgen.runtime.ground.window_kv import plan_window_kv, pool_slots, window_info
 from radixgen.runtime.layers import fixed_order, quantization
 from radixgen.runtime.layers.ops import CpuOps, TorchOps, ops_for
-from radixgen.runtime.loader import is_gguf_native, read_hf_config, resolve_model_path
+from radixgen.runtime.loader import is_gguf_native, model_path_for, read_hf_config
 from radixgen.runtime.lora.layer import attach as attach_lora
 from radixgen.runtime.lora.pool import LoRAPool
 from radixgen.runtime.models import model_class
 from radixgen.runtime.models.multimodal import MediaEmbeds, StepMedia, VisionLanguageLM
-from radixgen.runtime.models.parts import DENSE_GATED_SILU
-from radixgen.runtime.parallel_context import ParallelContext
-from radixgen.runtime.scheduler.batch import ForwardInput
+from radixgen.runtime.models.parts import DENSE_GATED_SILU, MOE_GATED_SILU
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,21 @@ class ModelRunner:
         self.parallel = par = parallel if parallel is not None else distributed.context()
         self.device = distributed.rank_device(cfg.device, par)
         self.dtype = cfg.torch_dtype
-        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg.model, cfg.quantization)
+        self._resolve_model(model_path)
+        model = self._build_model(ops)
+        self._load_weights(model)
+        num_slots = self._build_kv(req_to_slot)
+        self._attach_step_paths()
+        logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots (KV cache %s)", self.model_path,
+                    self.dtype, self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots,
+                    cfg.kv_cache_dtype)
+
+    # ------------------------------------------------------------------ building (in this order)
+
+    def _resolve_model(self, model_path) -> None:
+        """The checkpoint: its path, config, weight format and context length."""
+        cfg = self.runtime_config
+        self.model_path = Path(model_path) if model_path else model_path_for(cfg)
         self.hf_config = read_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         mc = self.model_config
@@ -116,6 +132,10 @@ class ModelRunner:
             raise ValueError(f"context_length={cfg.context_length} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
 
+    def _build_model(self, ops: TorchOps | None):
+        """The model's modules with their parameters allocated uninitialized, directly on the device and in the
+        target dtype; the ops set chosen and its linear methods prepared (what the checkpoint fills)."""
+        cfg, mc, par = self.runtime_config, self.model_config, self.parallel
         # parameters are allocated uninitialized, directly on the device and in the target dtype
         if self.device.type == "cpu":
             map_large_blocks()
@@ -129,20 +149,29 @@ class ModelRunner:
                 if cfg.ep_size > 1 and mc.moe is None:
                     raise ValueError(f"ep_size={cfg.ep_size} splits expert blocks, and {mc.architecture} has none: "
                                      f"use ep_size=1")
-                if cfg.deterministic:
-                    if mc.moe is not None:  # an expert's matmul sees however many rows the batch routed to it
-                        raise ValueError(f"deterministic mode does not run mixture-of-experts models "
-                                         f"({self.hf_config.get('architectures')}): their expert matmuls are not "
-                                         f"batch-invariant yet")
+                if cfg.deterministic:  # (expert blocks: their experts' layout, once loaded (fixed_order.install))
                     check_deterministic(self.quantization, self.dtype, self.ops, mc.head_dim)
                 self.ops.prepare(model, self.quantization)  # linear methods: the parameters the checkpoint fills
         finally:
             torch.set_default_dtype(default_dtype)
+        return model
+
+    def _load_weights(self, model) -> None:
+        """The checkpoint's values into the model, each linear layer's weight re-laid out once for the ops set."""
+        cfg, mc = self.runtime_config, self.model_config
         load_weights(model, self.model_path, cfg.load_format, seed=cfg.seed, quantized=self.quantization.method)
         self.ops.install(model)  # each linear layer re-lays out its weight (one copy), before mallopt below
+        if cfg.load_format != "dummy" and is_gguf_native(self.model_path):
+            release_gguf_pages(model, self.model_path)  # the file's pages whose blocks were copied
+        if cfg.deterministic and getattr(model, "unfused", lambda: None)() is not None:
+            raise ValueError(f"deterministic mode does not run this model: {model.unfused()} (the masked attention "
+                             f"path is not batch-invariant yet)")
         if cfg.deterministic:  # row-parallel sums in tp 2's fixed segments, at tp 1 and 2 alike
             for i, layer in enumerate(model.decoder_structure() if hasattr(model, "decoder_structure") else ()):
-                if layer.mlp.kind != DENSE_GATED_SILU:  # an expert block's kernels: not held to the row count
+                if layer.attention.variant is not None:  # the masked attention path: not batch-invariant yet
+                    raise ValueError(f"deterministic mode does not run layer {i}'s attention: it has "
+                                     f"{layer.attention.variant}")
+                if layer.mlp.kind not in (DENSE_GATED_SILU, MOE_GATED_SILU):  # what the mode's tests hold
                     raise ValueError(f"deterministic mode does not run layer {i}'s MLP part {layer.mlp.kind!r}: "
                                      f"not covered by the mode's tests")
             fixed_order.install(model, self.ops.kl)
@@ -155,11 +184,22 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_host_memory()
 
-        num_slots = cfg.max_total_tokens or self._slots_from_memory()
+    def _build_kv(self, req_to_slot: torch.Tensor | None) -> int:
+        """The KV pool, the request->slot table, the KV copy queue and the host tier; returns the pool's slots. Window
+        layers keep only their last W tokens, in a pool and a table of their own, where ground/window_kv.py applies."""
+        cfg, mc, par, model = self.runtime_config, self.model_config, self.parallel, self.model
         attn = model.layers[model.start_layer].self_attn  # this rank's heads
+        plan = self.window_plan = plan_window_kv(
+            tuple(mc.window(i) for i in range(model.start_layer, model.end_layer)), self.context_length,
+            hierarchical_cache=cfg.hicache_enabled, world_size=par.world_size, page_size=cfg.page_size,
+            shares_table=req_to_slot is not None, chunked_prefill=cfg.chunked_prefill_size > 0)
+        token_bytes = KVPool.bytes_per_slot(1, attn.num_kv_heads, mc.head_dim, self.dtype, cfg.kv_code_dtype)
+        num_slots, window_slots = (cfg.max_total_tokens or self._slots_from_memory(), 0) if plan is None else \
+            pool_slots(plan, cfg.max_total_tokens, int(cfg.max_kv_memory_gb * 2**30), token_bytes,
+                       cfg.chunked_prefill_size, cfg.max_running_requests)
         self.kv_pool = KVPool(model.end_layer - model.start_layer, num_slots + 1, attn.num_kv_heads, mc.head_dim,
-                              self.dtype, self.device, cfg.kv_code_dtype,
-                              huge_pages=cfg.kv_huge_pages)
+                              self.dtype, self.device, cfg.kv_code_dtype, huge_pages=cfg.kv_huge_pages,
+                              window_layers=plan.layers if plan else (), window_slots=window_slots + 1 if plan else 0)
         # the request->slot table tensor: the scheduler's KV cache manager owns its rows and writes it; the model
         # only reads it (row `padding_row` stays all padding slots). In a parallel group every rank has a copy,
         # which the others update from the writes rank 0 logs (parallel_step.py).
@@ -169,9 +209,16 @@ class ModelRunner:
         self.req_to_slot = req_to_slot if req_to_slot is not None else \
             new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.padding_row = cfg.max_running_requests
+        self.req_to_wslot = plan and new_req_to_slot_table(cfg.max_running_requests, self.context_length, self.device)
         self.table_log = TableWriteLog() if par.world_size > 1 else None
         self.kv_copies = KVCopyQueue()  # KV copy orders, applied on every rank before the next step's forward
         self.host_pool = host_tier_pool(cfg, self.kv_pool)  # the hierarchical cache's host tier (None: off)
+        return num_slots
+
+    def _attach_step_paths(self) -> None:
+        """What runs around the model's forward: LoRA adapters, the fused CPU decode step, CUDA graphs, the parallel
+        group's step transfers."""
+        cfg, mc, par = self.runtime_config, self.model_config, self.parallel
         # the resident LoRA adapters' weights (the scheduler's LoRA manager decides which sit where)
         self.lora_pool = LoRAPool.for_config(cfg, mc, self.dtype, self.device) if cfg.lora_enabled else None
         if self.lora_pool is not None:  # the LoRA layers wrap whatever linear methods the ops set installed
@@ -182,9 +229,6 @@ class ModelRunner:
         kl = self.ops.kl if isinstance(self.ops, CpuOps) else None
         self.fused_decode = None if kl is None else FusedDecode.build(self.model, self.kv_pool, kl, self.lora_pool,
                                                                       piece=self.ops.attention_piece)
-        logger.info("model %s loaded: %s, weights %s (%.1f MB), %d KV slots (KV cache %s)", self.model_path,
-                    self.dtype, self.quantization, quantization.weight_bytes(self.model) / 1e6, num_slots,
-                    cfg.kv_cache_dtype)
         # decode steps of up to cuda_graph_max_bs requests replay captured graphs (CUDA only; per rank with
         # tensor parallelism, not with pipeline stages)
         self.cuda_graph_runner: CudaGraphRunner | None = None
@@ -194,9 +238,11 @@ class ModelRunner:
                 self.cuda_graph_runner = CudaGraphRunner(self)
             else:  # what the model's parts say of themselves: its decode steps run eagerly
                 logger.warning("CUDA graphs off: %s", reason)
-        from radixgen.runtime.executor.parallel_step import StepGroup
-
         self.group = StepGroup(self) if par.world_size > 1 else None
+        # a step with embed / score requests: the hidden rows of its logits rows are kept for the pooling stage
+        # (scheduler/pooling.py) as last_hidden, and the step runs eagerly (the fused and graph paths keep none)
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def _lora_batch(self, fi: ForwardInput):
         if fi.lora_slots is None:
@@ -211,9 +257,9 @@ class ModelRunner:
         mc, par = self.model_config, self.parallel
         per_slot = 0
         for stage in range(par.pp_size):
-            start, end = distributed.layer_range(mc.num_layers, par.pp_size, stage)
+            start, end = sharding.layer_range(mc.num_layers, par.pp_size, stage)
             for rank in range(par.tp_size):
-                heads = distributed.head_shard(mc.num_heads, mc.num_kv_heads, par.tp_size, rank)
+                heads = sharding.head_shard(mc.num_heads, mc.num_kv_heads, par.tp_size, rank)
                 per_slot = max(per_slot, KVPool.bytes_per_slot(end - start, heads.num_kv_heads, mc.head_dim,
                                                                self.dtype, self.runtime_config.kv_code_dtype))
         return max(1024, min(int(self.runtime_config.max_kv_memory_gb * 2**30) // per_slot, 262144))
@@ -226,7 +272,7 @@ class ModelRunner:
                 "dtype": str(p.code_dtype or p.dtype).removeprefix("torch."), "capacity_tokens": p.num_slots - 1,
                 "bytes_per_token": KVPool.bytes_per_slot(len(p.k_buffers), p.k_buffers[0].shape[1], mc.head_dim,
                                                          p.dtype, p.code_dtype),
-                "memory_bytes": p.nbytes()}
+                "memory_bytes": p.nbytes(), **window_info(self.window_plan, p, mc.head_dim)}
 
     @property
     def vocab_size(self) -> int:
@@ -281,7 +327,8 @@ class ModelRunner:
         if fi.media is not None:  # the model's positions; the image rows' embeddings (encoded or cached)
             fi, media = self.media_inputs(fi)
         g = self.cuda_graph_runner
-        if g is not None and fi.lora_slots is None and media is None and g.can_run(fi):  # captured without either
+        # graphs were captured without adapters, media or kept hidden rows
+        if g is not None and fi.lora_slots is None and media is None and not self.keep_hidden and g.can_run(fi):
             return g.replay(fi)
         return self.forward_eager(fi, stage_input, media)
 
@@ -313,7 +360,9 @@ class ModelRunner:
                              out_slots=fi.out_slots.to(dev, non_blocking=True),
                              req_indices=fi.req_indices.to(dev, non_blocking=True),
                              logit_rows=fi.logit_rows.to(dev, non_blocking=True))
-        if (self.fused_decode is not None and media is None and self.fused_decode.applies(fi.extend_lens, fi.verify)
+        self.last_hidden = None
+        if (self.fused_decode is not None and media is None and not self.keep_hidden
+                and self.fused_decode.applies(fi.extend_lens, fi.verify)
                 and self.fused_decode.positions_fit(fi)):
             return self.fused_decode(fi, self.req_to_slot, stage_input)
         # when fewer rows become logits than tokens are computed (a prefill), the last layer may compute only
@@ -326,7 +375,7 @@ class ModelRunner:
             is_decode=fi.is_decode, kv_pool=self.kv_pool, out_slots=fi.out_slots,
             req_to_slot=self.req_to_slot, req_indices=fi.req_indices, prefix_lens=fi.prefix_lens,
             extend_lens=fi.extend_lens, backend=self.ops.attention, keep_rows=keep, lora=self._lora_batch(fi),
-            verify=fi.verify,
+            verify=fi.verify, req_to_wslot=self.req_to_wslot,
         )
         self.ops.attention.prepare(ctx)  # keeps ctx.keep_rows only where it can compute just those rows
         with forward_context(ctx):
@@ -338,6 +387,8 @@ class ModelRunner:
         if not self.model.is_last_stage:
             return hidden
         rows = hidden if ctx.keep_rows is not None else hidden[fi.logit_rows]
+        if self.keep_hidden:
+            self.last_hidden = rows  # (N, hidden): the final (normed) hidden state of each logits row
         if rows.shape[0] > MAX_FUSED_BATCH:
             return self.model.compute_logits(rows)
         if self.fused_decode is not None:

@@ -32,7 +32,7 @@ from radixgen.runtime.models.llama import StageHidden
 
 if TYPE_CHECKING:
     from radixgen.runtime.executor.model_runner import ModelRunner
-    from radixgen.runtime.scheduler.batch import ForwardInput
+    from radixgen.runtime.executor.step_messages import ForwardInput
 
 HEARTBEAT_S = 1.0
 

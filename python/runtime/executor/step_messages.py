@@ -5,8 +5,8 @@ copy of the table) and the KV copy orders every rank applies to its own part of 
 forward (`KVCopies`): pool slots -> pool slots, and between the pool and the hierarchical cache's host tier (a node
 moving down on eviction, or loaded back before a request's prefill), the host side named by its row indices.
 
-This module is the scheduler side's (it names batch and kv_pool records); messages.py keeps the Engine <->
-scheduler records, which import nothing of the scheduler.
+`ForwardInput` (one step's tensors, what the model runner takes) is declared here too: the scheduler's Batch builds
+it and every rank runs it. messages.py keeps the Engine <-> scheduler records.
 """
 
 from __future__ import annotations
@@ -17,8 +17,30 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, TableWrites, copy_kv_rows
-from radixgen.runtime.scheduler.batch import ForwardInput
+from radixgen.runtime.ground.kv_pool import HostKVPool, KVPool, TableWrites, copy_kv_rows
+
+
+class ForwardInput(NamedTuple):
+    """One step's tensors. Requests' new tokens are concatenated in request order."""
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    out_slots: torch.Tensor  # (T,) where each new token's K/V is written
+    req_indices: torch.Tensor  # (B,) rows of the request->slot table
+    prefix_lens: list[int]  # (B,) tokens already in the pool
+    extend_lens: list[int]  # (B,) new tokens this step
+    logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
+    # a verification of draft tokens: each request's new tokens are its last token and its drafts, consecutive
+    # positions, logits at every row (the fused CPU step takes these: cpu_decode.FusedDecode.applies)
+    verify: bool = False
+    lora_slots: list[int] | None = None  # (B,) each request's LoRA pool slot (-1: base model); None: no adapter
+    # (B,) each request's media items (common.prompt.MediaItem, spans in prompt positions; () for a text request),
+    # when some request of the step has media (decode steps too: a model's positions may depend on them); else None
+    media: tuple | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
 
 
 class StepKind(IntEnum):

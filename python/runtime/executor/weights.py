@@ -4,17 +4,19 @@ shard by shard, a native GGUF folder's blocks, or seeded dummy values."""
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from radixgen.runtime.executor.gguf_index import GGUFIndex
+from radixgen.runtime.gguf_arch import stored_norm_offset
 from radixgen.runtime.loader import (
     GGUF_SOURCE,
     ModelLoadError,
     gguf_mapping,
     is_gguf_native,
-    open_gguf,
     rope_heads,
     unpermute_rope,
 )
@@ -81,25 +83,44 @@ def load_weights(model: torch.nn.Module, folder: Path, load_format: str = "auto"
         raise ModelLoadError(f"{e} (the checkpoint's tensors do not match quantization {quantized!r})") from e
 
 
+def _progress(tensors, path: Path):
+    """The tensors, with a bar on stderr when it is a terminal and the load takes over two seconds."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(tensors, desc=f"loading {path.name}", unit="tensor", leave=False, delay=2.0, file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
 def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a native folder's GGUF file: matmul weights as GGUFTensors (their blocks, rows in our order;
-    an expert block's stacks as GGUFStacks), everything else (norms, biases, an untied embedding) dequantized to
-    float32."""
+    """The tensors of a native folder's GGUF file, memory-mapped: matmul weights as GGUFTensors (their blocks as
+    views of the map, rows in our order: Q and K reordered in a copy; an expert block's stacks as GGUFStacks),
+    everything else (norms, biases, an untied embedding) dequantized to float32."""
     from radixgen.runtime.layers.quantization.gguf import GGUFStack, GGUFTensor
 
     path = Path(json.loads((folder / GGUF_SOURCE).read_text())["path"])
     if not path.is_file():
         raise ModelLoadError(f"the GGUF file of {folder} is gone: {path}")
-    reader, arch, meta = open_gguf(path)
+    try:
+        reader = GGUFIndex(path)  # the fields' values and the tensors' views of the map, parsed in milliseconds
+    except (ValueError, KeyError, struct.error) as e:  # GGUFIndexError, a cut file, an unknown tensor type
+        raise ModelLoadError(f"corrupt GGUF file {path}: {e}") from e
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key: str, default=None):
+        f = reader.fields.get(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
     mapping = gguf_mapping(arch, reader)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
+    for t in _progress(reader.tensors, path):
         hf_name = mapping.hf_name(t.name)
         if hf_name is None:
             continue
-        raw = torch.from_numpy(t.data.copy())
+        raw = torch.from_numpy(t.data)  # a view of the file's map: the kernels that read blocks as stored keep it
         if raw.dim() == 1:  # a vector (norm, bias): float in every GGUF we read
-            yield hf_name, raw.float()
+            yield hf_name, raw.float() - stored_norm_offset(arch, t.name)
             continue
         heads = rope_heads(mapping, t.name, meta)
         if heads is not None:  # the permutation moves whole rows: it applies to the blocks as they are
@@ -114,3 +135,60 @@ def iter_gguf_native(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield hf_name, g
         else:
             yield hf_name, g.dense()
+
+
+def release_gguf_pages(model: torch.nn.Module, folder: Path) -> int:
+    """After the linear methods laid a native GGUF folder's weights out: drop from this process the mapped pages
+    of the file that no tensor of `model` still reads (a block layout copied them, or they were dequantized), so
+    resident memory holds the file's bytes once, not beside their copies. The map is copy-on-write and those
+    pages were never written: were one read again it would come back from the file. Returns the bytes released."""
+    import ctypes
+
+    path = str(Path(json.loads((folder / GGUF_SOURCE).read_text())["path"]).resolve())
+    maps = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == path:
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                maps.append((lo, hi))
+    if not maps:
+        return 0
+    kept = []
+    for t in _model_tensors(model):
+        if t.numel() and t.device.type == "cpu":
+            s = t.untyped_storage()
+            kept.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+    page = 4096
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for lo, hi in maps:
+        holes, at = [], lo
+        for a, b in sorted(k for k in kept if k[1] > lo and k[0] < hi):
+            if a > at:
+                holes.append((at, a))
+            at = max(at, b)
+        holes.append((at, hi))
+        for a, b in holes:
+            a, b = -(-a // page) * page, b // page * page  # whole pages only
+            if b > a and madvise(a, b - a, 4) == 0:  # MADV_DONTNEED
+                released += b - a
+    return released
+
+
+def _model_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors `model` holds: parameters, buffers, and tensors its modules keep in attributes (directly, in
+    lists, or as the `data` of the weight objects of the C layouts)."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for m in model.modules():
+        for v in vars(m).values():
+            for item in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(item, torch.Tensor):
+                    yield item
+                else:
+                    for w in vars(item).values() if hasattr(item, "__dict__") and not isinstance(
+                            item, torch.nn.Module) else ():
+                        if isinstance(w, torch.Tensor):
+                            yield w

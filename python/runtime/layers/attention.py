@@ -23,8 +23,9 @@ from torch import nn
 
 from radixgen.kernels import cpu as cpu_kernels
 from radixgen.kernels.kv_quant import gather_rows, store_rows_ref
-from radixgen.runtime.executor.forward_context import ForwardContext, get_forward_context
-from radixgen.runtime.executor.kv_pool import KVLayer
+from radixgen.runtime.ground.forward_context import ForwardContext, get_forward_context
+from radixgen.runtime.ground.kv_pool import KVLayer
+from radixgen.runtime.layers.masked_attention import AttentionVariant, masked_attention
 
 
 class DecodeMeta(NamedTuple):
@@ -257,16 +258,22 @@ class TritonAttentionBackend:
 
 
 class Attention(nn.Module):
-    """GQA attention of one layer over the pool; the model calls it with this step's q, k, v."""
+    """GQA attention of one layer over the pool; the model calls it with this step's q, k, v. A `variant` (a
+    sliding window, logit soft-capping, attention sinks: layers/masked_attention.py) runs on the masked torch
+    path whatever the ops set; `scale` defaults to head_dim ** -0.5."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int, scale: float | None = None,
+                 variant: AttentionVariant | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_id = layer_id
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.variant = variant if variant is not None and variant.describe() is not None else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
+        if self.variant is not None:
+            return masked_attention(q, k, v, self.layer_id, self.scale, self.variant, ctx)
         return ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx)
 
     def forward_rows(self, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Vocabulary embedding and LM head, sharded over the vocabulary for tensor parallelism.
 
-Each tensor-parallel rank holds rows [start, start + rows) of the vocabulary (distributed.vocab_shard; rows
+Each tensor-parallel rank holds rows [start, start + rows) of the vocabulary (sharding.vocab_shard; rows
 past the vocabulary are zero padding). The embedding looks up the ids of its rows, zeros the others and sums
 over the ranks; the LM head computes its rows' logits, which the stage's first rank gathers and cuts to the
 vocabulary.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.runtime.executor import distributed
+from radixgen.runtime.ground import sharding
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelAxis
 from radixgen.runtime.layers.linear import DENSE, ColumnParallelLinear, LinearBase, LinearMethod
-from radixgen.runtime.parallel_context import SINGLE, ParallelAxis
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, *, tp: ParallelAxis = SINGLE.tp) -> None:
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
-        self.start, self.shard, self.valid = distributed.vocab_shard(vocab_size, tp.size, tp.rank)
+        self.start, self.shard, self.valid = sharding.vocab_shard(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -60,7 +60,7 @@ class ParallelLMHead(ColumnParallelLinear):
 
     def __init__(self, vocab_size: int, hidden: int, *, tp: ParallelAxis = SINGLE.tp) -> None:
         self.vocab_size, self.tp = vocab_size, tp
-        self.start, rows, self.valid = distributed.vocab_shard(vocab_size, tp.size, tp.rank)
+        self.start, rows, self.valid = sharding.vocab_shard(vocab_size, tp.size, tp.rank)
         self.full_out, self.out_start = vocab_size, self.start
         LinearBase.__init__(self, hidden, rows, bias=False)
 

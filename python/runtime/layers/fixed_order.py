@@ -13,9 +13,18 @@ rounded once:
   (`cpu_linear.sum_partials`), so every rank holds the bits tp 1 computes.
 
 The column-parallel matmuls need nothing: each output is one accumulator over all input pairs, whatever rows a rank
-holds. The vocabulary-parallel embedding sums one rank's row with -0.0 from the others, which is exact, and the LM
-head's pieces are gathered, not summed. The supported sizes are those whose cut is a union of tp 2's segments: 1
-and 2 (`SUPPORTED_TP`). A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to match).
+holds. The fixed segments need the fixed bf16 tiles of an AVX512-BF16 build; elsewhere (AVX2, AVX-512 without BF16)
+tp 1 sums each row-parallel matmul as one accumulator and larger groups are refused.
+
+The matmuls of other weight formats: the bf16 K pairs and the GGUF K-quant kernels give a row the same bits at any
+row count on every build (tests/kernels/test_deterministic_kernels.py); the int8 / int4 ones (int8, int4, AWQ,
+GPTQ, GGUF Q4_0 / Q4_1 / Q8_0) stream up to 16 rows and run another kernel beyond, and on AVX512-BF16 builds
+a lone bf16 row of an int4 weight (an odd call's last one) takes a shorter path of its own. `FixedRows` keeps every
+row of theirs on the streaming kernel's row pairs: calls of at most 16 rows, an even number where that path exists.
+
+The vocabulary-parallel embedding sums one rank's row with -0.0 from the others, which is exact, and the LM head's
+pieces are gathered, not summed. The supported sizes are those whose cut is a union of tp 2's segments: 1 and 2
+(`SUPPORTED_TP`). A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to match).
 """
 
 from __future__ import annotations
@@ -24,12 +33,16 @@ import torch
 from torch import nn
 
 from radixgen.kernels import cpu_linear
-from radixgen.runtime.layers.linear import LinearBase, RowParallelLinear
+from radixgen.kernels.cpu_gguf import BLOCK_VALUES, PANEL_GEMM_ROWS, KQuantWeight
+from radixgen.runtime.ground.parallel_context import ParallelAxis
+from radixgen.runtime.layers.linear import LinearBase, LinearMethod, RowParallelLinear
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
-from radixgen.runtime.parallel_context import ParallelAxis
+from radixgen.runtime.layers.quantization.experts import CpuGroupedLinear, GroupedLinear
+from radixgen.runtime.layers.quantization.gguf_k import GGUFPartsLinear
 
 SEGMENTS = 2  # the fixed segments of every row-parallel sum: tp 2's cut
 SUPPORTED_TP = (1, 2)
+STREAM_ROWS = 16  # the rows up to which the int8 / int4 matmuls stream their weights on every build
 
 
 class OrderedSum:
@@ -51,31 +64,115 @@ class OrderedSum:
         return self(part).view(*x.shape[:-1], layer.out_features)
 
 
+class FixedRows(LinearMethod):
+    """An int8 / int4 layer's method (or a GGUF layer's with such parts) with every row on the streaming kernel:
+    x cut into calls of at most STREAM_ROWS rows, and where `even_rows`, each call given an even number of rows (an
+    odd one's last row twice), so that no row takes the one-row path. No packed weight: the fused decode step, which
+    would pass it its whole batch, stays off."""
+
+    def __init__(self, inner: LinearMethod, even_rows: bool, rows: int = STREAM_ROWS) -> None:
+        self.inner, self.even, self.rows = inner, even_rows, rows
+        self.name = f"{inner.name}, fixed rows"
+
+    def _call(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        m = x2.shape[0]
+        if self.even and m % 2:
+            return self.inner.apply(layer, torch.cat([x2, x2[-1:]]))[:m]
+        return self.inner.apply(layer, x2)
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, layer.in_features)
+        m = x2.shape[0]
+        if m <= self.rows:
+            y = self._call(layer, x2)
+        else:
+            y = torch.cat([self._call(layer, x2[a:a + self.rows]) for a in range(0, m, self.rows)])
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def dequantize(self, layer):
+        return self.inner.dequantize(layer)
+
+    def embed(self, layer, ids):
+        return self.inner.embed(layer, ids)
+
+    def nbytes(self, layer):
+        return self.inner.nbytes(layer)
+
+
+def _int_matmuls(method: LinearMethod, layer) -> bool | None:
+    """Whether the layer's C matmuls include ones that change path with the row count (True: int8 / int4, GGUF
+    Q4_0 / Q4_1 / Q8_0 and the other block kinds), only bf16 K pairs / GGUF K-quants (False), or it is not on the C
+    matmuls at all (None)."""
+    if isinstance(method, CpuPackedLinear) and getattr(layer, "packed", None) is not None:
+        return method.fmt is not None
+    if isinstance(method, GGUFPartsLinear):
+        return not all(isinstance(w, KQuantWeight) for w in layer.gguf_weights) or _panel_rows(layer) is not None
+    return None
+
+
+def _panel_rows(layer) -> int | None:
+    """A GGUF layer with Q4_0 / Q4_1 / Q8_0 parts: the row count from which their kernel switches from the int8
+    tiles to the panel GEMM (float32 inputs: other bits), which its calls must stay under; None for other layers."""
+    kinds = [w for w in getattr(layer, "gguf_weights", ()) if isinstance(w, KQuantWeight)]
+    return PANEL_GEMM_ROWS if any(BLOCK_VALUES[w.type_name] == 32 for w in kinds) else None
+
+
 def install(model: nn.Module, kl) -> None:
     """After the ops set's install, before the fused step is built (it copies the weights' descriptors): every
-    row-parallel layer of `model` sums in the fixed segments. ValueError naming a layer that cannot: one not on
-    the C bf16 matmuls (another layout's blocking follows the row count), a bias at tp > 1, a cut the layer does
-    not describe."""
+    row-parallel layer of `model` sums in the fixed segments, every int8 / int4 layer keeps its rows on the
+    streaming kernel. ValueError naming a layer that cannot: one not on the C matmuls (another layout's blocking
+    follows the row count), a quantized or biased row-parallel layer at tp > 1, a cut the layer does not
+    describe, tp > 1 on a build without the fixed tiles."""
     for name, m in model.named_modules():
+        if isinstance(m, GroupedLinear):
+            _check_experts(name, m, model.parallel.tp.size if hasattr(model, "parallel") else 1)
+            continue
         if not isinstance(m, LinearBase):
             continue
-        if not (isinstance(m.method, CpuPackedLinear) and m.method.fmt is None and m.packed is not None):
-            raise ValueError(f"deterministic mode needs every linear layer on the C bf16 matmuls; {name} runs "
-                             f"{m.method.name} (an odd input size, or a format without them)")
-        # oneDNN's blocking follows the row count, and the AMX GEMM sums in its own order: every row count on the C
-        # matmuls (whose fixed tiles the row-parallel layers get below)
-        m.method.onednn_rows = m.method.amx_rows = 0
+        quantized = _int_matmuls(m.method, m)
+        if quantized is None:
+            raise ValueError(f"deterministic mode needs every linear layer on radixgen's C matmuls (bf16 K pairs, "
+                             f"int8 / int4, GGUF K-quants); {name} runs {m.method.name} (an odd input size, or a "
+                             f"format without them)")
+        if isinstance(m.method, CpuPackedLinear):
+            # oneDNN's blocking follows the row count, and the AMX GEMM sums in its own order: every row count on the
+            # C matmuls (whose fixed tiles the row-parallel layers get below)
+            m.method.onednn_rows = m.method.amx_rows = 0
         if isinstance(m, RowParallelLinear):
-            _fix(name, m, kl)
+            _fix(name, m, kl, quantized)
+        if quantized:
+            panel = _panel_rows(m)
+            m.method = FixedRows(m.method, even_rows=kl.has_decode_step,
+                                 rows=STREAM_ROWS if panel is None else min(STREAM_ROWS, panel - 1))
 
 
-def _fix(name: str, layer: RowParallelLinear, kl) -> None:
+def _check_experts(name: str, layer: GroupedLinear, tp_size: int) -> None:
+    """An expert block's experts: bf16 K pairs on the grouped C matmuls, whose rows give the same bits at any row
+    count (an expert sees however many rows the batch routed to it; a token's k terms are added in its own order,
+    cpu_moe.h), at tp 1 (the ranks' partial sums would be all-reduced in no fixed order; ep: check_config)."""
+    if not (isinstance(layer.method, CpuGroupedLinear) and layer.method.fmt is None):
+        raise ValueError(f"deterministic mode does not run the experts of {name} as {layer.method.name}: an expert "
+                         f"sees however many rows the batch routed to it, and only bf16 experts on the grouped C "
+                         f"matmuls (AVX512-BF16 builds) give a row the same bits at any row count")
+    if tp_size > 1:
+        raise ValueError(f"deterministic mode does not run expert blocks at tp_size={tp_size}: the ranks' partial "
+                         f"sums of {name} are all-reduced in no fixed order; use tp_size=1")
+
+
+def _fix(name: str, layer: RowParallelLinear, kl, quantized: bool) -> None:
     tp = layer.tp
     if tp.size not in SUPPORTED_TP:
         raise ValueError(f"deterministic mode does not run with tp_size={tp.size}: its fixed segments are tp 2's "
                          f"cut of each row-parallel matmul; use tp_size 1 or 2")
+    if tp.size > 1 and not kl.has_decode_step:
+        raise ValueError(f"deterministic mode does not run with tp_size={tp.size} on the {kl.isa} build of the CPU "
+                         f"kernels: the fixed segments of {name} need the AVX512-BF16 tiles; use tp_size 1")
+    if tp.size > 1 and (quantized or not isinstance(layer.method, CpuPackedLinear)):
+        raise ValueError(f"deterministic mode does not run {name} at tp_size={tp.size}: its {layer.method.name} "
+                         f"weights have no fixed segments (only bf16 weights do); use tp_size 1")
     if tp.size == 1:
-        cut = segment_cut(name, layer)
+        cut = segment_cut(name, layer) if kl.has_decode_step and not quantized and \
+            isinstance(layer.method, CpuPackedLinear) else None
         if cut is not None:
             layer.packed.fix_order(k_split=cut)
         return

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixgen.runtime.executor.distributed import head_shard, split_range
-from radixgen.runtime.parallel_context import SINGLE, ParallelAxis
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelAxis
+from radixgen.runtime.ground.sharding import head_shard, split_range
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 1) -> torch.Tensor | None:
@@ -283,7 +283,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul (shard ids "q", "k", "v"), for this rank's heads (`heads`, a
-    distributed.HeadShard): the query heads and the KV heads they read."""
+    sharding.HeadShard): the query heads and the KV heads they read."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, *,
                  tp: ParallelAxis = SINGLE.tp) -> None:

@@ -99,12 +99,19 @@ class TorchOps:
 
         r = 2 * b.shape[2]
         held = ranks.tolist()
+        mm = _row_by_row if self.attention_piece else torch.matmul  # the deterministic mode: one shape per row
         for slot, idx, scale in rows.groups:
             if held[slot] == 0:
                 continue
-            h = x[idx] @ unpack_kpairs(a[slot]).t()  # (n, 16 ceil(nseg R / 16))
+            h = mm(x[idx], unpack_kpairs(a[slot]).t())  # (n, 16 ceil(nseg R / 16))
             for g, (c0, c1) in enumerate(segments):
-                y[idx, c0:c1] += (h[:, g * r:(g + 1) * r] @ expand_weights(b, slot, c0, c1)) * scale
+                y[idx, c0:c1] += mm(h[:, g * r:(g + 1) * r], expand_weights(b, slot, c0, c1)) * scale
+
+
+def _row_by_row(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p @ q one row of p at a time: a row's bits do not depend on how many rows share the call (torch's matmul
+    picks its blocking by the row count)."""
+    return torch.cat([p[i:i + 1] @ q for i in range(p.shape[0])]) if p.shape[0] else p @ q
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

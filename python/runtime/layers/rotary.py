@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout), with Llama 3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout), with the frequency scalings of rope_scaling: llama3 (Llama 3.1 /
+3.2), linear (Gemma 3's global layers) and yarn (gpt-oss; its cos / sin scaled by the attention factor)."""
 
 from __future__ import annotations
 
@@ -33,17 +34,50 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
+def _yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies above the band [low, high] kept (extrapolated), those below divided by `factor`
+    (interpolated), a linear ramp between; and the factor cos / sin are multiplied by."""
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        def m(scale):  # the magnitude correction of a context `scale` times longer
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+        mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = m(mscale) / m(all_dim) if mscale and all_dim else m(1.0)
+
+    def dim_of(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` turns in old_ctx
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolated (kept), 0: interpolated
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention)
+
+
 class RotaryEmbedding(OpsLayer):
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if scaling is not None:
+        magnitude = 1.0
+        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "llama3"))
+        if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":  # positions divided by `factor`
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, magnitude = _yarn(inv_freq, head_dim, base, scaling)
+        elif kind is not None:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}")
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # (P, D/2)
         # (P, D): cos in the first half, sin in the second
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1).mul(magnitude).float(),
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -15,10 +15,15 @@ from pathlib import Path
 
 import torch
 
-TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+from radixgen.common.lora_names import (  # noqa: F401 - the adapter's names, imported from here too
+    TARGETS,
+    LoRAAdapterError,
+    check_adapter_name,
+    check_target_names,
+    parse_lora_paths,
+)
+
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
 # adapter_config.json keys whose non-default value changes the math in a way radixgen does not implement
 _UNSUPPORTED = {
     "use_dora": "DoRA (use_dora)", "fan_in_fan_out": "fan_in_fan_out", "lora_bias": "LoRA biases (lora_bias)",
@@ -26,39 +31,6 @@ _UNSUPPORTED = {
     "modules_to_save": "fully trained extra modules (modules_to_save)", "megatron_config": "Megatron layers",
 }
 
-
-class LoRAAdapterError(ValueError):
-    pass
-
-
-def check_adapter_name(name: object) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise LoRAAdapterError(f"LoRA adapter name {name!r}: 1-128 letters, digits or the characters _ . - /")
-    return name
-
-
-def parse_lora_paths(specs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
-    """(name, path) of each `--lora-paths` entry: NAME=PATH, or a bare PATH named after its folder."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        if not isinstance(spec, str) or not spec:
-            raise LoRAAdapterError(f"lora_paths: an entry must be NAME=PATH or PATH, got {spec!r}")
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = Path(spec.rstrip("/")).name, spec
-        check_adapter_name(name)
-        if not path:
-            raise LoRAAdapterError(f"lora_paths: {spec!r} has no path")
-        if name in out:
-            raise LoRAAdapterError(f"lora_paths: two adapters named {name!r}")
-        out[name] = path
-    return list(out.items())
-
-
-def check_target_names(modules: tuple[str, ...] | list[str]) -> None:
-    unknown = sorted(set(modules) - TARGETS.keys() - {"all"})
-    if unknown:
-        raise LoRAAdapterError(f"lora_target_modules: unknown module(s) {unknown} (known: {sorted(TARGETS)}, all)")
 
 
 def read_adapter_config(name: str, folder: Path) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.runtime.executor.forward_context import get_forward_context
+from radixgen.runtime.ground.forward_context import get_forward_context
 from radixgen.runtime.layers.linear import LinearMethod
 from radixgen.runtime.lora.pool import GROUPS, LoRAPool
 

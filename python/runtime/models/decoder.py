@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from radixgen.runtime.config import ModelConfig
-from radixgen.runtime.executor import distributed
+from radixgen.runtime.ground import sharding
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelContext
 from radixgen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixgen.runtime.layers.norm import RMSNorm
 from radixgen.runtime.models.parts import AttentionSpec, DecoderLayer, GatedMLP, LayerStructure
 from radixgen.runtime.models.weights import WeightMapping
-from radixgen.runtime.parallel_context import SINGLE, ParallelContext
 
 
 @dataclass(frozen=True)
@@ -58,22 +58,40 @@ class CausalLM(nn.Module):
         self.config, self.parallel = cfg, par
         arch = self.architecture
         # this pipeline stage's layers; the others are empty placeholders, so that names keep their indices
-        self.start_layer, self.end_layer = distributed.layer_range(cfg.num_layers, par.pp_size, par.pp_rank)
+        self.start_layer, self.end_layer = sharding.layer_range(cfg.num_layers, par.pp_size, par.pp_rank)
         self.is_first_stage, self.is_last_stage = par.is_first_stage, par.is_last_stage
         self.embed_tokens = None  # the first stage's (a tied LM head on another stage holds its own copy)
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=par.tp)
-        rotary = arch.attention.rotary(cfg)  # one rotary table shared by all layers
-        # a layer's id is its index in this stage's KV pool
-        self.layers = nn.ModuleList([
-            DecoderLayer(cfg, par, i - self.start_layer, arch.attention, arch.mlp, rotary)
-            if self.start_layer <= i < self.end_layer else OtherStageLayer() for i in range(cfg.num_layers)])
+        self.rotary = arch.attention.rotary(cfg)  # one rotary table shared by all layers
+        self.layers = nn.ModuleList([self.make_layer(i) if self.start_layer <= i < self.end_layer else OtherStageLayer()
+                                     for i in range(cfg.num_layers)])
         self.norm = self.lm_head = None  # the last stage's
         if self.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=par.tp)
             if cfg.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.tie(self.embed_tokens)
+
+    def make_layer(self, i: int) -> nn.Module:
+        """Decoder layer `i` of the model (an architecture whose layers differ overrides it); its id in this
+        stage's KV pool is i - start_layer."""
+        arch = self.architecture
+        return DecoderLayer(self.config, self.parallel, i - self.start_layer, arch.attention, arch.mlp, self.rotary,
+                            index=i)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) ids -> (T, hidden) the first layer's input."""
+        return self.embed_tokens(input_ids)
+
+    def unfused(self) -> str | None:
+        """Why the fused CPU decode step and CUDA graphs must not run this model, in words (None: they may):
+        what its layers say of themselves (an attention variant), or what the model adds around them."""
+        for i in range(self.start_layer, self.end_layer):
+            variant = self.layers[i].structure().attention.variant
+            if variant is not None:
+                return f"layer {i}'s attention has {variant}"
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
                 stage_input: StageHidden | None = None) -> torch.Tensor | StageHidden:
@@ -84,7 +102,7 @@ class CausalLM(nn.Module):
         Pipeline stages: a stage after the first starts from the previous one's `stage_input` instead of the
         ids' embeddings, and a stage before the last returns its last layer's StageHidden."""
         if stage_input is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         else:
             x, residual = stage_input
         last = len(self.layers) - 1

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from radixgen.runtime.config import ModelConfig
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelContext
 from radixgen.runtime.layers.linear import ColumnParallelLinear
 from radixgen.runtime.models.clip import CLIPVisionTower, activation
 from radixgen.runtime.models.multimodal import VisionLanguageLM
-from radixgen.runtime.parallel_context import SINGLE, ParallelContext
 
 
 def feature_layers(hf: dict) -> list[int]:

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixgen.runtime.config import ModelConfig
-from radixgen.runtime.executor.distributed import layer_range, split_range
+from radixgen.runtime.ground.parallel_context import ParallelContext
+from radixgen.runtime.ground.sharding import layer_range, split_range
 from radixgen.runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixgen.runtime.layers.moe import MoERouting, experts_forward, route
 from radixgen.runtime.layers.quantization.experts import GroupedLinear
 from radixgen.runtime.models.parts import MOE_GATED_SILU, GatedMLP, MLPPart, MLPStructure, MoEStructure
 from radixgen.runtime.models.weights import ExpertShard
-from radixgen.runtime.parallel_context import ParallelContext
 
 
 def _read(loaded) -> torch.Tensor:

@@ -47,8 +47,8 @@ from torch import nn
 
 from radixgen.common.prompt import MediaItem
 from radixgen.runtime.config import ModelConfig
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelContext
 from radixgen.runtime.models.decoder import StageHidden
-from radixgen.runtime.parallel_context import SINGLE, ParallelContext
 
 
 class MediaPiece(NamedTuple):

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from radixgen.runtime.config import ModelConfig
-from radixgen.runtime.executor.distributed import head_shard
+from radixgen.runtime.ground.parallel_context import ParallelContext
+from radixgen.runtime.ground.sharding import head_shard
 from radixgen.runtime.layers.activation import SiluAndMul
 from radixgen.runtime.layers.attention import Attention
 from radixgen.runtime.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixgen.runtime.layers.masked_attention import AttentionVariant
 from radixgen.runtime.layers.norm import RMSNorm
 from radixgen.runtime.layers.rotary import ROPE, RotaryEmbedding, RotaryStructure  # noqa: F401 (ROPE)
-from radixgen.runtime.parallel_context import ParallelContext
 
 # MLP kinds (MLPStructure.kind): what the fused decode step and the CUDA graphs know how to run
 DENSE_GATED_SILU = "dense_gated_silu"  # down(silu(gate(x)) * up(x)), gate and up in one matmul
@@ -47,6 +48,7 @@ class AttentionStructure(NamedTuple):
     head_dim: int
     scale: float
     rotary: RotaryStructure
+    variant: str | None = None  # what makes it other than plain causal GQA (DecoderAttention.variant); None: plain
 
 
 class MoEStructure(NamedTuple):
@@ -105,6 +107,14 @@ class AttentionSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     rotary: object = rope  # (cfg) -> the rotary module
+    # the variants (layers/masked_attention.py; the config's sliding windows apply to every spec): a learned sink
+    # logit per query head (gpt-oss), the q / k norm's class (Gemma 3's (1 + w)), a bias on o_proj (gpt-oss),
+    # the softmax scale and the logit soft-cap as functions of the config (None: head_dim ** -0.5; none)
+    sinks: bool = False
+    norm: type = RMSNorm
+    o_bias: bool = False
+    scale: object = None
+    softcap: object = None
 
 
 def _head_features(cfg: ModelConfig, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -117,7 +127,8 @@ class DecoderAttention(nn.Module):
     """Grouped-query attention over this rank's heads: qkv_proj, [q_norm, k_norm], rotary, paged attention, o_proj."""
 
     def __init__(self, cfg: ModelConfig, par: ParallelContext, layer_id: int, spec: AttentionSpec,
-                 rotary: nn.Module) -> None:
+                 rotary: nn.Module | None, index: int | None = None) -> None:
+        """layer_id: the layer's index in this stage's KV pool; index: in the model (its sliding window)."""
         super().__init__()
         tp = par.tp
         self.head_dim = cfg.head_dim
@@ -125,14 +136,21 @@ class DecoderAttention(nn.Module):
                                           bias=spec.qkv_bias or cfg.attention_bias, tp=tp)
         heads = self.qkv_proj.heads  # this tensor-parallel rank's query heads and the KV heads they read
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp,
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=spec.o_bias, tp=tp,
                                         shares=partial(_head_features, cfg))
-        self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
+        self.rotary = rotary  # None: a layer without positions (SmolLM3's no_rope_layers)
+        self.sinks = None
+        if spec.sinks:  # this rank's query heads' sink logits
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = partial(_head_rows, heads.q_start, self.num_heads)
+        window = cfg.window(layer_id if index is None else index)
+        variant = AttentionVariant(window, spec.softcap(cfg) if spec.softcap else None, self.sinks)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id,
+                              spec.scale(cfg) if spec.scale else None, variant)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = spec.norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = spec.norm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden), or (K, hidden) for rows `keep` only (every row's K/V still stored)."""
@@ -145,19 +163,38 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         if keep is None:
             o = self.attn(q, k, v)  # (T, H, D)
+        elif self.attn.variant is not None:  # the masked path computes every row
+            o = self.attn(q, k, v).index_select(0, keep)
         else:
             o = self.attn.forward_rows(q.index_select(0, keep), k, v)  # (K, H, D)
         return self.o_proj(o.reshape(o.shape[0], q_size))
 
     def structure(self) -> AttentionStructure:
-        rotary = self.rotary.structure() if hasattr(self.rotary, "structure") else RotaryStructure("?", None)
+        rotary = self.rotary.structure() if hasattr(self.rotary, "structure") else RotaryStructure(
+            "none" if self.rotary is None else "?", None)
         return AttentionStructure(
             self.qkv_proj, self.o_proj, self.qkv_proj.bias, None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.attn.scale, rotary)
+            self.attn.scale, rotary, variant=self.variant())
+
+    def variant(self) -> str | None:
+        """What the fused paths do not run in this attention, in words (None: nothing)."""
+        extra = [] if self.attn.variant is None else [self.attn.variant.describe()]
+        if self.o_proj.bias is not None:
+            extra.append("a bias on o_proj")
+        if self.q_norm is not None and type(self.q_norm) is not RMSNorm:
+            extra.append(f"{type(self.q_norm).__name__} q / k norms")
+        return ", ".join(extra) or None
+
+
+def _head_rows(start: int, size: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+    """A per-query-head tensor (H,): this rank's heads [start, start + size)."""
+    loaded = loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+    param.data.copy_(loaded.narrow(0, start, size))
 
 
 # ---------------------------------------------------------------- the MLP slot
@@ -196,9 +233,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: RMSNorm -> attention -> (+residual) RMSNorm -> MLP part."""
 
     def __init__(self, cfg: ModelConfig, par: ParallelContext, layer_id: int, attention: AttentionSpec,
-                 mlp, rotary: nn.Module) -> None:
+                 mlp, rotary: nn.Module | None, index: int | None = None) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, par, layer_id, attention, rotary)
+        self.self_attn = DecoderAttention(cfg, par, layer_id, attention, rotary, index)
         self.mlp = mlp(cfg, par, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -18,9 +18,9 @@ from typing import NamedTuple
 import torch
 
 from radixgen.runtime.config import ModelConfig
+from radixgen.runtime.ground.parallel_context import SINGLE, ParallelContext
 from radixgen.runtime.models.multimodal import StepMedia, VisionLanguageLM
 from radixgen.runtime.models.vision.qwen2_vit import Qwen2VisionTransformer, VisionSpec
-from radixgen.runtime.parallel_context import SINGLE, ParallelContext
 
 
 class ImageSpan(NamedTuple):

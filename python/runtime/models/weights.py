@@ -134,3 +134,39 @@ SHARED_EXPERT_WEIGHTS = WeightMapping(
 MIXTRAL_WEIGHTS = _MOE_GGUF + WeightMapping(
     experts=(("w1", "gate_up", "gate"), ("w3", "gate_up", "up"), ("w2", "down", "down")),
     renames=((".block_sparse_moe.", ".mlp."),))
+
+
+class RowsOf:
+    """Rows [start, start + rows) of a checkpoint tensor (a torch tensor or an executor.weights.CheckpointSlice),
+    itself a tensor as the weight loaders read one (`shape`, `narrow`, `read`): a part of a fused tensor (Phi-3's
+    qkv_proj, gate_up_proj) loaded as the projection it holds, still read lazily."""
+
+    def __init__(self, base, start: int, rows: int) -> None:
+        self.base, self.start = base, start
+        self.shape = (rows, *tuple(base.shape)[1:])
+
+    def narrow(self, dim: int, start: int, length: int):
+        if dim == 0:
+            return self.base.narrow(0, self.start + start, length)
+        return self.base.narrow(0, self.start, self.shape[0]).narrow(dim, start, length)
+
+    def read(self):
+        return self.base.narrow(0, self.start, self.shape[0])
+
+
+def split_fused(weights, fused: dict[str, tuple[tuple[str, int], ...]]):
+    """Checkpoint tensors with each fused projection (".<fused>." in its name, fused -> ((part, rows), ...))
+    replaced by its parts' tensors, named ".<part>." (the names the architecture's mapping loads by shard)."""
+    for name, tensor in weights:
+        for key, parts in fused.items():
+            if f".{key}." in name:
+                if sum(rows for _, rows in parts) != tensor.shape[0]:
+                    raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected "
+                                     f"{' + '.join(f'{rows} ({part})' for part, rows in parts)}")
+                start = 0
+                for part, rows in parts:
+                    yield name.replace(f".{key}.", f".{part}."), RowsOf(tensor, start, rows)
+                    start += rows
+                break
+        else:
+            yield name, tensor

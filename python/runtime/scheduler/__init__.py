@@ -1,24 +1,13 @@
 """The scheduler package: `Scheduler` (core.py: the step, admission, decode, retraction, finishing), the KV cache
-manager (kv_manager.py), the radix tree (radix_cache.py), the scheduler's records (request.py: Req; batch.py:
-Batch and the ForwardInput it builds), admission order (policy.py), output processing (output.py) and the process
+manager (kv_manager.py), the radix tree (radix/), the scheduler's records (request.py: Req; batch.py: Batch, which
+builds the executor's ForwardInput), admission order (policy.py), intake (intake.py), sampling (sampling.py),
+output processing (output.py), speculative decoding as a stage of the decode step (speculative/) and the process
 loop (process.py: `run_scheduler_process`, started by the Engine as `python -m radixgen.runtime.scheduler ARGS`).
 
-The three names below are imported on first use: the executor reads this package's records (batch.ForwardInput)
-while the scheduler's core imports the executor, so importing the records must not import the core."""
+Imports point down only: the scheduler imports the executor, the executor nothing of the scheduler."""
 
-from __future__ import annotations
+from radixgen.runtime.scheduler.core import Scheduler
+from radixgen.runtime.scheduler.kv_manager import KVCacheManager
+from radixgen.runtime.scheduler.process import run_scheduler_process
 
-import importlib
-from typing import Any
-
-_LAZY = {"Scheduler": "core", "KVCacheManager": "kv_manager", "run_scheduler_process": "process"}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"radixgen.runtime.scheduler.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'radixgen.runtime.scheduler' has no attribute {name!r}")
+__all__ = ["KVCacheManager", "Scheduler", "run_scheduler_process"]

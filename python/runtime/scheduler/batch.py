@@ -1,37 +1,17 @@
-"""One scheduled step: which requests run, how many new tokens each, and the tensors for the model."""
+"""One scheduled step: which requests run, how many new tokens each, and the tensors for the model (the
+executor's ForwardInput, built here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
+from radixgen.runtime.executor.step_messages import ForwardInput
+
 if TYPE_CHECKING:
     from radixgen.runtime.scheduler.request import Req
-
-
-class ForwardInput(NamedTuple):
-    """One step's tensors. Requests' new tokens are concatenated in request order."""
-
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    out_slots: torch.Tensor  # (T,) where each new token's K/V is written
-    req_indices: torch.Tensor  # (B,) rows of the request->slot table
-    prefix_lens: list[int]  # (B,) tokens already in the pool
-    extend_lens: list[int]  # (B,) new tokens this step
-    logit_rows: torch.Tensor  # (N,) which of the T hidden rows to turn into logits
-    # a verification of draft tokens: each request's new tokens are its last token and its drafts, consecutive
-    # positions, logits at every row (the fused CPU step takes these: cpu_decode.FusedDecode.applies)
-    verify: bool = False
-    lora_slots: list[int] | None = None  # (B,) each request's LoRA pool slot (-1: base model); None: no adapter
-    # (B,) each request's media items (common.prompt.MediaItem, spans in prompt positions; () for a text request),
-    # when some request of the step has media (decode steps too: a model's positions may depend on them); else None
-    media: tuple | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        return all(e == 1 for e in self.extend_lens)
 
 
 @dataclass

@@ -24,16 +24,20 @@ from radixgen.runtime.executor.distributed import GroupError
 from radixgen.runtime.executor.model_runner import ModelRunner
 from radixgen.runtime.lora.manager import LoRAManager
 from radixgen.runtime.messages import TreeSnapshotRequest
-from radixgen.runtime.scheduler import intake
+from radixgen.runtime.pooling import PoolingSpec
 from radixgen.runtime.scheduler.batch import Batch
+from radixgen.runtime.scheduler.intake import Intake, failure
 from radixgen.runtime.scheduler.kv_manager import KVCacheManager
 from radixgen.runtime.scheduler.output import OutputProcessor
 from radixgen.runtime.scheduler.policy import AdmissionPolicy
+from radixgen.runtime.scheduler.pooling import DecoderPooler
+from radixgen.runtime.scheduler.radix.snapshot import snapshot_reply
 from radixgen.runtime.scheduler.request import (
     AbortRequest,
     ControlKind,
     ControlReply,
     ControlRequest,
+    Counters,
     FinishReason,
     GenerateRequest,
     LoadLoRAAdapter,
@@ -41,10 +45,10 @@ from radixgen.runtime.scheduler.request import (
     ReqOutput,
     UnloadLoRAAdapter,
 )
-from radixgen.runtime.scheduler.tree_snapshot import snapshot_reply
+from radixgen.runtime.scheduler.sampling import StepSampler
+from radixgen.runtime.scheduler.speculative import Speculator
 from radixgen.runtime.scheduler.waits import WaitList
 from radixgen.runtime.special_tokens import eos_token_ids
-from radixgen.runtime.speculative import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +64,14 @@ class Scheduler:
         self.kv.name_adapters(self.lora.digest_of)  # for the disk tier: an adapter's pages by its weights' digest
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
-        self.counters = dict(num_requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0,
-                             forward_passes=0, extend_passes=0, decode_passes=0, retractions=0,
-                             jump_forward_tokens=0, failed_requests=0)
-        self.output = OutputProcessor(cfg, tokenizer, grammar_backend, runner.vocab_size, eos_ids,
-                                      runner.context_length, self.counters)
+        self.counters = Counters(speculative=cfg.speculative_algorithm != "none")
+        self.sampling = StepSampler(tokenizer, grammar_backend, runner.vocab_size, eos_ids)
+        self.output = OutputProcessor(cfg, tokenizer, grammar_backend, runner.vocab_size,
+                                      self.sampling.stop_token_ids, runner.context_length, self.counters)
         self.spec: Speculator | None = None  # speculative decoding, a stage of each decode step
         if cfg.speculative_algorithm != "none":
             self.spec = Speculator(cfg, runner, self.kv, self.output, grammar_backend, self.counters)
+        self.pooler = DecoderPooler(PoolingSpec.read(runner.model_path, tokenizer))  # embed / score requests
         self.waiting: deque[Req] = deque()  # ready for admission
         self.waits = WaitList(self.waiting, self.finish, self.fail)  # not yet: their conditions are pending
         self.prefilling: list[Req] = []  # admitted, prompt partly computed (chunked prefill)
@@ -75,11 +79,14 @@ class Scheduler:
         self.busy: set[int] = set()  # id() of the requests of steps in flight (pipeline stages: pipeline.py)
         self.rids: dict[str, Req] = {}
         self.outbox: list = []
+        self.intake = Intake(rids=self.rids, outbox=self.outbox, counters=self.counters, kv=self.kv, lora=self.lora,
+                             grammar=grammar_backend, tokenizer=tokenizer, waits=self.waits, finish=self.finish,
+                             fail=self.fail)
         self.step_no, self.last_was_extend = 0, False
 
     @property
     def stats(self) -> dict:
-        return {**self.counters, "evicted_tokens": self.kv.evicted_tokens}
+        return {**self.counters.as_dict(), "evicted_tokens": self.kv.evicted_tokens}
 
     # ------------------------------------------------------------------ the step
 
@@ -123,6 +130,7 @@ class Scheduler:
         """The step's logits; None when the forward failed (its requests are failed, their KV given back)."""
         try:
             fi = batch.forward_input(self.kv.table.table)
+            self.runner.keep_hidden = self.pooler.wants_hidden(batch.reqs)
             logits = self.runner.forward(fi)
             if self.spec is not None and not batch.is_decode:
                 self.spec.mirror(fi)  # a draft model computes the same positions
@@ -154,7 +162,7 @@ class Scheduler:
     def handle_message(self, msg) -> None:
         match msg:
             case GenerateRequest():
-                intake.add_request(self, msg)
+                self.intake.add(msg, self.step_no)
             case AbortRequest(rid=rid):
                 req = self.rids.get(rid)
                 if req is not None:
@@ -265,8 +273,8 @@ class Scheduler:
             return False
         if req.reported_cached < 0:
             req.reported_cached = req.cached_len
-            self.counters["prompt_tokens"] += len(req.input_ids)
-            self.counters["cached_tokens"] += req.cached_len
+            self.counters.prompt_tokens += len(req.input_ids)
+            self.counters.cached_tokens += req.cached_len
         return True
 
     def unadmit(self, req: Req) -> None:
@@ -307,11 +315,11 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         """Preempt a running (or prefilling) request: keep its KV in the tree, release the rest, queue it first."""
-        self.counters["retractions"] += 1
+        self.counters.retractions += 1
         (self.running if req in self.running else self.prefilling).remove(req)
         self.kv.release(req)
         self.lora.release(req)  # its adapter's slot may be replaced meanwhile: it waits for it again, first in line
-        self.waits.add(req, intake.resource_waits(self, req), front=True)
+        self.waits.add(req, self.intake.resource_waits(req), front=True)
         logger.info("retracted %s at %d tokens (KV cache full)", req.rid, req.seq_len)
 
     @property
@@ -321,9 +329,12 @@ class Scheduler:
     # ------------------------------------------------------------------ outputs
 
     def process_output(self, batch: Batch, logits: torch.Tensor) -> None:
-        self.counters["forward_passes"] += 1
-        self.counters["decode_passes" if batch.is_decode else "extend_passes"] += 1
-        sampled, failed = self.output.sample(batch, logits)
+        self.counters.forward_passes += 1
+        if batch.is_decode:
+            self.counters.decode_passes += 1
+        else:
+            self.counters.extend_passes += 1
+        sampled, failed = self.sampling.sample(batch, logits)
         for i, req in enumerate(batch.reqs):
             try:
                 if i in failed:
@@ -349,6 +360,10 @@ class Scheduler:
                 return
             if req.wants_prompt_logprobs:
                 self.output.finalize_prompt_logprobs(req)
+            if req.kind != "generate":  # prefill-only: the pooling stage's result, and done
+                req.pooled = self.pooler.output(req, batch.sample_rows[i], logits, self.runner.last_hidden)
+                self.finish(req, FinishReason.stop(None))
+                return
         if batch.drafts is not None:  # a verification: the tokens the target keeps, through the stop checks
             reason = self.spec.keep(batch, i, sampled)
         else:
@@ -386,10 +401,10 @@ class Scheduler:
 
     def fail(self, req: Req, stage: str, exc: BaseException, log: bool = True) -> None:
         """Fail one request after an exception in its processing; the scheduler goes on."""
-        self.counters["failed_requests"] += 1
+        self.counters.failed_requests += 1
         if log:
             logger.error("request %s failed while %s it", req.rid, stage, exc_info=exc)
-        self.finish(req, intake.failure(stage, exc))  # the abort reason of a request that failed
+        self.finish(req, failure(stage, exc))  # the abort reason of a request that failed
 
     def handle_aborts(self) -> None:
         for queue in (self.waiting, self.running, self.prefilling):
@@ -402,12 +417,13 @@ class Scheduler:
                 out = self.output.output_of(req)
             except Exception as e:  # noqa: BLE001 - the request still gets a final record
                 logger.exception("building the output of %s failed", req.rid)
-                out = ReqOutput(req.rid, [], intake.failure("reporting", e), len(req.input_ids), 0)
+                out = ReqOutput(req.rid, [], failure("reporting", e), len(req.input_ids), 0)
                 if not req.finished:
-                    self.counters["failed_requests"] += 1
+                    self.counters.failed_requests += 1
                     self._end(req, out.finish_reason)
                 req.final_sent = True
             if out is not None:
+                out.pooled = req.pooled
                 self.outbox.append(out)
 
     # ------------------------------------------------------------------ idle checks

@@ -66,6 +66,9 @@ def run_scheduler_process(args: RankArgs) -> int:
         _join_group(args)
         from radixgen.runtime.loader import load_tokenizer
 
+        encoder = _encoder_scheduler(cfg, model_path)
+        if encoder is not None:  # BERT / XLM-R: no KV cache, a forward per request (scheduler/encoder.py)
+            return _serve(encoder, None, inbox, outbox, send, encoder.ready_signal(), ctx)
         runner = ModelRunner(cfg, model_path=model_path)
         if runner.group is not None:
             distributed.wait_until_ready(START_TIMEOUT_S)
@@ -85,13 +88,34 @@ def run_scheduler_process(args: RankArgs) -> int:
         send(FatalError(traceback.format_exc()))
         time.sleep(0.05)
         return 1
+    return _serve(sched, runner.group, inbox, outbox, send, None, ctx)
 
+
+def _encoder_scheduler(cfg: RuntimeConfig, model_path: str):
+    """The EncoderScheduler of an encoder model's folder; None for a decoder."""
+    from radixgen.runtime.pooling import PoolingSpec, is_encoder
+
+    if not is_encoder(Path(model_path)):
+        return None
+    spec = PoolingSpec.read(Path(model_path))
+    from radixgen.runtime.scheduler.encoder import EncoderRunner, EncoderScheduler
+
+    if cfg.world_size > 1:
+        raise ValueError("an encoder model runs on one process: tp_size and pp_size must be 1")
+    return EncoderScheduler(cfg, EncoderRunner(cfg, model_path, spec))
+
+
+def _serve(sched, group, inbox, outbox, send, ready: ReadySignal | None = None, ctx=None) -> int:
+    """The loop: receive messages, step, send outputs, until shutdown. `ready`: sent first (an encoder's)."""
+    import zmq
+
+    if ready is not None:
+        send(ready)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_checked = True
     ran = False
     parent = os.getppid()
-    group = runner.group
     code = 0
     try:
         while True:
@@ -129,7 +153,8 @@ def run_scheduler_process(args: RankArgs) -> int:
         time.sleep(0.05)
         outbox.close(linger=1000)
         inbox.close(linger=0)
-        ctx.term()
+        if ctx is not None:
+            ctx.term()
     return code
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 
 from radixgen.common.prompt import radix_key
@@ -26,6 +28,35 @@ from radixgen.runtime.messages import (  # noqa: F401 - re-exported
 # ---------------------------------------------------------------- the request record
 
 
+@dataclass
+class Counters:
+    """The scheduler's running totals, one record handed explicitly to each part that counts (intake, output,
+    the speculative stage); `as_dict` is what server_info and the metrics read (the speculative counts only when
+    speculation is on)."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    forward_passes: int = 0
+    extend_passes: int = 0
+    decode_passes: int = 0
+    retractions: int = 0
+    jump_forward_tokens: int = 0
+    failed_requests: int = 0
+    speculative: bool = False
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_passes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        out = asdict(self)
+        if not out.pop("speculative"):
+            for name in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_passes"):
+                del out[name]
+        return out
+
+
 class Req:
     def __init__(self, msg: GenerateRequest, arrival_step: int) -> None:
         self.rid = msg.rid
@@ -33,11 +64,13 @@ class Req:
         self.media = msg.media
         self.prompt_key = radix_key(self.input_ids, self.media)  # text only: input_ids itself
         self.params = msg.params
+        self.kind = msg.kind  # generate, embed or score (runtime/pooling.py); embed and score are prefill-only
+        self.pooled: list[float] | None = None  # their result, set by the pooling stage (scheduler/pooling.py)
         self.return_logprob = msg.return_logprob
         self.logprob_start_len = msg.logprob_start_len
         self.top_logprobs_num = msg.top_logprobs_num
         self.namespace = msg.cache_salt  # the LoRA manager composes it with the adapter's (take_in)
-        self.lora_name = msg.lora_path  # the adapter asked for (None: the base model)
+        self.lora_name = msg.lora_name  # the adapter asked for (None: the base model)
         self.lora = None  # its lora.manager.AdapterEntry, set at take_in
         self.lora_slot = -1  # the pool slot it holds while admitted (-1: none)
         self.arrival_step = arrival_step

@@ -13,12 +13,21 @@ from starlette.responses import Response
 
 from radixgen.common.http_errors import APIError, JSONResponse, install_error_handlers
 from radixgen.common.prometheus import PROMETHEUS_CONTENT_TYPE
+from radixgen.runtime.server.anthropic_api import ERROR_SHAPE as ANTHROPIC_ERRORS
+from radixgen.runtime.server.anthropic_api import anthropic_router
+from radixgen.runtime.server.api_errors import ErrorShapeMiddleware
 from radixgen.runtime.server.console_api import console_router
+from radixgen.runtime.server.kserve_api import ERROR_SHAPE as KSERVE_ERRORS
+from radixgen.runtime.server.kserve_api import kserve_router
 from radixgen.runtime.server.metrics import ServerMetrics
 from radixgen.runtime.server.middleware import APIKeyMiddleware, RequestBodyMiddleware
 from radixgen.runtime.server.native_api import NativeServing, native_router
 from radixgen.runtime.server.native_protocol import AbortRequest
+from radixgen.runtime.server.ollama_api import ERROR_SHAPE as OLLAMA_ERRORS
+from radixgen.runtime.server.ollama_api import ollama_router
+from radixgen.runtime.server.ollama_embed import ollama_embed_router
 from radixgen.runtime.server.openai_api import OpenAIServing
+from radixgen.runtime.server.pooling_api import pooling_router, refuse_generation
 from radixgen.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixgen.runtime.server.responses_input import ResponsesRequest
 from radixgen.runtime.server.serving import ClientGone, Dispatcher, KeyScopedEngine, new_rid
@@ -68,9 +77,12 @@ def create_app(
         metrics.errors.inc(status=str(status))
 
     install_error_handlers(app, on_error=count_error)
+    refuse_generation(app, engine)  # an embedding model or a reranker: 400 on the generation routes
     app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes, on_error=count_error)
-    if keys:  # added last: runs first (an unauthenticated body is not even read)
+    if keys:  # added after the body middleware: runs before it (an unauthenticated body is not even read)
         app.add_middleware(APIKeyMiddleware, api_keys=keys, per_key=cache_isolation == "per-key", on_error=count_error)
+    # outermost: the errors of the Anthropic / Ollama / KServe v2 paths in their own API's shape
+    app.add_middleware(ErrorShapeMiddleware, shapes=[ANTHROPIC_ERRORS, OLLAMA_ERRORS, KSERVE_ERRORS])
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone):
@@ -118,9 +130,8 @@ def create_app(
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest):
-        if req.abort_all:
-            return JSONResponse({"rid": req.rid, "aborted": dispatcher.abort_all() > 0})
-        return JSONResponse({"rid": req.rid, "aborted": dispatcher.abort(req.rid)})
+        # with isolated keys, a key aborts its own requests only
+        return JSONResponse({"rid": req.rid, "aborted": dispatcher.abort_for_caller(req.rid, req.abort_all)})
 
     @app.get("/metrics")
     async def get_metrics():
@@ -156,5 +167,17 @@ def create_app(
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
         return JSONResponse(openai.responses_api.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return JSONResponse(openai.responses_api.delete(response_id))
+
+    # ------------------------------------------------------------ other APIs, on the same paths (adapters)
+
+    app.include_router(anthropic_router(openai, metrics))  # /v1/messages, /v1/messages/count_tokens
+    app.include_router(ollama_router(openai, metrics))  # /api/chat, /api/generate, /api/tags, /api/show...
+    app.include_router(kserve_router(openai, metrics))  # /v2/...: KServe v2 and Triton's generate extension
+    app.include_router(pooling_router(engine, name))  # /v1/embeddings, /v1/rerank, /v1/score
+    app.include_router(ollama_embed_router(engine))  # Ollama's /api/embed
 
     return app

@@ -59,6 +59,10 @@ def chat_constraint(chat: ChatServing, req: ChatCompletionRequest, prompt: str, 
     check_strict_tools(req)
     tool_schema = tool_choice_schema(tools, choice, req.parallel_calls) if tools else None
     base = api.constraint(req, response_format=_response_schema(req), tool_choice=tool_schema)
+    if chat.harmony and (base or req.max_thinking_tokens is not None or any(t.function.strict for t in tools)):
+        raise bad_request("the harmony format (gpt-oss) takes no constraint yet: response_format, strict tools, "
+                          "tool_choice required / named, regex / ebnf / json_schema and max_thinking_tokens are "
+                          "refused", "response_format")
     grammar = None
     try:
         enforce_calls = bool(tools) and choice == "auto" and (bool(base) or any(t.function.strict for t in tools))

@@ -1,6 +1,6 @@
 """The web console: its static page at `/` (radixgen.common.console_static: files in common/console/, shipped as package
 data, no build step) and the
-JSON document it polls, `/v1/radix_tree`: a bounded snapshot of the radix cache (scheduler/tree_snapshot.py)
+JSON document it polls, `/v1/radix_tree`: a bounded snapshot of the radix cache (scheduler/radix/snapshot.py)
 with the KV pool's usage by state, the queues and the cumulative counters the page turns into rates.
 
 The page and its scripts hold no secret and are served without the API key (middleware.OPEN_PATHS /

@@ -1,9 +1,10 @@
 """ASGI middleware of the app: API keys (one or several, each optionally its own cache namespace) and
-request bodies (read as JSON whatever the Content-Type, capped in size, refused when they hold a lone
-UTF-16 surrogate). Plain ASGI, so that streamed responses pass through untouched."""
+request bodies (read as JSON whatever the Content-Type, capped in size and in nesting depth, refused when
+they hold a lone UTF-16 surrogate). Plain ASGI, so that streamed responses pass through untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import re
@@ -13,8 +14,9 @@ from contextvars import ContextVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixgen.common.http_errors import error_response
+from radixgen.common.nesting import MAX_BODY_DEPTH, text_depth
 
-OPEN_PATHS = frozenset({"/health", "/"})  # answer without the API key: liveness probes carry no secrets,
+OPEN_PATHS = frozenset({"/health", "/", "/v2/health/live", "/v2/health/ready"})  # liveness probes carry no secrets,
 OPEN_PREFIXES = ("/console/",)  # nor does the web console's static page (it asks for the key to call the API)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -39,7 +41,8 @@ def is_open_path(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    """401 (OpenAI shape) unless `Authorization: Bearer <key>` names one of the keys. With `per_key`,
+    """401 (OpenAI shape) unless `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients
+    send it) names one of the keys. With `per_key`,
     the request runs with KEY_NAMESPACE set to its key's namespace."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], per_key: bool = False, on_error: OnError = _ignore):
@@ -51,13 +54,16 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or is_open_path(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        # Authorization: Bearer <key>, or Anthropic's x-api-key: <key>
+        given = [headers.get(b"authorization", b""), b"Bearer " + headers.get(b"x-api-key", b"")]
         # every key is compared (constant time each), so the time taken does not tell which one matched
-        matches = [ns for expected, ns in self.expected if hmac.compare_digest(given, expected)]
+        matches = [ns for expected, ns in self.expected for g in given if hmac.compare_digest(g, expected)]
         if not matches:
             self.on_error(401)
             response = error_response(
-                401, "Incorrect or missing API key (send Authorization: Bearer <key>).", None, "invalid_api_key"
+                401, "Incorrect or missing API key (send Authorization: Bearer <key> or x-api-key: <key>).", None,
+                "invalid_api_key",
             )
             await response(scope, receive, send)
             return
@@ -145,6 +151,11 @@ class RequestBodyMiddleware:
             )
             await self._refuse(400, message, None, scope, receive, send)
             return
+        if body.count(b"[") + body.count(b"{") > MAX_BODY_DEPTH and await _body_depth(body) > MAX_BODY_DEPTH:
+            message = (f"the request body nests objects and arrays deeper than the limit of {MAX_BODY_DEPTH} "
+                       "levels")
+            await self._refuse(400, message, "too_deeply_nested", scope, receive, send)
+            return
         await self.app(scope, _replay(body, receive), send)
 
     async def _too_large(self, declared: int | None, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,6 +169,11 @@ class RequestBodyMiddleware:
     async def _refuse(self, status: int, message: str, code: str | None, scope: Scope, receive: Receive, send: Send):
         self.on_error(status)
         await error_response(status, message, None, code)(scope, receive, send)
+
+
+async def _body_depth(body: bytes) -> int:
+    """text_depth, off the event loop for a large body (a linear scan, but of up to --max-request-bytes)."""
+    return text_depth(body) if len(body) < 1 << 20 else await asyncio.to_thread(text_depth, body)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -126,7 +126,7 @@ class NativeServing:
                 "top_logprobs_num": _pick(req.top_logprobs_num, i, 0),
                 "return_text_in_logprobs": req.return_text_in_logprobs,
                 "cache_salt": _salt(_pick(req.cache_salt, i, None), _pick(req.extra_key, i, None)),
-                "lora_path": _pick(req.lora_path, i, None),
+                req.lora[0]: _pick(req.lora[1], i, None),  # lora_name, or lora_path as the client spelled it
                 "image_data": client_sources(req.image_data if size is None else req.image_data[i] if req.image_data
                                              else None),  # a client's strings: no local file unless allowed
             }

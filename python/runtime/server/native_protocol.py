@@ -16,7 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS, MAX_N
+from radixgen.common.lora_names import check_lora_name, pick_lora_name
+from radixgen.common.sampling_params import DEFAULT_MAX_NEW_TOKENS
+from radixgen.runtime.server.declared_fields import declared_body
 
 
 class _Strict(BaseModel):
@@ -48,44 +50,17 @@ _SAMPLING_FEATURES = {
 }
 
 
-class NativeSamplingParams(_Strict):
-    """SGLang's `SamplingParams` fields plus radixgen's own (`seed`, `choices`). None means the default.
-    Every parameter radixgen.common.sampling_params declares is a field here, under its own name
-    (tests/common/test_sampling_contract.py); the values are checked there."""
+class _NativeSamplingBase(_Strict):
+    """SGLang's `SamplingParams` fields that are not declared parameters here (features, aliases, output
+    spacing); NativeSamplingParams adds every declared parameter."""
 
-    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS  # None: up to the context length
-    min_new_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    n: int | None = Field(None, ge=1, le=MAX_N)
     beam_width: int | None = None
-    json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
     # With skip_special_tokens false: true sets each special (added) token apart from the text around it by
     # one space, as Hugging Face's slow tokenizers decode. Unset: the tokenizer's own decoding, unchanged;
     # that is also what SGLang returns with its default (true): fast tokenizers ignore the flag.
     spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
     stream_interval: int | None = Field(None, ge=1)
-    sampling_seed: int | None = None
-    # radixgen's own
-    seed: int | None = None
-    choices: list[str] | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, as OpenAI's
-    # a thinking budget: the think block is closed with `think_end` after this many output tokens
-    max_thinking_tokens: int | None = None
-    think_end: str | None = None
+    sampling_seed: int | None = None  # SGLang's other name of seed
     # features radixgen lacks: only empty values
     structural_tag: Any = None
     custom_params: Any = None
@@ -97,7 +72,7 @@ class NativeSamplingParams(_Strict):
         return _reject_features(value, info, _SAMPLING_FEATURES)
 
     @model_validator(mode="after")
-    def _checks(self) -> NativeSamplingParams:
+    def _checks(self) -> _NativeSamplingBase:
         if self.beam_width not in (None, 1):
             raise ValueError("beam_width: beam search is not supported by radixgen (send null or 1)")
         if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
@@ -107,8 +82,7 @@ class NativeSamplingParams(_Strict):
     def to_engine(self, prompt_tokens: int | None, context_length: int) -> dict[str, Any]:
         """The radixgen `SamplingParams` dict (range checks happen there). `prompt_tokens` is needed only
         when max_new_tokens is None (then it is the room left in the context)."""
-        d = self.model_dump(exclude_none=True, exclude=set(_SAMPLING_FEATURES) | {
-            "beam_width", "sampling_seed", "stream_interval", "spaces_between_special_tokens"})
+        d = self.model_dump(exclude_none=True, include=set(self.declared_names))
         if self.max_new_tokens is None:
             d["max_new_tokens"] = max(context_length - (prompt_tokens or 0), 0)
         if self.sampling_seed is not None:
@@ -119,6 +93,15 @@ class NativeSamplingParams(_Strict):
         if not self.stop_regex:  # SGLang's client sends [] for none
             d.pop("stop_regex", None)
         return d
+
+
+# SGLang's `SamplingParams` plus radixgen's own (`seed`, `choices`, `logit_bias`, the thinking budget): every
+# declared parameter, under its own name, None meaning the default (max_new_tokens: None is the room left in the
+# context); values are checked by the declaration, per field.
+NativeSamplingParams = declared_body(
+    "NativeSamplingParams", _NativeSamplingBase, defaults={"max_new_tokens": DEFAULT_MAX_NEW_TOKENS},
+    doc="The `sampling_params` of /generate: SGLang's fields and every parameter radixgen.common.sampling_params "
+        "declares (tests/common/test_sampling_contract.py).")
 
 
 def parse_sampling_params(value: dict | None, where: str = "sampling_params") -> NativeSamplingParams:
@@ -166,7 +149,7 @@ _GENERATE_FEATURES = {
     "return_indexer_topk": "indexer top-k (return_indexer_topk) is",
     "session_params": "sessions (session_params) are",
     "session_id": "sessions (session_id) are",
-    "lora_id": "LoRA adapter ids (lora_id; name the adapter with lora_path) are",
+    "lora_id": "LoRA adapter ids (lora_id; name the adapter with lora_name) are",
     "custom_logit_processor": "custom logit processors (custom_logit_processor) are",
     "positional_embed_overrides": "embedding overrides (positional_embed_overrides) are",
     "bootstrap_host": "prefill/decode disaggregation (bootstrap_host) is",
@@ -210,7 +193,8 @@ class GenerateRequest(_Strict):
     no_logs: bool = False  # radixgen never logs request contents: honoured either way
     cache_salt: str | list[str] | None = None  # requests share cached prefixes only with the same salt
     extra_key: str | list[str] | None = None  # SGLang's other cache namespace key: joined to the salt
-    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (per prompt in a list)
+    lora_name: str | list[str | None] | None = None  # a loaded LoRA adapter's name (per prompt in a list)
+    lora_path: str | list[str | None] | None = None  # SGLang's name of lora_name (an adapter's name, not a folder)
     routed_dp_rank: int | None = None  # one data-parallel rank here: only 0
     data_parallel_rank: int | None = None
     # features radixgen lacks: only empty values
@@ -279,6 +263,8 @@ class GenerateRequest(_Strict):
 
     @model_validator(mode="after")
     def _checks(self) -> GenerateRequest:
+        key, name = pick_lora_name(self.lora_name, self.lora_path)
+        check_lora_name(name, key, per_prompt=True)
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text and input_ids must be given (input_embeds is not supported)")
         if not self.log_metrics:
@@ -288,7 +274,7 @@ class GenerateRequest(_Strict):
                 raise ValueError(f"{name}: this server has one data-parallel rank (0)")
         size = self.batch_size
         for name in ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt",
-                     "extra_key", "lora_path", "sampling_params"):
+                     "extra_key", "lora_name", "lora_path", "sampling_params"):
             value = getattr(self, name)
             if isinstance(value, list) and (size is None or len(value) != size):
                 raise ValueError(f"{name}: a list needs a batch of prompts of the same length "
@@ -305,6 +291,11 @@ class GenerateRequest(_Strict):
         if size == 0:
             raise ValueError("the prompt list is empty")
         return self
+
+    @property
+    def lora(self) -> tuple[str, Any]:
+        """(the keyword the request named its adapter with, the adapter or one per prompt; None: the base model)."""
+        return pick_lora_name(self.lora_name, self.lora_path)
 
     @property
     def is_batch(self) -> bool:

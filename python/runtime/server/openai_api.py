@@ -22,23 +22,27 @@ from radixgen.common.constraint import TooManyConstraints, normalize_constraint
 from radixgen.common.http_errors import APIError, bad_request
 from radixgen.common.sampling_params import CONSTRAINT_FIELDS, choice_seeds, sampling_fields
 from radixgen.runtime.server.openai_stream import SSE_DONE, EventStream, Job, sse
-from radixgen.runtime.server.protocol import NO_EFFECT, ChatCompletionRequest, CompletionRequest, SamplingFields
+from radixgen.runtime.server.protocol import (
+    NO_EFFECT,
+    OPENAI_NAMES,
+    OPENAI_NOT_EXPOSED,
+    SET_BY_CHAT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from radixgen.runtime.server.serving import Dispatcher, merge, new_rid, until_disconnect
 
-__all__ = ["SSE_DONE", "EventStream", "Job", "OpenAIServing", "sse"]
+__all__ = ["OPENAI_NAMES", "OPENAI_NOT_EXPOSED", "SET_BY_CHAT", "SSE_DONE", "EventStream", "Job", "OpenAIServing",
+           "sse"]
 
 logger = logging.getLogger("radixgen.server")
 
-# The OpenAI body's name of a declared sampling parameter where it differs (radixgen.common.sampling_params)
-OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
 # Declared parameters the mapping sets itself: the token budget (max_tokens / max_completion_tokens against the
-# context), n and seed (one job per choice, choice k seeded with seed + k), the constraint (constraint()).
-# The thinking budget is the chat path's (chat_constraint.py: max_thinking_tokens with the reasoning format's
-# closing text); a completion has no think block.
-SET_BY_CHAT = frozenset(("max_thinking_tokens", "think_end"))
+# context), n and seed (one job per choice, choice k seeded with seed + k), the constraint (constraint()), the
+# thinking budget (the chat path's, SET_BY_CHAT). The body's fields: protocol.py (OPENAI_NAMES,
+# OPENAI_NOT_EXPOSED).
 SET_ELSEWHERE = frozenset(("max_new_tokens", "n", "seed", *CONSTRAINT_FIELDS, *SET_BY_CHAT))
-# Declared parameters the OpenAI API does not take (the native /generate does).
-OPENAI_NOT_EXPOSED = frozenset(("stop_regex", "choices"))
 
 
 class OpenAIServing:
@@ -113,8 +117,9 @@ class OpenAIServing:
 
     def lora_of(self, req: SamplingFields) -> str | list[str | None] | None:
         """The adapter a request runs on: `model` naming a loaded LoRA adapter (or SGLang's "base:adapter"), or
-        SGLang's `lora_path` extra field. With LoRA enabled, any other model than the served one is a 404 (it
-        would otherwise run silently on the base model); without, only when the names are strict."""
+        the `lora_name` extra field (SGLang's `lora_path`, its alias). With LoRA enabled, any other model than the
+        served one is a 404 (it would otherwise run silently on the base model); without, only when the names are
+        strict."""
         adapters = self.engine.lora_adapters
         model, chosen = req.model, None
         if model is not None and model != self.model_name:
@@ -127,11 +132,11 @@ class OpenAIServing:
                 known = ", ".join([self.model_name, *adapters]) if adapters else self.model_name
                 raise APIError(404, f"The model `{model}` does not exist (served: {known}).", "model",
                                "model_not_found")
-        if req.lora_path is not None:
-            if chosen is not None and req.lora_path != chosen:
-                raise bad_request(f"lora_path: {req.lora_path!r} differs from the adapter the model names "
-                                  f"({chosen!r})", "lora_path")
-            return req.lora_path
+        key, named = req.lora
+        if named is not None:
+            if chosen is not None and named != chosen:
+                raise bad_request(f"{key}: {named!r} differs from the adapter the model names ({chosen!r})", key)
+            return named
         return chosen
 
     def response_model(self, req: SamplingFields) -> str:
@@ -204,7 +209,7 @@ class OpenAIServing:
     ) -> list[Job]:
         """One engine request per (prompt, choice); `lora`: the adapter (admit's answer), or one per prompt."""
         if isinstance(lora, list) and len(lora) != len(prompts):
-            raise bad_request(f"lora_path: got {len(lora)} for {len(prompts)} prompts", "lora_path")
+            raise bad_request(f"{req.lora[0]}: got {len(lora)} for {len(prompts)} prompts", req.lora[0])
         n = req.n
         out = []
         seeds = choice_seeds(req.seed, n)  # distinct, reproducible samples per choice
@@ -217,7 +222,7 @@ class OpenAIServing:
                 job_rid = rid if len(prompts) * n == 1 else f"{rid}-{k}"
                 prompt = {"input_ids": ids} if isinstance(ids, list) else {"prompt": ids}  # a Prompt with images
                 kwargs = {**prompt, "sampling_params": params, "cache_salt": req.cache_salt,
-                          "lora_path": lora[p] if isinstance(lora, list) else lora, **kw}
+                          req.lora[0]: lora[p] if isinstance(lora, list) else lora, **kw}
                 out.append(Job(k, p, job_rid, kwargs))
         return out
 

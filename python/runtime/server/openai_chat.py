@@ -13,10 +13,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixgen.common.chat_render import content_text, render_chat
+from radixgen.common.harmony_prompt import render_harmony
 from radixgen.common.http_errors import JSONResponse, bad_request, error_of
 from radixgen.common.media import client_sources
 from radixgen.common.parsers import (
-    ReasoningParser,
     detect_reasoning_format,
     detect_tool_parser,
     reasoning_format,
@@ -99,6 +99,11 @@ class ChatServing:
         else:
             self.reasoning = None if reasoning_parser == "none" else reasoning_format(reasoning_parser)
         self.tool_format = tool_parser_class(tool_call_parser or detect_tool_parser(template))
+        # the harmony format (gpt-oss) keeps its special tokens in the text; rendered by us where the template
+        # does not write it
+        self.harmony = getattr(self.reasoning, "name", None) == "harmony" or self.tool_format.name == "harmony"
+        self.render_harmony = self.harmony and "<|channel|>" not in template
+        self.template_renders_tools = self.template_renders_tools or self.render_harmony
 
     # ------------------------------------------------------------ the prompt
 
@@ -114,6 +119,8 @@ class ChatServing:
                 d["name"] = m.name
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
+            if self.harmony and m.reasoning_content:  # (the gpt-oss template reads it as `thinking`)
+                d["reasoning_content"] = d["thinking"] = m.reasoning_content
             calls = list(m.tool_calls or []) + ([ToolCall(function=m.function_call)] if m.function_call else [])
             if calls:
                 if self.template_renders_tools:
@@ -159,8 +166,7 @@ class ChatServing:
         fmt = self.reasoning if req.separate_reasoning else None
         reasoning = None
         if fmt is not None:
-            thinking = fmt.thinking_at_start(prompt)
-            reasoning = lambda: ReasoningParser(fmt, thinking)  # noqa: E731
+            reasoning = lambda: fmt.parser(prompt)  # noqa: E731
         return ChatOutput(reasoning, tools, req.legacy_functions, req.stream_reasoning)
 
     def render(self, req: ChatCompletionRequest, with_tools: bool) -> tuple[str, list]:
@@ -174,6 +180,12 @@ class ChatServing:
         if with_tools and self.template_renders_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools or []]
         cont = req.continue_final_message  # the last (assistant) message is continued, not closed
+        if self.render_harmony:
+            try:
+                return render_harmony(msgs, kwargs.get("tools"), kwargs.get("reasoning_effort"),
+                                      add_generation_prompt=not cont), images
+            except ValueError as e:
+                raise bad_request(f"messages: {e}", "messages") from e
         try:
             return render_chat(self.tokenizer, msgs, continue_final_message=cont, **kwargs), images
         except Exception as e:  # noqa: BLE001 - jinja raises its own kinds for bad message shapes
@@ -199,6 +211,8 @@ class ChatServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = api.sampling(req, api.budget(prompt_len, requested, param, "messages"), constraint)
+        if self.harmony:  # the parsers read the format's markers, which are special tokens
+            sp["skip_special_tokens"] = False
         rid = api.request_id(req, rid_prefix)
         jobs = api.jobs(
             [ids],

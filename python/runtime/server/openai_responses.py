@@ -4,7 +4,11 @@ deltas become output items and stream events (responses_output.py).
 
 Stored responses (``store``, the default) are kept in memory, the newest STORE_LIMIT of them, so that
 ``previous_response_id`` continues a conversation (its input items and output, not its instructions, as
-OpenAI's) and ``GET /v1/responses/{id}`` returns one; older ones are forgotten (then a 404)."""
+OpenAI's) and ``GET /v1/responses/{id}`` returns one; older ones are forgotten (then a 404).
+
+The store is keyed by the API key's cache namespace as well as the id (--cache-isolation per-key): a response
+stored under one key is invisible to every other key, which gets the same 404 as for an id never stored, and each
+key keeps its own newest STORE_LIMIT (docs/security.md). With shared isolation every key is one namespace."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixgen.common.http_errors import APIError, JSONResponse, error_of
+from radixgen.runtime.server.middleware import KEY_NAMESPACE
 from radixgen.runtime.server.openai_stream import EventStream, finish_reason_of
 from radixgen.runtime.server.responses_input import ResponsesRequest, to_chat
 from radixgen.runtime.server.responses_output import ResponseOutput
@@ -27,7 +32,7 @@ from radixgen.runtime.server.serving import merge
 if TYPE_CHECKING:
     from radixgen.runtime.server.openai_api import OpenAIServing
 
-STORE_LIMIT = 512  # stored responses kept for previous_response_id (the oldest is dropped first)
+STORE_LIMIT = 512  # stored responses kept per key for previous_response_id (the oldest is dropped first)
 _STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
 
 
@@ -38,18 +43,34 @@ def _event(event: dict[str, Any]) -> bytes:
 class ResponsesServing:
     def __init__(self, api: OpenAIServing):
         self.api = api
-        self.stored: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> {"response", "items"}
+        # the key's namespace -> id -> {"response", "items"}: one key never sees another's, nor pushes them out
+        self.stored: dict[str | None, OrderedDict[str, dict[str, Any]]] = {}
+
+    def _mine(self) -> OrderedDict[str, dict[str, Any]]:
+        return self.stored.setdefault(KEY_NAMESPACE.get(), OrderedDict())
+
+    def store(self, response_id: str, record: dict[str, Any]) -> None:
+        """Keep a response for the calling key; its newest STORE_LIMIT are kept (other keys' do not count)."""
+        mine = self._mine()
+        mine[response_id] = record
+        while len(mine) > STORE_LIMIT:
+            mine.popitem(last=False)
+
+    def _kept(self, response_id: str, param: str) -> dict[str, Any]:
+        """The stored response `response_id` of the calling key; a 404 for one never stored, forgotten or
+        stored under another key alike (the message does not tell them apart)."""
+        kept = self._mine().get(response_id)
+        if kept is None:
+            raise APIError(404, f"Response with id '{response_id[:200]}' not found (responses are kept in memory, "
+                           f"the newest {STORE_LIMIT}, when stored).", param)
+        return kept
 
     # ------------------------------------------------------------ the request
 
     def _history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
         if req.previous_response_id is None:
             return []
-        kept = self.stored.get(req.previous_response_id)
-        if kept is None:
-            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found (responses "
-                           f"are kept in memory, the newest {STORE_LIMIT}, when stored)", "previous_response_id")
-        return list(kept["items"])
+        return list(self._kept(req.previous_response_id, "previous_response_id")["items"])
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -134,13 +155,14 @@ class ResponsesServing:
         response = {**head, "status": status, "output": built.items, "usage": usage,
                     "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None}
         if req.store:
-            self.stored[head["id"]] = {"response": response, "items": [*inputs, *built.items]}
-            while len(self.stored) > STORE_LIMIT:
-                self.stored.popitem(last=False)
+            self.store(head["id"], {"response": response, "items": [*inputs, *built.items]})
         return response
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
-        kept = self.stored.get(response_id)
-        if kept is None:
-            raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
-        return kept["response"]
+        return self._kept(response_id, "response_id")["response"]
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """DELETE /v1/responses/{id}: forget a stored response of the calling key."""
+        self._kept(response_id, "response_id")
+        del self._mine()[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}

@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from radixgen.common.lora_names import check_lora_name, pick_lora_name
+from radixgen.runtime.server.declared_fields import declared_body, declared_check
+
 INT64_MAX = 2**63 - 1
 
 # field -> why it changes nothing here (logged at debug level when a request sets it)
@@ -47,20 +50,31 @@ class StreamOptions(_Strict):
     include_obfuscation: bool = False  # no effect: no padding is added to chunks
 
 
-class SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + the usual extra-body fields)."""
+# ---- the declared sampling parameters on the OpenAI bodies (radixgen.common.sampling_params)
+# The OpenAI body's name of a declared parameter where it differs.
+OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
+# Declared parameters the OpenAI API does not take (the native /generate does).
+OPENAI_NOT_EXPOSED = frozenset(("stop_regex", "choices"))
+# Declared parameters the chat path sets itself (chat_constraint.py: max_thinking_tokens, a chat field, with the
+# reasoning format's closing text); a completion has no think block.
+SET_BY_CHAT = frozenset(("max_thinking_tokens", "think_end"))
+# The OpenAI API's own defaults and bounds where they differ from the declared ones: one choice unless asked,
+# temperature in [0, 2], at most 64 choices, a seed that fits in 64 bits.
+OPENAI_DEFAULTS = {"n": 1}
+OPENAI_LIMITS: dict[str, dict[str, Any]] = {
+    "temperature": {"ge": 0.0, "le": 2.0},
+    "n": {"ge": 1, "le": 64},
+    "seed": {"ge": -INT64_MAX - 1, "le": INT64_MAX},
+}
+
+
+class _SamplingBody(_Strict):
+    """What /v1/completions and /v1/chat/completions share beside the declared parameters (OpenAI's fields and
+    the usual extra-body ones); SamplingFields adds the declared parameters."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
     cache_salt: str | None = Field(None, max_length=256)  # prefixes are shared only with the same salt
     # no effect (NO_EFFECT)
     user: str | None = None
@@ -70,24 +84,16 @@ class SamplingFields(_Strict):
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # SGLang's extra body
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stop_token_ids: list[int] | None = None
-    regex: str | None = None
-    json_schema: str | dict[str, Any] | None = None
-    ebnf: str | None = None
     rid: str | None = None
-    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter (as `model` may name it)
+    lora_name: str | list[str | None] | None = None  # a loaded LoRA adapter (as `model` may name it)
+    lora_path: str | list[str | None] | None = None  # SGLang's name of lora_name (an adapter's name, not a folder)
     session_params: dict[str, Any] | None = None
     return_hidden_states: bool = False
 
     @model_validator(mode="after")
     def _sampling_checks(self):
+        key, name = pick_lora_name(self.lora_name, self.lora_path)
+        check_lora_name(name, key, per_prompt=True)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
@@ -103,6 +109,20 @@ class SamplingFields(_Strict):
 
     def no_effect_fields(self) -> list[str]:
         return [f for f in NO_EFFECT if f in self.model_fields_set]
+
+    @property
+    def lora(self) -> tuple[str, Any]:
+        """(the keyword the request named its adapter with, the adapter or one per prompt; None: none named)."""
+        return pick_lora_name(self.lora_name, self.lora_path)
+
+
+# Every declared parameter the OpenAI API exposes, under its OPENAI_NAMES spelling; the token budget is each
+# body's own (max_tokens / max_completion_tokens).
+SamplingFields = declared_body(
+    "SamplingFields", _SamplingBody, spelling=OPENAI_NAMES, defaults=OPENAI_DEFAULTS, limits=OPENAI_LIMITS,
+    exclude=OPENAI_NOT_EXPOSED | SET_BY_CHAT | {"max_new_tokens"},
+    doc="Fields shared by /v1/completions and /v1/chat/completions (OpenAI + the usual extra-body fields + every "
+        "declared sampling parameter the OpenAI API exposes).")
 
 
 class CompletionRequest(SamplingFields):
@@ -167,6 +187,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: ToolCallFunction | None = None  # the legacy form of one tool call
+    reasoning_content: str | None = None  # an assistant's thinking, echoed back (harmony keeps an open turn's)
 
 
 class JsonSchemaFormat(_Strict):
@@ -211,8 +232,10 @@ class ChatCompletionRequest(SamplingFields):
     # ---- reasoning models (issue 29; SGLang's extra body): the think block of the output, see server/parsers
     separate_reasoning: bool = True  # thinking goes to reasoning_content (with a reasoning format), not content
     stream_reasoning: bool = True  # streamed as it comes; false: in one delta once the block ends
-    max_thinking_tokens: int | None = Field(None, ge=0)  # the think block is closed after this many tokens
+    max_thinking_tokens: int | None = None  # the think block is closed after this many tokens (range: declared)
     # ---- end of issue 29's fields
+
+    _thinking_budget = declared_check("max_thinking_tokens")
 
     @model_validator(mode="before")
     @classmethod

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from radixgen.common.http_errors import bad_request
+from radixgen.runtime.server.declared_fields import declared_check
 from radixgen.runtime.server.protocol import INT64_MAX, ChatCompletionRequest, _refuse_if_set, _Strict
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -54,7 +55,9 @@ class ResponsesRequest(_Strict):
     context_management: list[dict[str, Any]] | None = None
     # extra body (SGLang-style): reproducible sampling, the thinking budget
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    max_thinking_tokens: int | None = Field(None, ge=0)
+    max_thinking_tokens: int | None = None  # its range: the declaration's
+
+    _thinking_budget = declared_check("max_thinking_tokens")
 
     @model_validator(mode="after")
     def _refused(self) -> ResponsesRequest:

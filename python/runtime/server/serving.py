@@ -14,7 +14,7 @@ from starlette.requests import Request
 from radixgen.common.http_errors import APIError
 from radixgen.runtime.engine.request_state import RequestError
 from radixgen.runtime.server.metrics import ServerMetrics
-from radixgen.runtime.server.middleware import scoped_cache_salt
+from radixgen.runtime.server.middleware import KEY_NAMESPACE, scoped_cache_salt
 
 SHUTDOWN_CODE = "server_shutting_down"
 
@@ -41,6 +41,12 @@ class KeyScopedEngine:
     async def async_generate(self, *args: Any, cache_salt: str | None = None, **kwargs: Any) -> Any:
         return await self._engine.async_generate(*args, cache_salt=scoped_cache_salt(cache_salt), **kwargs)
 
+    async def async_embed(self, *args: Any, cache_salt: str | None = None, **kwargs: Any) -> Any:
+        return await self._engine.async_embed(*args, cache_salt=scoped_cache_salt(cache_salt), **kwargs)
+
+    async def async_score(self, *args: Any, cache_salt: str | None = None, **kwargs: Any) -> Any:
+        return await self._engine.async_score(*args, cache_salt=scoped_cache_salt(cache_salt), **kwargs)
+
 
 class Dispatcher:
     """Every engine call of the server goes through here, so that each running request has a known rid:
@@ -50,6 +56,7 @@ class Dispatcher:
         self.engine = engine
         self.metrics = metrics
         self.active: set[str] = set()  # rids submitted and not finished
+        self.owners: dict[str, str | None] = {}  # an active rid -> the cache namespace of the key that sent it
         self.groups: dict[str, list[str]] = {}  # an API request id -> its engine rids (n > 1, batches)
         self.cut_reason: str | None = None  # set at shutdown, when what still runs is cut off
 
@@ -93,6 +100,27 @@ class Dispatcher:
             self.engine.abort(r)
         return len(rids)
 
+    def abort_for_caller(self, rid: str | None, every: bool) -> bool:
+        """/abort_request: what the calling key may abort, its own requests only when keys are isolated (another
+        key's rid is answered as one not running)."""
+        mine = KEY_NAMESPACE.get()
+        if mine is None:
+            return self.abort_all() > 0 if every else self.abort(rid)
+        rids = list(self.active) if every else [r for r in self.groups.get(rid, [rid]) if r in self.active]
+        rids = [r for r in rids if self.owners.get(r) == mine]
+        for r in rids:
+            self.engine.abort(r)
+        return bool(rids)
+
+    def _enter(self, rids: list[str]) -> None:
+        self.active.update(rids)
+        self.owners.update(dict.fromkeys(rids, KEY_NAMESPACE.get()))
+
+    def _leave(self, rids: list[str]) -> None:
+        self.active.difference_update(rids)
+        for r in rids:
+            self.owners.pop(r, None)
+
     def open_group(self, group: str, rids: list[str]) -> None:
         if len(rids) > 1 or rids[0] != group:
             self.groups[group] = rids
@@ -118,14 +146,14 @@ class Dispatcher:
             for rid, kwargs in jobs:
                 it = await self.engine.async_generate(stream=True, rid=rid, **kwargs)
                 opened.append(rid)
-                self.active.add(rid)
+                self._enter([rid])
                 streams.append(self._follow(rid, it, arrived))
             if prime:
                 streams = await _primed(streams)
         except BaseException:
             for rid in opened:
                 if rid in self.active:
-                    self.active.discard(rid)
+                    self._leave([rid])
                     self.engine.abort(rid)
             raise
         return streams
@@ -156,7 +184,7 @@ class Dispatcher:
                     self.metrics.e2e.observe(now - arrived)
                 yield chunk
         finally:
-            self.active.discard(rid)
+            self._leave([rid])
             if not finished:
                 self.engine.abort(rid)
                 self.metrics.finished.inc(reason="client_abort")
@@ -169,7 +197,7 @@ class Dispatcher:
         except APIError:
             coro.close()  # type: ignore[attr-defined] - never started: nothing to abort
             raise
-        self.active.update(rids)
+        self._enter(rids)
         done = False
         try:
             result = await coro
@@ -178,7 +206,7 @@ class Dispatcher:
             done = True
             raise
         finally:
-            self.active.difference_update(rids)
+            self._leave(rids)
             if not done:
                 for r in rids:
                     self.engine.abort(r)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from radixgen.kernels import cpu_linear
-from radixgen.runtime.executor.forward_context import in_decode_or_verify
+from radixgen.runtime.ground.forward_context import in_decode_or_verify
 from radixgen.runtime.layers.linear import LinearBase, LinearMethod
 
 

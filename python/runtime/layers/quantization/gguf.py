@@ -1,7 +1,12 @@
-"""GGUF weights executed from their own blocks (quantization="gguf"): Q4_0 and Q4_1 as int4, Q8_0 and Q6_K as
-int8, the blocks' exact values and scales repacked into the C kernels' layouts at load. Other types are
-dequantized (with a log line) to the model's dtype; float tensors stay float; a type the gguf package cannot
-dequantize either is an error naming the tensor.
+"""GGUF weights executed from their own blocks (quantization="gguf", and auto on the CPU): on builds with the fused
+decode step (AVX512-BF16) Q4_0 and Q4_1 as int4, Q8_0 and Q6_K as int8, the blocks' exact values and scales repacked
+into the C kernels' layouts at load (the layouts the step reads); elsewhere (AVX2) all four on the block kernels of
+kernels/cpu_gguf.py from the file's bytes as stored (BLOCK_NATIVE); Q4_K and Q5_K on kernels
+of their own (kernels/cpu_gguf.py, layers in gguf_k.py), their 4 / 5-bit codes and 6-bit sub-block scales read as
+stored, and Q6_K parts of such layers from their 6.56 bits. Q5_0, Q3_K, IQ4_NL, IQ4_XS and MXFP4 run as int8
+where their values are exactly that (gguf_int8, a log line per type). Other types are dequantized (with a log
+line) to the model's dtype; float tensors stay float; a type the gguf package cannot dequantize either is an error
+naming the tensor.
 
 Blocks (per row of K values, K / block_size blocks; fp16 scales):
   Q4_0  32 values in 18 bytes: d, then 16 bytes: value j in the low nibble of byte j, value j + 16 in its high
@@ -13,7 +18,8 @@ Blocks (per row of K values, K / block_size blocks; fp16 scales):
         128 values, l < 32: value l takes ql[l] low nibble and qh[l] bits 0-1, value l + 32 ql[l + 32] low and
         qh[l] bits 2-3, value l + 64 ql[l] high and bits 4-5, value l + 96 ql[l + 32] high and bits 6-7 (ql, qh
         offset by 64 h and 32 h)                   -> int8 (q - 32), scale d * scales[e / 16], group 16
-A merged layer (qkv, gate|up) whose parts differ in kind is dequantized as a whole. An expert block's stacks
+A merged layer (qkv, gate|up) with a K-quant part runs each part in its own kind (GGUFPartsLinear: Q4_K_M's Q4_K
+q and k beside a Q6_K v); one whose parts differ in kind otherwise is dequantized as a whole. An expert block's stacks
 (ffn_{gate,up,down}_exps, one type per stack) the same way per expert (`GGUFGroupedLinear`): the experts' exact
 values in the grouped C layouts (cpu_moe), or all dequantized where a stack has no native kernel or gate and up
 differ in kind.
@@ -27,12 +33,21 @@ from dataclasses import dataclass
 import torch
 
 from radixgen.runtime.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, new_param
-from radixgen.runtime.layers.quantization import unquantized
+from radixgen.runtime.layers.quantization import gguf_more, unquantized
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear, Format, QuantizedWeight, TorchQuantizedLinear
+from radixgen.runtime.layers.quantization.gguf_int8 import int8_exact
+from radixgen.runtime.layers.quantization.gguf_k import GGUFPartsLinear, runs_alone
 
 logger = logging.getLogger(__name__)
 
 NATIVE = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")
+# layers with a part of these types run on the K-quant kernels (kernels/cpu_gguf.py), every part in its own kind (a
+# Q6_K part there too, at its 6.56 bits); a layer of Q6_K alone keeps int8, the layout of the fused decode step
+K_NATIVE = ("Q4_K", "Q5_K")
+# on builds without the fused decode step (no AVX512-BF16: nothing reads cpu_linear's layouts in one call), these run
+# from the file's blocks on the kernels of kernels/cpu_gguf.py too (int8 inputs, integer dot products), every part in
+# its own kind: a layer of Q6_K alone at its 6.56 bits, Q4_0 / Q4_1 / Q8_0 as stored
+BLOCK_NATIVE = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")
 FLOAT = ("F32", "F16", "BF16")
 
 
@@ -78,7 +93,11 @@ class GGUFTensor:
             return 1, 1
         import gguf
 
-        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+        try:
+            return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+        except KeyError:
+            raise GGUFError(f"GGUF tensor {self.name!r} has type {self.type_name}, which radixgen does not "
+                            f"know") from None
 
     def padded(self, rows: int) -> GGUFTensor:
         """`rows` rows, the ones past its own zero (zero blocks dequantize to zero in every type: their scales
@@ -87,9 +106,10 @@ class GGUFTensor:
         return GGUFTensor(self.name, self.type_name, torch.cat([self.raw, pad]), self.columns)
 
     def quantized(self) -> QuantizedWeight | None:
-        """The blocks' exact values and scales, or None for a type without a native kernel."""
+        """The blocks' exact values and scales (as int8 for the types of gguf_int8 whose values are exactly that), or
+        None for a type without a native kernel."""
         decode = _DECODERS.get(self.type_name)
-        return None if decode is None else decode(self.raw, self.rows, self.columns)
+        return int8_exact(self) if decode is None else decode(self.raw, self.rows, self.columns)
 
     def dense(self) -> torch.Tensor:
         """The (rows, columns) float32 weight (the gguf package's dequantization for block types)."""
@@ -229,6 +249,18 @@ class GGUFLinear(LinearMethod):
         if len(parts) == 1 and parts[0].rows < layer.out_features:  # a vocabulary shard's padding rows
             parts = [parts[0].padded(layer.out_features)]
         names = ", ".join(f"{p.name} ({p.type_name})" for p in parts)
+        if self.kl is not None and gguf_more.takes(parts, layer.in_features):  # Q5_0, Q2_K, IQ4_XS, MXFP4, ...
+            final = gguf_more.GGUFBlocksLinear(self.kl, parts)
+            layer.weight, layer.method = None, final
+            final.process_weights(layer)
+            return
+        k_quant = any(p.type_name in K_NATIVE for p in parts)
+        blocks = self.kl is not None and not self.kl.has_decode_step and all(p.type_name in BLOCK_NATIVE for p in parts)
+        if self.kl is not None and (k_quant or blocks) and all(runs_alone(p, layer.in_features) for p in parts):
+            final = GGUFPartsLinear(self.kl, parts)  # K-quants from their own bits, each part in its own kind
+            layer.weight, layer.method = None, final
+            final.process_weights(layer)
+            return
         decoded = [p.quantized() for p in parts]
         qw = None if any(d is None for d in decoded) else QuantizedWeight.cat(decoded)
         if qw is not None and (qw.group % (16 if qw.bits == 8 else 32) or layer.in_features % qw.group):

@@ -1,11 +1,13 @@
 """Float weights (no quantization): which method a layer gets on each device.
 
-On the CPU a bf16 layer on AVX512-BF16 holds only the K-pair layout of its C kernels (CpuPackedLinear with no
-format): the fused decode step streams it, prefill runs the C blocked GEMM over it (on a CPU with AMX: from
-AMX_MIN_ROWS rows the AMX tile GEMM reading it in place, or where that is missing, from ONEDNN_MIN_ROWS rows
-oneDNN's tile GEMM over a copy of it made for the call), a tied embedding gathers rows from it.
-Elsewhere on the CPU (float32, or no AVX512-BF16) the weight is replaced by oneDNN's packed copy of it; a tied LM
-head keeps its dense weight there (the embedding reads rows of it, which oneDNN's layout does not give).
+On the CPU a bf16 layer holds only the K-pair layout of its C kernels (CpuPackedLinear with no format) wherever
+the build multiplies it fast (`has_fast_bf16_linear`): on AVX512-BF16 the fused decode step streams it, prefill
+runs the C blocked GEMM over it (on a CPU with AMX: from AMX_MIN_ROWS rows the AMX tile GEMM reading it in place,
+or where that is missing, from ONEDNN_MIN_ROWS rows oneDNN's tile GEMM over a copy of it made for the call); on
+AVX2 builds the float32-math kernels of csrc/cpu_linear_bf16_avx2.h read it (bf16 widened in registers); a tied
+embedding gathers rows from it. Elsewhere on the CPU (float32 weights, or a build without either) the weight is
+replaced by oneDNN's packed copy of it; a tied LM head keeps its dense weight there (the embedding reads rows of
+it, which oneDNN's layout does not give).
 TorchOps and TritonOps apply the dense weight as loaded (F.linear).
 """
 
@@ -49,6 +51,6 @@ def method(ops: str, layer, kl) -> LinearMethod:
     """The float-weight method of `layer` under the ops set named `ops` (kl: its C kernels, or None)."""
     if ops != "cpu":
         return DENSE
-    if kl is not None and kl.has_decode_step and layer.dtype == torch.bfloat16 and layer.in_features % 2 == 0:
+    if kl is not None and kl.has_fast_bf16_linear and layer.dtype == torch.bfloat16 and layer.in_features % 2 == 0:
         return CpuPackedLinear(kl, None)  # (K pairs: an even input size, which a tensor-parallel share may lack)
     return DENSE if getattr(layer, "tied", False) else ONEDNN

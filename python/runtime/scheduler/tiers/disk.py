@@ -15,9 +15,11 @@ server killed in the middle leaves only a temporary file, which the next store r
 is whole or absent, or at worst, the folder's rename not being synced, missing: a miss). The folder itself is not
 fsync'ed per page: that would double the writes' cost for what is only ever a miss. Reads check the magic, the CRC, the
 fingerprint, the name, the parent and the tokens: a corrupt, truncated or foreign file is a miss (logged), never
-KV. A write that fails for lack of space or permission (ENOSPC, EROFS, EACCES, EDQUOT, EFBIG) turns the tier off
-with a warning; serving goes on with tiers 0 and 1. Pages over `max_bytes` go least recently used first (the file's
-mtime, refreshed on every read, so replicas sharing the folder and the next start see one order).
+KV, and is removed (unless a writer replaced it meanwhile), so that the recomputed page is written in its place and
+the next start hits the whole prefix again (the pages after a bad one in a read are checked too). A write that fails
+for lack of space or permission (ENOSPC, EROFS, EACCES, EDQUOT, EFBIG) turns the tier off with a warning; serving
+goes on with tiers 0 and 1. Pages over `max_bytes` go least recently used first (the file's mtime, refreshed on
+every read, so replicas sharing the folder and the next start see one order).
 """
 
 from __future__ import annotations
@@ -228,26 +230,33 @@ class DiskStore:
         for i, (name, parent, toks) in enumerate(zip(names, parents, tokens, strict=True)):
             rows = self.read_page(name, parent, toks)
             if rows is None:
+                for later in zip(names[i + 1:], parents[i + 1:], tokens[i + 1:], strict=True):
+                    self.read_page(*later, verify_only=True)  # bad ones go now, to be written again
                 return i
             sink(i, rows)
         return len(names)
 
-    def read_page(self, name: str, parent: str, tokens: list[int]) -> list[torch.Tensor] | None:
-        """One page's tensors, or None: missing (a miss), or unreadable / corrupt / foreign (a miss, logged). A page
-        still queued for the writer is read from its queued copy (a prefix written down and matched again at
-        once is a hit, not a race)."""
+    def read_page(self, name: str, parent: str, tokens: list[int],
+                  verify_only: bool = False) -> list[torch.Tensor] | None:
+        """One page's tensors, or None: missing (a miss), or unreadable / corrupt / foreign (a miss, logged, its
+        file removed). A page still queued for the writer is read from its queued copy (a prefix written down and
+        matched again at once is a hit, not a race). `verify_only`: only check the file (a page behind a bad
+        one, which the request recomputes anyway): nothing is counted as read and no tensors are returned."""
         with self._lock:
             queued = self._pending.get(name)
         if queued is not None and queued.parent == parent and list(queued.tokens) == list(tokens):
+            if verify_only:  # nothing on disk to check yet
+                return None
             with self._lock:
                 self.counts["pages_read_queued"] += 1
             return [t.clone() for t in queued.rows]
         path = self.path(name)
         try:
+            before = _identity(path)
             data = path.read_bytes()
         except FileNotFoundError:
             with self._lock:
-                self.counts["read_misses"] += 1
+                self.counts["read_misses"] += 0 if verify_only else 1
                 self._forget(name)
             return None
         except OSError as e:
@@ -255,7 +264,11 @@ class DiskStore:
         try:
             rows = decode(data, self.fingerprint, name, parent, tokens)
         except ValueError as e:
-            return self._bad(path, str(e))
+            if _identity(path) == before:  # the bad file itself, not a whole one a writer renamed over it since
+                _unlink(path)
+            return self._bad(path, f"{e} (removed: the page is written again when it is computed)")
+        if verify_only:  # a good file, not read for use: its LRU time and the read counts stay
+            return None
         try:
             os.utime(path)  # its last use, for every replica's LRU
         except OSError:
@@ -369,6 +382,14 @@ def decode(data: bytes, fingerprint: str, name: str, parent: str, tokens: list[i
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as uint8 (numpy has no bfloat16 / float8)."""
     return t.cpu().reshape(-1).view(torch.uint8)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells one file at `path` from another later renamed over it (None: nothing there)."""
+    try:
+        return (st := path.stat()).st_ino, st.st_size, st.st_mtime_ns
+    except OSError:
+        return None
 
 
 def _unlink(path: Path) -> None:

@@ -1,6 +1,6 @@
 """The hierarchical cache: the tiers under the radix tree's device pool, as the KV cache manager's lower tier.
 
-Tier 0 is the KV pool. Tier 1 is host memory (executor.kv_pool.HostKVPool: pinned on CUDA; on the CPU by default the
+Tier 0 is the KV pool. Tier 1 is host memory (ground.kv_pool.HostKVPool: pinned on CUDA; on the CPU by default the
 compact 8-bit format), rows handed out here, named in the tree by their row indices (a node's `KVLocation(HOST,
 rows)`). Tier 2 is a directory of page files (disk.DiskStore), content-addressed by the hash of each page's token
 chain: the tree does not mirror it; a match that ends where the tree's tiers end looks the following pages up by
@@ -28,9 +28,9 @@ import logging
 import torch
 
 from radixgen.kernels.kv_quant import quantize_kv_ref
-from radixgen.runtime.executor.kv_pool import HostKVPool, KVPool, SlotAllocator, one_thread
 from radixgen.runtime.executor.step_messages import CopyDirection
-from radixgen.runtime.scheduler.radix_cache import KVLocation, Tier, TreeNode
+from radixgen.runtime.ground.kv_pool import HostKVPool, KVPool, SlotAllocator, one_thread
+from radixgen.runtime.scheduler.radix import KVLocation, Tier, TreeNode, views
 from radixgen.runtime.scheduler.tiers.disk import DiskStore, Page, page_names
 from radixgen.runtime.scheduler.tiers.names import STAY, disk_namespace, fingerprint
 
@@ -159,7 +159,7 @@ class HierarchicalCache:
                             [r[k * p:(k + 1) * p] for r in rows]))
 
     def _write_node(self, node: TreeNode) -> None:
-        namespace, tokens = self.tree.path_of(node)
+        namespace, tokens = views.path_of(self.tree, node)
         ns = disk_namespace(namespace, self.adapter_digest)
         if ns is STAY or not self.disk.enabled:
             return

@@ -1,0 +1,368 @@
+/* GGUF K-quant weights (Q4_K, Q5_K, Q6_K), and (cpu_gguf_q.h) Q4_0, Q4_1, Q8_0, multiplied from their own bits: no dequantized copy of the weight exists.
+ * Included once by cpu_kernels.c, after cpu_linear.h (f16_to_f32, rg_status). radixgen.kernels.cpu_gguf repacks
+ * the file's blocks (in torch, at load) into the row-major layout read here and checks every call's arguments.
+ *
+ * Layout: row n of the (N, K) weight is K / 256 super-blocks back to back, each
+ *   Q4_K (148 bytes): d, dmin (fp16), sc[8], m[8] (uint8, 6 bits used), qs[128]
+ *   Q5_K (180 bytes): d, dmin, sc[8], m[8], qh[32], qs[128]
+ * the file's blocks with their packed 6-bit scales and mins spread into a byte each (4 bytes more per block:
+ * +2.8% for Q4_K, +2.3% for Q5_K). Value e of a super-block, in chunk c = e / 64 and l = e % 64: sub-block
+ * j = e / 32, q = qs[32 c + l % 32] low nibble (l < 32) or high nibble (l >= 32), for Q5_K plus 16 times bit
+ * (2 c + (l >= 32)) of qh[l % 32]; w = d sc[j] q - dmin m[j].
+ *   Q6_K (210 bytes): the file's block as it is: ql[128], qh[64], sc[16] (int8), d; value e in half h = e / 128,
+ *   r = e % 128, c = r / 32, l = r % 32: the low nibble (c < 2) or high nibble of ql[64 h + 32 (c % 2) + l] and
+ *   bits 2c, 2c + 1 of qh[32 h + l] above it; w = d sc[e / 16] (q - 32) (no mins).
+ *
+ * The matmul y (M, N) = x (M, K) @ w^T quantizes each input row to int8 per 32 values first (scale dx = max |x| /
+ * 127, and the sum of the 32 int8 values for the mins' term, as llama.cpp's q8 dot products do), then per
+ * output and sub-block j takes the exact integer sum of q x_q, times sc[j], to float32 times the input scale:
+ *   y = sum_blocks d sum_j sc_j dx_j sum q x_q  -  dmin sum_j m_j dx_j sum x_q.
+ * Each output is computed by one thread in one fixed order, whatever M is and however the rows are split, so a
+ * row's result is the same bits alone and in a batch. Threads take equal runs of output rows; input rows go
+ * in chunks whose int8 copy stays in L2, four at a time against one weight row (read from L1 after the first). */
+
+#include <omp.h>
+
+enum { RG_GK_Q4_K = 0, RG_GK_Q5_K = 1, RG_GK_Q6_K = 2 };
+#define GK_QK 256
+#define GK_CHUNK_BYTES (1 << 18) /* int8 input rows per chunk: 256 KiB */
+
+static inline int64_t gk_block_bytes(int64_t kind) { return kind == RG_GK_Q6_K ? 210 : kind == RG_GK_Q5_K ? 180 : 148; }
+static inline int64_t gk_row_bytes(int64_t kind, int64_t K); /* (after cpu_gguf_q.h) */
+
+/* x (K float32) -> xq (K int8), xd and xs (K / 32 each: scale, and scale times the sum of the int8 values). The
+ * mins' term takes the quantized sum, not the raw one: then both terms see the same x and the error is that of
+ * x_q against w itself; with the raw sum it was against d sc q alone, which a file's mins make several times |w|
+ * (a tiny Q4_K model's logits moved 6% instead of 1.5%). */
+static void gk_quantize_row(const float *x, int64_t K, int8_t *xq, float *xd, float *xs, int16_t *s16) {
+    for (int64_t g = 0; g < K / 32; ++g) {
+        const float *xg = x + 32 * g;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) {
+            const float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) {
+            xq[32 * g + i] = (int8_t)lrintf(xg[i] * id);
+            sum += xq[32 * g + i];
+        }
+        xd[g] = amax / 127.f;
+        xs[g] = xd[g] * (float)sum;
+        for (int t = 0; t < 2; ++t) { /* the int8 sums per 16 values (Q6_K's -32 term) */
+            int32_t half = 0;
+            for (int i = 16 * t; i < 16 * t + 16; ++i) half += xq[32 * g + i];
+            s16[2 * g + t] = (int16_t)half;
+        }
+    }
+}
+
+static inline float gk_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return f16_to_f32(h);
+}
+
+/* 6-bit value of element e (0..255) of a super-block */
+static inline int gk_q(const uint8_t *blk, int Q5, int e) {
+    const uint8_t *qs = blk + (Q5 ? 52 : 20);
+    const int c = e / 64, l = e % 64;
+    int q = l < 32 ? qs[32 * c + l] & 15 : qs[32 * c + l - 32] >> 4;
+    if (Q5) q |= ((blk[20 + l % 32] >> (2 * c + (l >= 32))) & 1) << 4;
+    return q;
+}
+
+/* Q6_K: q - 32 of element e (0..255) of a block */
+static inline int gk6_q(const uint8_t *blk, int e) {
+    const int h = e / 128, c = (e % 128) / 32, l = e % 32;
+    const uint8_t byte = blk[64 * h + 32 * (c % 2) + l];
+    return ((c < 2 ? byte & 15 : byte >> 4) | (((blk[128 + 32 * h + l] >> (2 * c)) & 3) << 4)) - 32;
+}
+
+static void gq_block_row(const uint8_t *blk, int64_t kind, float *out);
+
+/* Row n dequantized to float32 (K values). */
+static void gk_row(const uint8_t *w, int64_t kind, int64_t K, int64_t n, float *out) {
+    if (kind >= 3) { /* RG_GK_Q4_0 .. RG_GK_Q8_0: blocks of 32 */
+        const uint8_t *wr = w + n * gk_row_bytes(kind, K);
+        for (int64_t b = 0; b < K / 32; ++b) gq_block_row(wr + b * gk_row_bytes(kind, 32), kind, out + 32 * b);
+        return;
+    }
+    const int64_t nb = K / GK_QK, bb = gk_block_bytes(kind);
+    const int Q5 = kind == RG_GK_Q5_K;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + (n * nb + b) * bb;
+        if (kind == RG_GK_Q6_K) {
+            const float d = gk_f16(blk + 208);
+            for (int e = 0; e < GK_QK; ++e) out[b * GK_QK + e] = d * (float)(int8_t)blk[192 + e / 16] * (float)gk6_q(blk, e);
+            continue;
+        }
+        const float d = gk_f16(blk), dmin = gk_f16(blk + 2);
+        for (int e = 0; e < GK_QK; ++e)
+            out[b * GK_QK + e] = d * (float)blk[4 + e / 32] * (float)gk_q(blk, Q5, e) - dmin * (float)blk[12 + e / 32];
+    }
+}
+
+/* Portable Q6_K tile: as gk_tile_portable, per 32 values the two sub-blocks' integer sums times their scales. */
+static void gk6_tile_portable(const uint8_t *wr, int64_t nb, const int8_t *xq, const float *xd, int64_t K, int MB,
+                              float *out) {
+    for (int i = 0; i < MB; ++i) {
+        const int8_t *xr = xq + i * K;
+        const float *dr = xd + i * (K / 32);
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = wr + b * 210;
+            float f = 0.f;
+            for (int j = 0; j < 8; ++j) {
+                int32_t isum = 0;
+                for (int t = 0; t < 2; ++t) {
+                    int32_t part = 0;
+                    for (int e = 32 * j + 16 * t; e < 32 * j + 16 * t + 16; ++e) part += gk6_q(blk, e) * xr[b * GK_QK + e];
+                    isum += part * (int8_t)blk[192 + 2 * j + t];
+                }
+                f += (float)isum * dr[b * 8 + j];
+            }
+            acc += gk_f16(blk + 208) * f;
+        }
+        out[i] = acc;
+    }
+}
+
+/* Portable tile: input rows i < MB against weight row wr (nb super-blocks), results into out[i]. */
+static void gk_tile_portable(const uint8_t *wr, int64_t nb, int64_t bb, int Q5, const int8_t *xq, const float *xd,
+                             const float *xs, int64_t K, int MB, float *out) {
+    for (int i = 0; i < MB; ++i) {
+        const int8_t *xr = xq + i * K;
+        const float *dr = xd + i * (K / 32), *sr = xs + i * (K / 32);
+        float acc = 0.f, accm = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = wr + b * bb;
+            float f = 0.f, fm = 0.f;
+            for (int j = 0; j < 8; ++j) {
+                int32_t isum = 0;
+                for (int e = 32 * j; e < 32 * j + 32; ++e) isum += gk_q(blk, Q5, e) * xr[b * GK_QK + e];
+                f += (float)(isum * blk[4 + j]) * dr[b * 8 + j];
+                fm += (float)blk[12 + j] * sr[b * 8 + j];
+            }
+            acc += gk_f16(blk) * f;
+            accm += gk_f16(blk + 2) * fm;
+        }
+        out[i] = acc - accm;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RG_GK_AVX2 1
+
+static inline float gk_hsum(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* Input rows i < MB against weight row wr: per chunk of 64 values the two sub-blocks' codes are unpacked once
+ * (32 bytes each) and multiplied with every row's int8 values: maddubs (u8 x s8 pairs into int16, at most
+ * 2 * 31 * 127, no saturation), madd by the sub-block scale (int32, exact), to float32 times the input scale. */
+static inline __attribute__((always_inline)) void gk_tile_avx2(const uint8_t *wr, int64_t nb, const int Q5,
+                                                              const int8_t *xq, const float *xd, const float *xs,
+                                                              int64_t K, const int MB, float *out) {
+    const int64_t bb = Q5 ? 180 : 148, ng = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[4], accm[4];
+    for (int i = 0; i < MB; ++i) acc[i] = accm[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wr + b * bb, *qs = blk + (Q5 ? 52 : 20);
+        _mm_prefetch((const char *)blk + 4 * bb, _MM_HINT_T0); /* the row's stream, a few blocks ahead */
+        const __m256i qh = Q5 ? _mm256_loadu_si256((const __m256i *)(blk + 20)) : _mm256_setzero_si256();
+        __m256 f[4];
+        for (int i = 0; i < MB; ++i) f[i] = _mm256_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (Q5) { /* bit 2c (low half) and 2c + 1 (high half) of each qh byte, to bit 4 */
+                const __m256i hl = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one);
+                const __m256i hh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
+            }
+            const __m256i slo = _mm256_set1_epi16(blk[4 + 2 * c]), shi = _mm256_set1_epi16(blk[5 + 2 * c]);
+            for (int i = 0; i < MB; ++i) {
+                const int8_t *xb = xq + i * K + b * GK_QK + 64 * c;
+                const float *db = xd + i * ng + b * 8 + 2 * c;
+                const __m256i plo = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)), slo);
+                const __m256i phi = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 32))), shi);
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_broadcast_ss(db), f[i]);
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_broadcast_ss(db + 1), f[i]);
+            }
+        }
+        const __m256 d = _mm256_set1_ps(gk_f16(blk));
+        const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 12)))),
+                                        _mm256_set1_ps(gk_f16(blk + 2)));
+        for (int i = 0; i < MB; ++i) {
+            acc[i] = _mm256_fmadd_ps(f[i], d, acc[i]);
+            accm[i] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + i * ng + b * 8), accm[i]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) out[i] = gk_hsum(acc[i]) - gk_hsum(accm[i]);
+}
+#endif
+
+#ifdef RG_GK_AVX2
+/* Q6_K: per 32 values the 6-bit codes q unpacked once (ql nibble, two qh bits above it), and per row maddubs(q, x)
+ * (int16 pairs, at most 2 * 63 * 127), madd by the two 16-value sub-blocks' scales (low and high 128-bit lane), to
+ * float32 times the input scale; the -32 of every code once per block: 32 sum_j sc_j s16_j (the int8 sums per 16
+ * values) in one madd, each 32 values' pair times their input scale. */
+static inline __attribute__((always_inline)) void gk6_tile_avx2(const uint8_t *wr, int64_t nb, const int8_t *xq,
+                                                               const float *xd, const int16_t *s16, int64_t K,
+                                                               const int MB, float *out) {
+    const int64_t ng = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256 acc[4];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wr + b * 210;
+        _mm_prefetch((const char *)blk + 4 * 210, _MM_HINT_T0);
+        __m256 f[4];
+        for (int i = 0; i < MB; ++i) f[i] = _mm256_setzero_ps();
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+            for (int c = 0; c < 4; ++c) {
+                const int j = 4 * h + c; /* the 32 values' group in the block */
+                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[193 + 2 * j]),
+                                                     _mm_set1_epi16((int8_t)blk[192 + 2 * j]));
+                for (int i = 0; i < MB; ++i) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * GK_QK + 32 * j));
+                    const __m256i p = _mm256_maddubs_epi16(q[c], xv);
+                    f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, sc)),
+                                           _mm256_broadcast_ss(xd + i * ng + b * 8 + j), f[i]);
+                }
+            }
+        }
+        const __m256 d = _mm256_set1_ps(gk_f16(blk + 208)), m32 = _mm256_set1_ps(-32.f);
+        for (int i = 0; i < MB; ++i) {
+            const __m256i sums = _mm256_loadu_si256((const __m256i *)(s16 + i * (K / 16) + b * 16));
+            const __m256 corr = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, sums)),
+                                              _mm256_loadu_ps(xd + i * ng + b * 8)); /* lane g: 32 values' */
+            acc[i] = _mm256_fmadd_ps(_mm256_fmadd_ps(corr, m32, f[i]), d, acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) out[i] = gk_hsum(acc[i]);
+}
+#endif
+
+#include "cpu_gguf_q.h" /* Q4_0, Q4_1, Q8_0: the 32-value block kinds' tiles */
+
+static inline int64_t gk_row_bytes(int64_t kind, int64_t K) {
+    return gq_is32(kind) ? K / 32 * gq_block_bytes(kind) : K / GK_QK * gk_block_bytes(kind);
+}
+
+/* Input rows i < MB (1..4) against weight row wr. */
+static void gk_tile(const uint8_t *wr, int64_t nb, int64_t kind, const int8_t *xq, const float *xd,
+                    const float *xs, const int16_t *s16, int64_t K, int MB, float *out) {
+    (void)s16; /* the AVX2 Q6_K tile's only */
+    if (gq_is32(kind)) {
+        gq_tile(wr, K / 32, kind, xq, xd, xs, K, MB, out);
+        return;
+    }
+#ifdef RG_GK_AVX2
+#define GK_CASE(mb)                                                                   \
+    case mb:                                                                          \
+        if (kind == RG_GK_Q6_K)                                                       \
+            gk6_tile_avx2(wr, nb, xq, xd, s16, K, mb, out);                           \
+        else if (kind == RG_GK_Q5_K)                                                  \
+            gk_tile_avx2(wr, nb, 1, xq, xd, xs, K, mb, out);                          \
+        else                                                                          \
+            gk_tile_avx2(wr, nb, 0, xq, xd, xs, K, mb, out);                          \
+        return;
+    switch (MB) {
+        GK_CASE(1)
+        GK_CASE(2)
+        GK_CASE(3)
+        GK_CASE(4)
+    }
+#undef GK_CASE
+#endif
+    if (kind == RG_GK_Q6_K)
+        gk6_tile_portable(wr, nb, xq, xd, K, MB, out);
+    else
+        gk_tile_portable(wr, nb, gk_block_bytes(kind), kind == RG_GK_Q5_K, xq, xd, xs, K, MB, out);
+}
+
+static int gk_valid(const uint8_t *w, int64_t kind, int64_t N, int64_t K) {
+    const int64_t qk = gq_is32(kind) ? 32 : GK_QK;
+    return w && kind >= RG_GK_Q4_K && kind <= RG_GK_Q8_0 && N >= 1 && K >= qk && K % qk == 0;
+}
+
+/* y (M, N) float32 = x (M, K) float32 @ w^T; w in kind's layout (above). */
+rg_status rg_gguf_k_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t M,
+                           float *y) {
+    if (!gk_valid(w, kind, N, K) || M < 0 || (M && (!x || !y))) return RG_ERR_UNSUPPORTED;
+    if (M == 0) return RG_OK;
+#ifdef RG_GQ_GEMM
+    if (gq_is32(kind) && M >= GQ_GEMM_MIN_M) return gq_gemm(w, kind, N, K, x, M, y);
+#endif
+    const int64_t ng = K / 32, nb = K / GK_QK, rb = gk_row_bytes(kind, K);
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * ng));
+    int16_t *s16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * ng));
+    if (!xq || !xd || !s16) {
+        free(xq);
+        free(xd);
+        free(s16);
+        return RG_ERR_ALLOC;
+    }
+    float *xs = xd + M * ng;
+    int64_t chunk = (GK_CHUNK_BYTES / K) & ~(int64_t)3;
+    chunk = chunk < 4 ? 4 : chunk;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) gk_quantize_row(x + m * K, K, xq + m * K, xd + m * ng, xs + m * ng,
+                                                            s16 + m * 2 * ng);
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+            for (int64_t n = n0; n < n1; ++n) {
+                const uint8_t *wr = w + n * rb;
+                for (int64_t i = 0; i < mc; i += 4) {
+                    const int mb = mc - i < 4 ? (int)(mc - i) : 4;
+                    float r[4];
+                    const int64_t at = m0 + i;
+                    gk_tile(wr, nb, kind, xq + at * K, xd + at * ng, xs + at * ng, s16 + at * 2 * ng, K, mb, r);
+                    for (int t = 0; t < mb; ++t) y[(at + t) * N + n] = r[t];
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(s16);
+    return RG_OK;
+}
+
+/* out (n, K) float32: rows ids of w dequantized (an embedding lookup, and the layout's reference reading). */
+rg_status rg_gguf_k_rows(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+                         float *out) {
+    if (!gk_valid(w, kind, N, K) || n < 0 || (n && (!ids || !out))) return RG_ERR_UNSUPPORTED;
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= N) return RG_ERR_UNSUPPORTED;
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
+    for (int64_t i = 0; i < n; ++i) gk_row(w, kind, K, ids[i], out + i * K);
+    return RG_OK;
+}

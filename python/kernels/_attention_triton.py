@@ -61,13 +61,16 @@ def _decode_partial_kernel(
     stride_lb, stride_lh,  # MidLse (B, H, S) contiguous
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOT: tl.constexpr, FORMAT: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, FORMAT: tl.constexpr, PIECE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    if PIECE > 0:  # the deterministic mode: cuts at fixed positions, whatever the batch
+        split_len = PIECE
+    else:
+        split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:  # splits past a short request's length stay empty; stage 2 never reads them
@@ -118,12 +121,15 @@ def _decode_merge_kernel(
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     stride_ob, stride_oh,  # O (B, H, D) contiguous
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = tl.maximum(_split_len(seq_len, num_splits, BLOCK_N), 1)
+    if PIECE > 0:
+        split_len = PIECE
+    else:
+        split_len = tl.maximum(_split_len(seq_len, num_splits, BLOCK_N), 1)
     num_used = tl.cdiv(seq_len, split_len)  # the non-empty splits, exactly those stage 1 wrote
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -227,7 +233,10 @@ def _auto_kv_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int, d
 
 
 def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale, num_kv_splits,
-                  k_scales=None, v_scales=None):
+                  k_scales=None, v_scales=None, piece: int = 0):
+    """piece > 0 (a multiple of the block): every context cut at multiples of `piece` positions and the pieces
+    merged in order, so a row's bits depend only on its own query and context (num_kv_splits: at least the
+    pieces of the longest context, or None for those of req_to_slot's width)."""
     check_launchable(q.device, "decode_attention", "decode_attention_ref")
     fmt = format_of(k_buffer, k_scales is not None)
     k_buffer, v_buffer, k_scales, v_scales, stride_ss = pool_views(k_buffer, v_buffer, k_scales, v_scales)
@@ -240,7 +249,10 @@ def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_
     block_n = 16 if INTERPRET else 64
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs every dimension >= 16
     block_h = max(16, next_pow2(group))
-    splits = num_kv_splits or _auto_kv_splits(batch, num_kv_heads, req_to_slot.shape[1], block_n, q.device)
+    if piece:
+        splits = num_kv_splits or triton.cdiv(req_to_slot.shape[1], piece)
+    else:
+        splits = num_kv_splits or _auto_kv_splits(batch, num_kv_heads, req_to_slot.shape[1], block_n, q.device)
     mid_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
 
@@ -256,7 +268,7 @@ def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        WIDEN_DOT=INTERPRET, FORMAT=fmt,
+        WIDEN_DOT=INTERPRET, FORMAT=fmt, PIECE=piece,
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
@@ -264,7 +276,7 @@ def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PIECE=piece,
         num_warps=1 if block_d <= 64 else 2,
     )
     return o

@@ -22,7 +22,7 @@ def _fp8_e4m3(b):
     return tl.where(e == 0, sub, normal)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _dequant_matmul_kernel(
     X, W, Z, S, G, Bias, Y,
     M, N, K, group, zero_offset,
@@ -66,14 +66,15 @@ def _dequant_matmul_kernel(
 
 
 def launch_dequant_matmul(mode: int, x: torch.Tensor, w, z, s, g, bias, n: int, group: int, zero_offset: int,
-                          kernel: str) -> torch.Tensor:
+                          kernel: str, batch_invariant: bool = False) -> torch.Tensor:
     check_launchable(x.device, kernel, f"{kernel}_ref")
     m, k = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     # decode steps (a few rows): narrow row tiles, wide column tiles; the interpreter gets small tiles
-    bm = 16 if m <= 16 or INTERPRET else 64
+    # (batch_invariant: one row tile whatever m, so each row's program is the same code on the same K steps)
+    bm = 16 if (m <= 16 and not batch_invariant) or INTERPRET else 64
     bn = 32 if INTERPRET else 128
     bk = 32 if INTERPRET else 64
     dummy = s  # never read where its flag says so

@@ -10,7 +10,9 @@ dequantized tile by tile in registers, each beside its torch reference (`<name>_
 - int8_matmul: values (N, K) int8, scales (N,) float32; w = scale * q.
 - fp8_matmul: values (N, K) float8_e4m3fn, scales (N,) float32; w = scale * value.
 
-Every one computes in float32 and rounds once to x's dtype. Strategy: one program per (BM rows, BN columns)
+Every one computes in float32 and rounds once to x's dtype. batch_invariant=True (the deterministic mode) keeps
+one tile shape whatever M, so a row's bits do not depend on how many rows share the call (the default narrows
+the row tile for decode-sized calls). Strategy: one program per (BM rows, BN columns)
 tile of y, looping over K in BK steps: the x tile, the weight tile unpacked and scaled (int8 / fp8: scaled per
 column after the loop) in x's dtype, one tl.dot into a float32 accumulator. FP8 values are decoded from their
 bits (exact in bf16 and fp32), which also runs under the interpreter.
@@ -66,13 +68,13 @@ def _check_packed4(qweight, qzeros, scales, k: int, n: int, group: int) -> None:
         check_contiguous(name, t)
 
 
-def awq_matmul(x, qweight, qzeros, scales, group: int, bias=None) -> torch.Tensor:
+def awq_matmul(x, qweight, qzeros, scales, group: int, bias=None, *, batch_invariant: bool = False) -> torch.Tensor:
     check_tensor("qweight", qweight, 2, (torch.int32,))
     k, n = qweight.shape[0], qweight.shape[1] * 8
     _check_x(x, k, bias, n)
     _check_packed4(qweight, qzeros, scales, k, n, group)
     check_same_device(x=x, qweight=qweight, qzeros=qzeros, scales=scales, bias=bias)
-    return _launch("awq", x, qweight, qzeros, scales, None, bias, n, group, 0)
+    return _launch("awq", x, qweight, qzeros, scales, None, bias, n, group, 0, batch_invariant)
 
 
 def awq_matmul_ref(x, qweight, qzeros, scales, group: int, bias=None) -> torch.Tensor:
@@ -81,7 +83,8 @@ def awq_matmul_ref(x, qweight, qzeros, scales, group: int, bias=None) -> torch.T
     return F.linear(x.float(), w.t(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def gptq_matmul(x, qweight, qzeros, scales, g_idx, zero_offset: int, bias=None) -> torch.Tensor:
+def gptq_matmul(x, qweight, qzeros, scales, g_idx, zero_offset: int, bias=None, *,
+                batch_invariant: bool = False) -> torch.Tensor:
     check_tensor("qweight", qweight, 2, (torch.int32,))
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     _check_x(x, k, bias, n)
@@ -91,7 +94,7 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, zero_offset: int, bias=None) 
     expect(groups > 0 and k % groups == 0, f"scales must be (groups, {n}) with groups dividing {k}")
     _check_packed4(qweight, qzeros, scales, k, n, k // groups)
     check_same_device(x=x, qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx, bias=bias)
-    return _launch("gptq", x, qweight, qzeros, scales, g_idx, bias, n, 1, int(zero_offset))
+    return _launch("gptq", x, qweight, qzeros, scales, g_idx, bias, n, 1, int(zero_offset), batch_invariant)
 
 
 def gptq_matmul_ref(x, qweight, qzeros, scales, g_idx, zero_offset: int, bias=None) -> torch.Tensor:
@@ -113,9 +116,9 @@ def _check_rows(name: str, values, scales, x, bias, dtype) -> int:
     return n
 
 
-def int8_matmul(x, qweight, scales, bias=None) -> torch.Tensor:
+def int8_matmul(x, qweight, scales, bias=None, *, batch_invariant: bool = False) -> torch.Tensor:
     n = _check_rows("qweight", qweight, scales, x, bias, torch.int8)
-    return _launch("int8", x, qweight, None, scales, None, bias, n, 1, 0)
+    return _launch("int8", x, qweight, None, scales, None, bias, n, 1, 0, batch_invariant)
 
 
 def int8_matmul_ref(x, qweight, scales, bias=None) -> torch.Tensor:
@@ -123,9 +126,9 @@ def int8_matmul_ref(x, qweight, scales, bias=None) -> torch.Tensor:
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
-def fp8_matmul(x, qweight, scales, bias=None) -> torch.Tensor:
+def fp8_matmul(x, qweight, scales, bias=None, *, batch_invariant: bool = False) -> torch.Tensor:
     n = _check_rows("qweight", qweight, scales, x, bias, torch.float8_e4m3fn)
-    return _launch("fp8", x, qweight.view(torch.uint8), None, scales, None, bias, n, 1, 0)
+    return _launch("fp8", x, qweight.view(torch.uint8), None, scales, None, bias, n, 1, 0, batch_invariant)
 
 
 def fp8_matmul_ref(x, qweight, scales, bias=None) -> torch.Tensor:
@@ -133,8 +136,10 @@ def fp8_matmul_ref(x, qweight, scales, bias=None) -> torch.Tensor:
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
-def _launch(mode: str, x, w, z, s, g, bias, n: int, group: int, zero_offset: int) -> torch.Tensor:
+def _launch(mode: str, x, w, z, s, g, bias, n: int, group: int, zero_offset: int,
+            batch_invariant: bool) -> torch.Tensor:
     require_triton(f"{mode}_matmul", f"{mode}_matmul_ref")
     from ._quant_matmul_triton import launch_dequant_matmul
 
-    return launch_dequant_matmul(MODES[mode], x, w, z, s, g, bias, n, group, zero_offset, f"{mode}_matmul")
+    return launch_dequant_matmul(MODES[mode], x, w, z, s, g, bias, n, group, zero_offset, f"{mode}_matmul",
+                                 batch_invariant)

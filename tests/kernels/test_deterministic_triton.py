@@ -1,0 +1,131 @@
+"""The batch-invariant Triton kernels (radixgen.kernels.batch_invariant, the deterministic mode on CUDA): a row's
+bits alone, in batches of 2 / 5 / 8 at different positions, and under other chunkings of its context are the same.
+On the CPU they run under the Triton interpreter (tiny shapes); benchmarks/gpu_check.sh runs them on a GPU."""
+
+import pytest
+import torch
+from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
+
+from radixgen.kernels import decode_attention_ref, extend_attention_ref, int8_matmul, int8_matmul_ref
+from radixgen.kernels import batch_invariant as bi
+
+PIECE = 64  # two or three pieces per context below, the tail piece ragged
+LENS = [150, 1, 64, 129, 70, 33, 100, 7]  # one piece exactly, a one-token context, ragged tails
+# the batches a row is checked in: (its position, the others' indices)
+BATCHES = [(0, [0, 5]), (1, [6, 0]), (3, [2, 4, 1, 0, 7]), (4, [7, 6, 5, 3, 0]), (5, [1, 2, 3, 4, 5, 0, 6, 7])]
+
+
+def _batches(row: int):
+    """Index lists of 2, 5 and 8 rows holding `row` at different positions, and its position in each."""
+    for pos, others in BATCHES:
+        rest = [i for i in others if i != row]
+        idx = rest[:pos] + [row] + rest[pos:len(others) - 1]
+        yield idx, idx.index(row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_matmul_row_bits_do_not_follow_the_batch(triton, poison, gen, dtype):
+    x = torch.randn(8, 96, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(80, 96, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(80, generator=gen).to(dtype).to(DEVICE)
+    full = bi.fixed_matmul(x, w, bias)
+    assert rel_err(full, bi.fixed_matmul_ref(x, w, bias)) < TOL[dtype]
+    for row in (0, 5):
+        assert torch.equal(bi.fixed_matmul(x[row:row + 1], w, bias)[0], full[row])
+        for idx, at in _batches(row):
+            assert torch.equal(bi.fixed_matmul(x[idx], w, bias)[at], full[row]), (row, idx)
+    wide = torch.randn(8, 130, generator=gen).to(dtype).to(DEVICE)  # strided rows: the same bits
+    wide[:, :96] = x
+    assert torch.equal(bi.fixed_matmul(wide[:, :96], w, bias), full)
+
+
+def test_int8_matmul_batch_invariant_tiles(triton, poison, gen):
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8).to(DEVICE)
+    s = (torch.rand(48, generator=gen) * 0.01 + 0.001).to(DEVICE)
+    full = int8_matmul(x, q, s, batch_invariant=True)
+    assert rel_err(full, int8_matmul_ref(x, q, s)) < TOL[torch.bfloat16]
+    for row in (0, 17):
+        assert torch.equal(int8_matmul(x[row:row + 1], q, s, batch_invariant=True)[0], full[row])
+        assert torch.equal(int8_matmul(x[row:row + 2], q, s, batch_invariant=True)[0], full[row])
+
+
+def _decode_case(gen, dtype, group=2):
+    pool = make_pool(LENS, 1, 32, dtype, max_reqs=9, max_context_len=160, gen=gen)
+    q = torch.randn(len(LENS), group, 32, generator=gen).to(dtype).to(DEVICE)
+    return q, pool, lens_tensor(LENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_fixed_row_bits_do_not_follow_the_batch(triton, poison, gen, dtype):
+    q, pool, seq_lens = _decode_case(gen, dtype)
+    args = (*pool[:3],)
+    full = bi.decode_attention_fixed(q, *args, pool.req_indices, seq_lens, 0.2, PIECE)
+    ref = decode_attention_ref(q, *args, pool.req_indices, seq_lens, 0.2)
+    assert rel_err(full, ref) < TOL[dtype]
+    for row in ((0,) if dtype == torch.float32 else (3,)):
+        alone = bi.decode_attention_fixed(q[row:row + 1], *args, pool.req_indices[row:row + 1],
+                                          seq_lens[row:row + 1], 0.2, PIECE, num_kv_splits=3)
+        assert torch.equal(alone[0], full[row])
+        for idx, at in _batches(row):
+            t = torch.tensor(idx, device=DEVICE)
+            out = bi.decode_attention_fixed(q[t], *args, pool.req_indices[t], seq_lens[t], 0.2, PIECE,
+                                            num_kv_splits=3 if len(idx) % 2 else None)
+            assert torch.equal(out[at], full[row]), (row, idx)
+
+
+def test_extend_fixed_equals_decode_whatever_the_chunking(triton, poison, gen):
+    """A 72-token prompt as one extend, as two chunks (each beside another request) and token by token as
+    decode queries: every token's bits are the same."""
+    dtype, n = torch.bfloat16, 72
+    pool = make_pool([n, 30], 1, 32, dtype, max_reqs=4, max_context_len=128, gen=gen)
+    me, other = pool.req_indices[0:1], pool.req_indices[1:2]
+    q = torch.randn(n, 2, 32, generator=gen).to(dtype).to(DEVICE)
+    q_other = torch.randn(30, 2, 32, generator=gen).to(dtype).to(DEVICE)
+    kv = (*pool[:3],)
+    one = bi.extend_attention_fixed(q, *kv, me, lens_tensor([0]), lens_tensor([n]), 0.2, PIECE)
+    ref = extend_attention_ref(q, *kv, me, lens_tensor([0]), lens_tensor([n]), 0.2)
+    assert rel_err(one, ref) < TOL[dtype]
+    cut = 66  # past the first piece: the second chunk's tokens read a cached whole piece
+    first = bi.extend_attention_fixed(torch.cat([q_other[:12], q[:cut]]), *kv, torch.cat([other, me]),
+                                      lens_tensor([0, 0]), lens_tensor([12, cut]), 0.2, PIECE)
+    second = bi.extend_attention_fixed(torch.cat([q[cut:], q_other[12:]]), *kv, torch.cat([me, other]),
+                                       lens_tensor([cut, 12]), lens_tensor([n - cut, 18]), 0.2, PIECE)
+    assert torch.equal(torch.cat([first[12:], second[:n - cut]]), one)
+    for pos in (0, 63, 64, 71):
+        dec = bi.decode_attention_fixed(q[pos:pos + 1], *kv, me, lens_tensor([pos + 1]), 0.2, PIECE)
+        assert torch.equal(dec[0], one[pos]), pos
+
+
+def _rows(gen):
+    x = torch.randn(8, 300, generator=gen).to(DEVICE) * 4
+    x[2, 7] = x[2, 200] = x[2].max() + 1  # a tie for the largest: the first index wins
+    x[4, :] = float("-inf")
+    x[4, 299] = 0.0  # the largest value in the last block
+    return x
+
+
+@pytest.mark.parametrize("op", ["row_log_softmax", "row_sum", "row_cumsum_", "row_argmax"])
+def test_row_ops_bits_do_not_follow_the_batch(triton, poison, gen, op):
+    x = _rows(gen)
+    if op in ("row_sum", "row_cumsum_"):
+        x = x.exp()
+    kernel, ref = getattr(bi, op), getattr(bi, "row_cumsum_ref_" if op == "row_cumsum_" else op + "_ref")
+    full = kernel(x.clone())
+    want = ref(x.clone())
+    if op == "row_argmax":
+        assert full.tolist() == want.tolist() and full[2] == 7 and full[4] == 299
+    else:
+        assert torch.allclose(full, want, rtol=1e-5, atol=1e-5)
+    for row in (2, 4):
+        assert torch.equal(kernel(x[row:row + 1].clone())[0], full[row])
+        for idx, at in _batches(row):
+            assert torch.equal(kernel(x[idx].clone())[at], full[row]), (row, idx)
+
+
+def test_row_cumsum_prefix_does_not_follow_the_row_length(triton, gen):
+    """The sampler scans candidate prefixes of different lengths: a prefix's running sums are the same bits."""
+    x = torch.rand(3, 300, generator=gen).to(DEVICE)
+    full = bi.row_cumsum_(x.clone())
+    for n in (1, 100, 128, 257):
+        assert torch.equal(bi.row_cumsum_(x[:, :n].contiguous())[:, :n], full[:, :n])

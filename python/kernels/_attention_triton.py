@@ -250,6 +250,8 @@ def launch_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs every dimension >= 16
     block_h = max(16, next_pow2(group))
     if piece:
+        if piece % block_n:
+            raise ValueError(f"decode_attention: piece {piece} is no multiple of the kernel's {block_n}-key blocks")
         splits = num_kv_splits or triton.cdiv(req_to_slot.shape[1], piece)
     else:
         splits = num_kv_splits or _auto_kv_splits(batch, num_kv_heads, req_to_slot.shape[1], block_n, q.device)

@@ -56,7 +56,7 @@ def fixed_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 def decode_attention_fixed(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale: float, piece: int,
                            num_kv_splits: int | None = None, *, k_scales=None, v_scales=None) -> torch.Tensor:
     """decode_attention's contract (attention.py), every context summed over fixed pieces of `piece` positions
-    (a positive multiple of 64). num_kv_splits: at least ceil(longest context / piece), known on the host (None:
+    (a multiple of the kernel's key block: 64 compiled, 16 interpreted). num_kv_splits: at least ceil(longest context / piece), known on the host (None:
     the pieces of req_to_slot's width, no device read)."""
     sm_scale = _check_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale, num_kv_splits,
                              k_scales, v_scales)
@@ -86,9 +86,9 @@ def extend_attention_fixed(q, k_buffer, v_buffer, req_to_slot, req_indices, pref
 
 
 def _check_piece(piece) -> None:
-    # 64: a whole number of the kernel's key blocks on every platform (16 interpreted, 64 compiled)
-    expect(isinstance(piece, int) and piece > 0 and piece % 64 == 0,
-           f"piece must be a positive multiple of 64, got {piece!r}")
+    # a whole number of the kernel's key blocks: 16 keys interpreted, 64 compiled (launch_decode checks that)
+    expect(isinstance(piece, int) and piece > 0 and piece % 16 == 0,
+           f"piece must be a positive multiple of 16, got {piece!r}")
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:

@@ -9,8 +9,8 @@ from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
 from radixgen.kernels import decode_attention_ref, extend_attention_ref, int8_matmul, int8_matmul_ref
 from radixgen.kernels import batch_invariant as bi
 
-PIECE = 64  # two or three pieces per context below, the tail piece ragged
-LENS = [150, 1, 64, 129, 70, 33, 100, 7]  # one piece exactly, a one-token context, ragged tails
+PIECE = 32  # two or three pieces per context below, the tail piece ragged (compiled kernels take multiples of 64)
+LENS = [75, 1, 32, 65, 40, 17, 50, 7]  # one piece exactly, a one-token context, ragged tails
 # the batches a row is checked in: (its position, the others' indices)
 BATCHES = [(0, [0, 5]), (1, [6, 0]), (3, [2, 4, 1, 0, 7]), (4, [7, 6, 5, 3, 0]), (5, [1, 2, 3, 4, 5, 0, 6, 7])]
 
@@ -51,7 +51,7 @@ def test_int8_matmul_batch_invariant_tiles(triton, poison, gen):
 
 
 def _decode_case(gen, dtype, group=2):
-    pool = make_pool(LENS, 1, 32, dtype, max_reqs=9, max_context_len=160, gen=gen)
+    pool = make_pool(LENS, 1, 32, dtype, max_reqs=9, max_context_len=80, gen=gen)
     q = torch.randn(len(LENS), group, 32, generator=gen).to(dtype).to(DEVICE)
     return q, pool, lens_tensor(LENS)
 
@@ -75,24 +75,24 @@ def test_decode_fixed_row_bits_do_not_follow_the_batch(triton, poison, gen, dtyp
 
 
 def test_extend_fixed_equals_decode_whatever_the_chunking(triton, poison, gen):
-    """A 72-token prompt as one extend, as two chunks (each beside another request) and token by token as
+    """A 40-token prompt as one extend, as two chunks (each beside another request) and token by token as
     decode queries: every token's bits are the same."""
-    dtype, n = torch.bfloat16, 72
-    pool = make_pool([n, 30], 1, 32, dtype, max_reqs=4, max_context_len=128, gen=gen)
+    dtype, n = torch.bfloat16, 40
+    pool = make_pool([n, 10], 1, 32, dtype, max_reqs=4, max_context_len=64, gen=gen)
     me, other = pool.req_indices[0:1], pool.req_indices[1:2]
     q = torch.randn(n, 2, 32, generator=gen).to(dtype).to(DEVICE)
-    q_other = torch.randn(30, 2, 32, generator=gen).to(dtype).to(DEVICE)
+    q_other = torch.randn(10, 2, 32, generator=gen).to(dtype).to(DEVICE)
     kv = (*pool[:3],)
     one = bi.extend_attention_fixed(q, *kv, me, lens_tensor([0]), lens_tensor([n]), 0.2, PIECE)
     ref = extend_attention_ref(q, *kv, me, lens_tensor([0]), lens_tensor([n]), 0.2)
     assert rel_err(one, ref) < TOL[dtype]
-    cut = 66  # past the first piece: the second chunk's tokens read a cached whole piece
-    first = bi.extend_attention_fixed(torch.cat([q_other[:12], q[:cut]]), *kv, torch.cat([other, me]),
-                                      lens_tensor([0, 0]), lens_tensor([12, cut]), 0.2, PIECE)
-    second = bi.extend_attention_fixed(torch.cat([q[cut:], q_other[12:]]), *kv, torch.cat([me, other]),
-                                       lens_tensor([cut, 12]), lens_tensor([n - cut, 18]), 0.2, PIECE)
-    assert torch.equal(torch.cat([first[12:], second[:n - cut]]), one)
-    for pos in (0, 63, 64, 71):
+    cut = 35  # past the first piece: the second chunk's tokens read a cached whole piece
+    first = bi.extend_attention_fixed(torch.cat([q_other[:5], q[:cut]]), *kv, torch.cat([other, me]),
+                                      lens_tensor([0, 0]), lens_tensor([5, cut]), 0.2, PIECE)
+    second = bi.extend_attention_fixed(torch.cat([q[cut:], q_other[5:]]), *kv, torch.cat([me, other]),
+                                       lens_tensor([cut, 5]), lens_tensor([n - cut, 5]), 0.2, PIECE)
+    assert torch.equal(torch.cat([first[5:], second[:n - cut]]), one)
+    for pos in (0, 31, 32, 39):
         dec = bi.decode_attention_fixed(q[pos:pos + 1], *kv, me, lens_tensor([pos + 1]), 0.2, PIECE)
         assert torch.equal(dec[0], one[pos]), pos
 

@@ -129,3 +129,34 @@ def test_row_cumsum_prefix_does_not_follow_the_row_length(triton, gen):
     full = bi.row_cumsum_(x.clone())
     for n in (1, 100, 128, 257):
         assert torch.equal(bi.row_cumsum_(x[:, :n].contiguous())[:, :n], full[:, :n])
+
+
+def test_sampler_rows_a_seeded_row_does_not_follow_the_batch(triton, gen):
+    """The sampler over the row kernels (the deterministic mode on CUDA): a seeded top-k / top-p row, and a greedy
+    row with a tie, give the same token and logprob alone and among rows that send the batch down other paths."""
+    from radixgen.common.sampling_params import SamplingParams
+    from radixgen.runtime.executor.sampler import Sampler, SamplingBatch, make_generator
+    from radixgen.runtime.executor.sampler_rows import BatchInvariantRows
+
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=gen).to(DEVICE) * 3
+    logits[1, 40] = logits[1, 250] = logits[1].max() + 1
+    params = [SamplingParams(temperature=0.8, top_k=60, top_p=0.9, seed=7), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, min_p=0.2),
+              SamplingParams(temperature=0.5), SamplingParams(temperature=1.3, top_p=0.5, seed=3)]
+    sampler = Sampler(candidates=16, rows=BatchInvariantRows())
+
+    def run(idx):
+        p = [params[i] for i in idx]
+        gens = [make_generator(q.seed) if q.seed is not None else None for q in p]
+        batch = SamplingBatch.build(p, [[] for _ in p], [[] for _ in p], gens, vocab, DEVICE)
+        out = sampler(logits[idx].clone(), batch, return_logprob=True)
+        return out.next_ids.tolist(), out.logprobs.tolist()
+
+    for row in (0, 1):
+        ids, lps = run([row])
+        assert row != 1 or ids == [40]
+        for idx in ([row, 2], [3, row, 4, 5, 2], [5, 4, 3, 2, row]):
+            got_ids, got_lps = run(idx)
+            at = idx.index(row)
+            assert (got_ids[at], got_lps[at]) == (ids[0], lps[0]), (row, idx)

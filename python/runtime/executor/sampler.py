@@ -36,6 +36,7 @@ from radixgen.runtime.executor.logits_processors import (
     finite_logprobs,
     saturate,
 )
+from radixgen.runtime.executor.sampler_rows import TORCH_ROWS, TorchRows
 
 # top-k / top-p / min-p cutoffs are first looked for among the heaviest tokens only: on one CPU core a full
 # sort of (64, 49152) costs ~220 ms, a top-512 ~17 ms; only rows whose cutoff lies deeper search further.
@@ -170,7 +171,8 @@ class _Truncation(NamedTuple):
         return _Truncation(*(None if t is None else t[rows] for t in self))
 
 
-def _cutoffs(sorted_w: Tensor, trunc: _Truncation, vocab: int, covers_all: bool) -> tuple[Tensor, Tensor]:
+def _cutoffs(sorted_w: Tensor, trunc: _Truncation, vocab: int, covers_all: bool,
+             rows: TorchRows = TORCH_ROWS) -> tuple[Tensor, Tensor]:
     """Per-row weight cutoff from `sorted_w` (S, K), the K largest weights of each row in descending order:
     tokens with weight >= cutoff are kept. `complete` is False where K is too short to decide (only when
     not `covers_all`).
@@ -189,7 +191,7 @@ def _cutoffs(sorted_w: Tensor, trunc: _Truncation, vocab: int, covers_all: bool)
         cutoff = torch.where(limited & in_prefix, sorted_w.gather(1, kth).squeeze(1), cutoff)
         complete &= ~limited | in_prefix
     if trunc.top_ps is not None:
-        csum = sorted_w.cumsum(-1)  # (S, K)
+        csum = rows.cumsum(sorted_w)  # (S, K)
         total = trunc.mass
         if limited is not None:
             total = torch.where(limited, csum.gather(1, kth).squeeze(1), total)
@@ -206,10 +208,10 @@ def _cutoffs(sorted_w: Tensor, trunc: _Truncation, vocab: int, covers_all: bool)
     return cutoff, complete
 
 
-def _inverse_cdf_(weights: Tensor, u: Tensor) -> Tensor:
+def _inverse_cdf_(weights: Tensor, u: Tensor, rows: TorchRows = TORCH_ROWS) -> Tensor:
     """Index i with cdf[i - 1] <= u * total < cdf[i] in each row of `weights` (n, L) >= 0, which is
     overwritten by its running sum. A zero-weight token is never chosen."""
-    cdf = weights.cumsum_(-1)  # (n, L)
+    cdf = rows.cumsum_(weights)  # (n, L)
     total = cdf[:, -1:]
     v = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, v, right=True).squeeze(1)
@@ -218,12 +220,13 @@ def _inverse_cdf_(weights: Tensor, u: Tensor) -> Tensor:
 class Sampler:
     """`candidates`: how many of the heaviest tokens of a row are searched first for its truncation
     cutoff; rows it cannot decide search 8x more, then the whole sorted row. Only the speed depends on
-    it, never the tokens."""
+    it, never the tokens. `rows`: the per-row reductions (BatchInvariantRows: the deterministic mode on CUDA)."""
 
-    def __init__(self, candidates: int = DEFAULT_CANDIDATES) -> None:
+    def __init__(self, candidates: int = DEFAULT_CANDIDATES, rows: TorchRows = TORCH_ROWS) -> None:
         if candidates < 1:
             raise ValueError(f"Sampler: candidates must be >= 1, got {candidates}")
         self.candidates = candidates
+        self.rows = rows
 
     def forward(self, logits: Tensor, batch: SamplingBatch, vocab_mask: Tensor | None = None,
                 apply_mask: Callable[[Tensor], None] | None = None, return_logprob: bool = False,
@@ -244,7 +247,7 @@ class Sampler:
             saturate(logits)
         raw = None
         if return_logprob or max_top > 0:
-            raw = torch.log_softmax(logits, dim=-1)  # (B, V), before anything below modifies logits
+            raw = self.rows.log_softmax(logits)  # (B, V), before anything below modifies logits
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
         if vocab_mask is not None:
@@ -259,12 +262,12 @@ class Sampler:
                 logits[failed, 0] = 0.0  # token 0, the placeholder, is then the row's only choice
 
         if batch.is_all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = self.rows.argmax(logits)
         elif not batch.has_greedy:
             next_ids = self._sample(logits, batch)
         else:
             next_ids = torch.empty(b, dtype=torch.int64, device=logits.device)
-            next_ids[batch.greedy_rows] = logits[batch.greedy_rows].argmax(dim=-1)
+            next_ids[batch.greedy_rows] = self.rows.argmax(logits[batch.greedy_rows])
             next_ids[batch.sample_rows] = self._sample(logits[batch.sample_rows], batch)
 
         outside = (next_ids < 0) | (next_ids >= batch.vocab_size)  # (B,) never expected: a last guard
@@ -325,8 +328,8 @@ class Sampler:
         w = logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(batch.temperatures).exp_()  # (S, V)
         u = self._uniforms(batch, w.shape[0], w.device)
         if not batch.need_truncation:
-            return _inverse_cdf_(w, u)
-        mass = w.sum(dim=-1) if batch.need_top_p else None
+            return _inverse_cdf_(w, u, self.rows)
+        mass = self.rows.sum(w) if batch.need_top_p else None
         return self._sample_truncated(w, u, _Truncation(batch.top_ks, batch.top_ps, batch.min_ps, mass),
                                       batch.vocab_size, batch.max_top_k)
 
@@ -351,9 +354,9 @@ class Sampler:
                 cand_w, cand_id = rows_w.topk(k_len, dim=-1)  # (P, K) descending
             else:
                 cand_w, cand_id = rows_w.sort(dim=-1, descending=True).values, None
-            c, complete = _cutoffs(cand_w, part, vocab, covers_all=cand_id is None)
+            c, complete = _cutoffs(cand_w, part, vocab, covers_all=cand_id is None, rows=self.rows)
             cutoff[pending] = c
-            if cand_id is None:
+            if cand_id is None or self.rows.whole_rows:
                 fits = torch.zeros_like(complete)
             else:
                 fits = complete & (cand_w[:, -1] < c)
@@ -369,7 +372,7 @@ class Sampler:
             c = cutoff[rows].unsqueeze(1)
             if bool((c > 0).any()):
                 rows_w.masked_fill_(rows_w < c, 0.0)
-            out[rows] = _inverse_cdf_(rows_w, u[rows])
+            out[rows] = _inverse_cdf_(rows_w, u[rows], self.rows)
         return out
 
     @staticmethod

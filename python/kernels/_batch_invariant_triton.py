@@ -17,7 +17,7 @@ from ._attention_triton import _dot, launch_decode
 from ._triton_env import INTERPRET, check_launchable, next_pow2
 
 # the matmul's tiles: one set per platform, whatever M (the interpreter's are small to keep the tests fast)
-TILES = (16, 32, 32) if INTERPRET else (64, 64, 64)  # BM, BN, BK
+TILES = (16, 512, 64) if INTERPRET else (64, 64, 64)  # BM, BN, BK (interpreted: few, wide programs)
 ROW_BLOCK = 128 if INTERPRET else 1024  # the row kernels' step along a row
 
 

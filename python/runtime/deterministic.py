@@ -29,8 +29,7 @@ import torch
 
 # why each combination is refused: the sums it would leave to the batch, or what no test holds yet
 _REFUSED = (
-    (lambda c: c.device != "cpu", "device={device}: the Triton kernels have no batch-invariant variant yet (their "
-     "decode split follows the batch); use device='cpu'"),
+    (lambda c: c.device != "cpu", "device={device}: the mode runs on 'cpu' and 'cuda' (runtime/deterministic_cuda.py)"),
     (lambda c: c.tp_size not in (1, 2), "tp_size={tp_size}: the row-parallel sums run in tp 2's fixed segments "
      "(layers/fixed_order.py), which a larger group would cut further; use tp_size 1 or 2"),
     (lambda c: c.tp_size > 1 and c.pp_size > 1, "tp_size={tp_size} and pp_size={pp_size} together: not covered by "
@@ -52,7 +51,9 @@ _REFUSED = (
 def check_config(cfg) -> None:
     """ValueError naming the first option `cfg` (a RuntimeConfig with deterministic=True) combines with
     deterministic mode that the mode cannot keep."""
-    for refused, why in _REFUSED:
+    from radixgen.runtime.deterministic_cuda import CUDA_REFUSED, is_cuda
+
+    for refused, why in CUDA_REFUSED if is_cuda(cfg) else _REFUSED:  # (CUDA: the Triton path's own list)
         if refused(cfg):
             raise ValueError("deterministic mode does not run with " + why.format(**vars(cfg)))
 
@@ -61,7 +62,10 @@ def check_deterministic(quant_spec, dtype: torch.dtype, ops, head_dim: int) -> N
     """The runner's check, once the weight format (`quant_spec`, resolved from the checkpoint), the activations'
     dtype, the ops set and the head size are known: bf16 activations on radixgen's C kernels (any build), heads
     the C attention takes (else the torch attention would run, whose sums follow the batch). Each linear layer's
-    method is checked once loaded (layers/fixed_order.install)."""
+    method is checked once loaded (layers/fixed_order.install). The Triton ops set (CUDA) checks its layers itself
+    (layers/ops.batch_invariant)."""
+    if getattr(ops, "name", None) == "triton":
+        return
     if quant_spec.method == "fp8":
         raise ValueError("deterministic mode does not run with fp8 weights (the checkpoint resolves to fp8): their "
                          "CPU path upcasts tiles for torch's matmul, whose blocking follows the row count")

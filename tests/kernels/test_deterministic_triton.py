@@ -160,3 +160,43 @@ def test_sampler_rows_a_seeded_row_does_not_follow_the_batch(triton, gen):
             got_ids, got_lps = run(idx)
             at = idx.index(row)
             assert (got_ids[at], got_lps[at]) == (ids[0], lps[0]), (row, idx)
+
+
+def test_triton_ops_wire_the_batch_invariant_kernels(triton):
+    """TritonOps(deterministic=True), as the CUDA runner builds it: every linear layer on a fixed-tile matmul (dense:
+    fixed_matmul; int8: one row tile), attention over the CPU mode's fixed pieces, the sampler's row kernels; what
+    it cannot keep refused by name (expert blocks here; the config's CUDA refusals below)."""
+    from tiny_models import tiny_model_dir
+
+    from radixgen.kernels.cpu import FIXED_PIECE
+    from radixgen.runtime.config import RuntimeConfig
+    from radixgen.runtime.executor.model_runner import ModelRunner
+    from radixgen.runtime.layers.linear import LinearBase
+    from radixgen.runtime.layers.ops import TritonOps
+
+    base = dict(model=str(tiny_model_dir("llama")), dtype="bfloat16", max_total_tokens=256, max_running_requests=2)
+    runner = ModelRunner(RuntimeConfig(**base), ops=TritonOps(deterministic=True))
+    assert runner.ops.linear_methods(runner.model) == ["dense (fixed tiles)"]
+    assert runner.ops.attention.piece == FIXED_PIECE
+    int8 = ModelRunner(RuntimeConfig(**base, quantization="int8"), ops=TritonOps(deterministic=True))
+    assert int8.ops.linear_methods(int8.model) == ["int8 (triton)"]
+    assert all(m.method.batch_invariant for m in int8.model.modules() if isinstance(m, LinearBase))
+    assert ModelRunner(RuntimeConfig(**base), ops=TritonOps()).ops.attention.piece == 0  # the default: untouched
+    with pytest.raises(ValueError, match="on CUDA does not run expert blocks"):
+        ModelRunner(RuntimeConfig(**{**base, "model": str(tiny_model_dir("qwen3_moe"))}),
+                    ops=TritonOps(deterministic=True))
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    (dict(), "device=cuda and CUDA graphs"),
+    (dict(disable_cuda_graph=True, tp_size=2), "device=cuda at tp_size=2"),
+    (dict(disable_cuda_graph=True, kv_cache_dtype="int8"), "device=cuda and kv_cache_dtype=int8"),
+    (dict(disable_cuda_graph=True, enable_lora=True), "device=cuda and LoRA adapters"),
+    (dict(disable_cuda_graph=True, speculative_algorithm="ngram"), "device=cuda and speculative_algorithm=ngram"),
+])
+def test_the_cuda_mode_refuses_what_it_does_not_cover_by_name(kw, named):
+    from radixgen.runtime.config import RuntimeConfig
+
+    with pytest.raises(ValueError, match=f"deterministic mode does not run with {named}"):
+        RuntimeConfig(deterministic=True, device="cuda", **kw)
+    RuntimeConfig(deterministic=True, device="cuda", disable_cuda_graph=True)  # what the mode covers

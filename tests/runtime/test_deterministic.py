@@ -100,7 +100,7 @@ def test_without_the_mode_some_probes_round_apart(model):
 
 
 @pytest.mark.parametrize(("kw", "named"), [
-    (dict(device="cuda"), "device=cuda"),
+    (dict(device="cuda"), "device=cuda and CUDA graphs"),
     (dict(tp_size=4), "tp_size=4"),
     (dict(tp_size=2, pp_size=2), "tp_size=2 and pp_size=2"),
     (dict(disable_cpu_kernels=True), "disable_cpu_kernels"),

@@ -174,7 +174,8 @@ class ModelRunner:
                 if layer.mlp.kind not in (DENSE_GATED_SILU, MOE_GATED_SILU):  # what the mode's tests hold
                     raise ValueError(f"deterministic mode does not run layer {i}'s MLP part {layer.mlp.kind!r}: "
                                      f"not covered by the mode's tests")
-            fixed_order.install(model, self.ops.kl)
+            if self.device.type == "cpu":  # (CUDA: TritonOps.install checked every layer's matmul)
+                fixed_order.install(model, self.ops.kl)
         self.model = model.eval()
         # a vision-language model: image embeddings by content hash, reused across requests (encoder_cache.py)
         self.encoder_cache = None

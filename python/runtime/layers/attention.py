@@ -225,10 +225,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 class TritonAttentionBackend:
-    """The GPU path: radixgen.kernels' store_kv, decode and extend attention through the slot table."""
+    """The GPU path: radixgen.kernels' store_kv, decode and extend attention through the slot table. piece > 0 (the
+    deterministic mode): their batch-invariant variants, every context summed over fixed pieces of that many
+    positions, every new token of a prefill as a decode query at its position (radixgen.kernels.batch_invariant)."""
+
+    def __init__(self, piece: int = 0) -> None:
+        self.piece = piece
+        self.splits: int | None = None  # the pieces of the step's longest context (None: of the table's width)
 
     def prepare(self, ctx: ForwardContext) -> None:
         dev = ctx.out_slots.device
+        if self.piece:
+            self.splits = max(1, -(-max(ctx.seq_lens, default=1) // self.piece))
         ctx.attn_meta = (
             torch.tensor(ctx.prefix_lens, dtype=torch.int64, device=dev),
             torch.tensor(ctx.extend_lens, dtype=torch.int64, device=dev),
@@ -243,6 +251,7 @@ class TritonAttentionBackend:
         if not ctx.is_decode:
             raise ValueError("prepare_static is for decode steps only")
         ctx.attn_meta = (None, None, seq_lens)
+        self.splits = None  # a graph replays at any length: the pieces of the whole table
 
     def forward(self, q, k, v, layer_id: int, scale: float, ctx: ForwardContext) -> torch.Tensor:
         from radixgen import kernels
@@ -250,6 +259,14 @@ class TritonAttentionBackend:
         kv = ctx.kv_pool.layer(layer_id)
         kernels.store_kv(kv.k, kv.v, ctx.out_slots, k, v, **kv.scales())
         prefix_lens, extend_lens, seq_lens = ctx.attn_meta
+        if self.piece:
+            from radixgen.kernels import batch_invariant as bi
+
+            if ctx.is_decode:
+                return bi.decode_attention_fixed(q, kv.k, kv.v, ctx.req_to_slot, ctx.req_indices, seq_lens, scale,
+                                                 self.piece, self.splits, **kv.scales())
+            return bi.extend_attention_fixed(q, kv.k, kv.v, ctx.req_to_slot, ctx.req_indices, prefix_lens,
+                                             extend_lens, scale, self.piece, self.splits, **kv.scales())
         if ctx.is_decode:
             return kernels.decode_attention(q, kv.k, kv.v, ctx.req_to_slot, ctx.req_indices, seq_lens, scale,
                                             **kv.scales())

@@ -8,7 +8,9 @@ loaded: see layers/quantization).
   selects it for a whole model), and what their ops fall back to for a shape or stride they do not cover.
 - `CpuOps`: radixgen.kernels.cpu's C kernels (where the build exists and the shape and strides fit), the CPU
   attention backend, C matmuls over packed weights (bf16 K pairs, int8, int4; oneDNN for float32).
-- `TritonOps`: radixgen.kernels' Triton kernels; on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
+- `TritonOps`: radixgen.kernels' Triton kernels; on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests). In the
+  deterministic mode their batch-invariant variants (radixgen.kernels.batch_invariant): fixed pieces of attention,
+  fixed-tile matmuls.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from torch import nn
 from radixgen.kernels import cpu as cpu_kernels
 from radixgen.kernels import cpu_linear, cpu_lora, cpu_moe
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
-from radixgen.runtime.layers.linear import LinearBase
+from radixgen.runtime.layers.linear import DENSE, LinearBase
 from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
 from radixgen.runtime.layers.quantization.experts import GroupedLinear, grouped_method
+from radixgen.runtime.layers.quantization.unquantized import FIXED_DENSE
 
 
 class TorchOps:
@@ -204,13 +207,26 @@ class CpuOps(TorchOps):
 
 class TritonOps(TorchOps):
     """radixgen.kernels' Triton kernels: attention, fused add-RMSNorm over (T, N) rows, rotary in place; the
-    SiLU and per-head norms stay torch ops."""
+    SiLU and per-head norms stay torch ops (elementwise, or one row's own sum: they do not follow the batch).
+    deterministic: attention over fixed pieces of every context (the CPU mode's FIXED_PIECE), every linear layer
+    on a fixed-tile matmul (`batch_invariant`); a layer without one is refused by name."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
         super().__init__()
-        self.attention = TritonAttentionBackend()
+        self.attention_piece = cpu_kernels.FIXED_PIECE if deterministic else 0
+        self.attention = TritonAttentionBackend(self.attention_piece)
+
+    def prepare(self, model, spec=NONE):
+        super().prepare(model, spec)
+        if self.attention_piece:
+            batch_invariant(model, swap=True)
+
+    def install(self, model):
+        super().install(model)
+        if self.attention_piece:  # (process_weights may replace a method)
+            batch_invariant(model, swap=False)
 
     def rms_norm(self, x, weight, eps):
         if x.dim() == 2:
@@ -245,12 +261,31 @@ class TritonOps(TorchOps):
             kernels.lora_expand_(y, h, b, scales, *seg, c0, c1, g * r)
 
 
+def batch_invariant(model: nn.Module, swap: bool) -> None:
+    """The deterministic mode on CUDA: every linear layer of `model` on a matmul whose rows do not follow the row
+    count (swap: dense ones moved to FIXED_DENSE, the Triton dequantizing ones told to keep one row tile), else
+    ValueError naming the layer; expert blocks (the fused MoE kernel sorts rows by expert) are refused."""
+    for name, m in model.named_modules():
+        if isinstance(m, GroupedLinear):
+            raise ValueError(f"deterministic mode on CUDA does not run expert blocks ({name}): the fused MoE kernel's "
+                             f"tiles follow which rows share an expert")
+        if not isinstance(m, LinearBase):
+            continue
+        if swap and m.method is DENSE:
+            m.set_linear_method(FIXED_DENSE)
+        elif swap and hasattr(m.method, "batch_invariant"):
+            m.method.batch_invariant = True  # (each layer has its own method object)
+        if m.method is not FIXED_DENSE and not getattr(m.method, "batch_invariant", False):
+            raise ValueError(f"deterministic mode on CUDA does not run {name}: its {m.method.name} matmul has no "
+                             f"batch-invariant variant")
+
+
 def ops_for(device: torch.device | str, disable_cpu_kernels: bool = False, deterministic: bool = False) -> TorchOps:
     """The ops set of a device, chosen once: Triton on CUDA; on the CPU the C kernels (when they build) unless
-    disable_cpu_kernels asks for plain torch; deterministic: the C kernels' batch-invariant choices."""
+    disable_cpu_kernels asks for plain torch; deterministic: the kernels' batch-invariant choices."""
     device = torch.device(device)
     if device.type == "cuda":
-        return TritonOps()
+        return TritonOps(deterministic)
     if device.type != "cpu" or disable_cpu_kernels:
         return TorchOps()
     return CpuOps(cpu_kernels.lib(), deterministic)

@@ -65,7 +65,8 @@ class Scheduler:
         self.policy = AdmissionPolicy(cfg, self.kv)
         eos_ids = set(eos_token_ids(runner.model_config.eos_token_ids, tokenizer))
         self.counters = Counters(speculative=cfg.speculative_algorithm != "none")
-        self.sampling = StepSampler(tokenizer, grammar_backend, runner.vocab_size, eos_ids)
+        self.sampling = StepSampler(tokenizer, grammar_backend, runner.vocab_size, eos_ids,
+                                    batch_invariant=cfg.deterministic and cfg.device != "cpu")
         self.output = OutputProcessor(cfg, tokenizer, grammar_backend, runner.vocab_size,
                                       self.sampling.stop_token_ids, runner.context_length, self.counters)
         self.spec: Speculator | None = None  # speculative decoding, a stage of each decode step

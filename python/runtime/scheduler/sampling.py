@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from radixgen.runtime.executor.sampler import Sampler, SamplingBatch
+from radixgen.runtime.executor.sampler_rows import BatchInvariantRows
 from radixgen.runtime.scheduler.batch import Batch
 from radixgen.runtime.scheduler.request import Req
 from radixgen.runtime.scheduler.thinking import ThinkingBudget
@@ -24,11 +25,12 @@ class Sampled(NamedTuple):
 
 
 class StepSampler:
-    def __init__(self, tokenizer, grammar, vocab_size: int, eos_ids: set[int]) -> None:
+    def __init__(self, tokenizer, grammar, vocab_size: int, eos_ids: set[int], batch_invariant: bool = False) -> None:
+        """batch_invariant: the sampler's reductions on the row kernels (the deterministic mode on CUDA)."""
         self.grammar = grammar
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
-        self.sampler = Sampler()
+        self.sampler = Sampler(rows=BatchInvariantRows()) if batch_invariant else Sampler()
         self.thinking = ThinkingBudget(tokenizer)
 
     def stop_token_ids(self, req: Req) -> set[int]:

@@ -59,12 +59,13 @@ class TritonAWQLinear(CheckpointLinear):
     """CUDA: the checkpoint's tensors as loaded, through the Triton AWQ dequantizing matmul."""
 
     name = "awq (triton)"
+    batch_invariant = False  # the deterministic mode: one row tile whatever the row count
 
     def apply(self, layer, x):
         from radixgen import kernels
 
         y = kernels.awq_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.qzeros, layer.scales,
-                               self.fmt.group(layer), layer.bias)
+                               self.fmt.group(layer), layer.bias, batch_invariant=self.batch_invariant)
         return y.view(*x.shape[:-1], layer.out_features)
 
 

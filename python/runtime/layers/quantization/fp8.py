@@ -79,10 +79,13 @@ class FP8Linear(LinearMethod):
 class TritonFP8Linear(FP8Linear):
     """CUDA: the same buffers through the Triton FP8 dequantizing matmul."""
 
+    batch_invariant = False  # the deterministic mode: one row tile whatever the row count
+
     def apply(self, layer, x):
         from radixgen import kernels
 
-        y = kernels.fp8_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.qscale, layer.bias)
+        y = kernels.fp8_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.qscale, layer.bias,
+                               batch_invariant=self.batch_invariant)
         return y.view(*x.shape[:-1], layer.out_features)
 
 

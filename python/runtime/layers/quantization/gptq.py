@@ -94,6 +94,7 @@ class TritonGPTQLinear(CheckpointLinear):
     """CUDA: the checkpoint's tensors as loaded, through the Triton GPTQ dequantizing matmul (g_idx included)."""
 
     name = "gptq (triton)"
+    batch_invariant = False  # the deterministic mode: one row tile whatever the row count
 
     def process_weights(self, layer):
         layer.g_idx.data = self.fmt.local_groups(layer).int()
@@ -102,7 +103,8 @@ class TritonGPTQLinear(CheckpointLinear):
         from radixgen import kernels
 
         y = kernels.gptq_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.qzeros, layer.scales,
-                                layer.g_idx, self.fmt.zero_offset, layer.bias)
+                                layer.g_idx, self.fmt.zero_offset, layer.bias,
+                                batch_invariant=self.batch_invariant)
         return y.view(*x.shape[:-1], layer.out_features)
 
 

@@ -22,6 +22,7 @@ class TritonInt8Linear(LinearMethod):
     """CUDA: the int8 values (N, K) and float32 scales (N,), through the Triton dequantizing matmul."""
 
     name = "int8 (triton)"
+    batch_invariant = False  # the deterministic mode: one row tile whatever the row count
 
     def process_weights(self, layer):
         qw = INT8.quantized(layer)
@@ -32,7 +33,8 @@ class TritonInt8Linear(LinearMethod):
     def apply(self, layer, x):
         from radixgen import kernels
 
-        y = kernels.int8_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.weight_scale, layer.bias)
+        y = kernels.int8_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.weight_scale, layer.bias,
+                                batch_invariant=self.batch_invariant)
         return y.view(*x.shape[:-1], layer.out_features)
 
     def dequantize(self, layer):

@@ -8,7 +8,8 @@ AVX2 builds the float32-math kernels of csrc/cpu_linear_bf16_avx2.h read it (bf1
 embedding gathers rows from it. Elsewhere on the CPU (float32 weights, or a build without either) the weight is
 replaced by oneDNN's packed copy of it; a tied LM head keeps its dense weight there (the embedding reads rows of
 it, which oneDNN's layout does not give).
-TorchOps and TritonOps apply the dense weight as loaded (F.linear).
+TorchOps and TritonOps apply the dense weight as loaded (F.linear); TritonOps in the deterministic mode through
+the fixed-tile Triton matmul instead (FIXED_DENSE), whose rows do not follow the row count as cuBLAS's do.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixgen.runtime.layers.linear import DENSE, LinearMethod, pack_weight, packed_linear
+from radixgen.runtime.layers.linear import DENSE, DenseLinear, LinearMethod, pack_weight, packed_linear
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
 
 
@@ -45,6 +46,22 @@ class OneDnnLinear(LinearMethod):
 
 
 ONEDNN = OneDnnLinear()
+
+
+class FixedDenseLinear(DenseLinear):
+    """The weight as loaded, through radixgen.kernels.batch_invariant.fixed_matmul (the deterministic mode on
+    CUDA): one tile shape and one pass over K whatever the row count."""
+
+    name = "dense (fixed tiles)"
+
+    def apply(self, layer, x):
+        from radixgen.kernels.batch_invariant import fixed_matmul
+
+        y = fixed_matmul(x.reshape(-1, layer.in_features), layer.weight, layer.bias)
+        return y.view(*x.shape[:-1], layer.out_features)
+
+
+FIXED_DENSE = FixedDenseLinear()
 
 
 def method(ops: str, layer, kl) -> LinearMethod:

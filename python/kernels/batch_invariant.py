@@ -55,9 +55,9 @@ def fixed_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 def decode_attention_fixed(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale: float, piece: int,
                            num_kv_splits: int | None = None, *, k_scales=None, v_scales=None) -> torch.Tensor:
-    """decode_attention's contract (attention.py), every context summed over fixed pieces of `piece` positions
-    (a multiple of the kernel's key block: 64 compiled, 16 interpreted). num_kv_splits: at least ceil(longest context / piece), known on the host (None:
-    the pieces of req_to_slot's width, no device read)."""
+    """decode_attention's contract (attention.py), every context summed over fixed pieces of `piece` positions (a
+    multiple of the kernel's key block: 64 compiled, 16 interpreted). num_kv_splits: at least ceil(longest context
+    / piece), known on the host (None: the pieces of req_to_slot's width, no device read)."""
     sm_scale = _check_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, seq_lens, sm_scale, num_kv_splits,
                              k_scales, v_scales)
     _check_piece(piece)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
 
-from radixgen.kernels import decode_attention_ref, extend_attention_ref, int8_matmul, int8_matmul_ref
 from radixgen.kernels import batch_invariant as bi
+from radixgen.kernels import decode_attention_ref, extend_attention_ref, int8_matmul, int8_matmul_ref
 
 PIECE = 32  # two or three pieces per context below, the tail piece ragged (compiled kernels take multiples of 64)
 LENS = [75, 1, 32, 65, 40, 17, 50, 7]  # one piece exactly, a one-token context, ragged tails

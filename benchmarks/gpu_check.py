@@ -14,6 +14,10 @@
    may flip a near-tie, so the agreement is reported, not required), then decode tokens/s of the
    Llama-3-8B-shaped dummy model at tp N beside tp 1 (dummy weights are drawn per rank: speed only).
 
+5. The deterministic mode (gpu_check_det.py): the batch-invariant Triton kernels' identity on the device, their
+   timings against the default kernels, the deterministic Engine's identity and decode speed against the default.
+   --deterministic-only runs this part alone.
+
 --cpu-smoke runs the same code paths on tiny shapes on the CPU (Triton interpreted; tp 2 on gloo) to check the
 script.
 """
@@ -471,6 +475,7 @@ def main() -> int:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode tokens per request (engine part)")
     parser.add_argument("--kernel-tests", default="", help="the kernel tests' summary, for the final table")
+    parser.add_argument("--deterministic-only", action="store_true", help="only the deterministic mode's part")
     parser.add_argument("--deadline-s", type=int, default=0,
                         help="stop the part running after this many seconds and still print the table")
     args = parser.parse_args()
@@ -495,6 +500,8 @@ def main() -> int:
     print(f"device {name}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
     timeit = make_timer(device)
     shapes = SMOKE if args.cpu_smoke else FULL
+    if args.deterministic_only:
+        return print_table(name, run_part("determ", lambda: run_deterministic(args.cpu_smoke, device, timeit, None)))
     kernel_dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     ok = run_part("kernel", lambda: bench_kernels(shapes, device, kernel_dtype, timeit))
     if not args.cpu_smoke:
@@ -513,6 +520,8 @@ def main() -> int:
         eager = lambda: bench_engine(cfg, device.type, dtype, batches[:1], prompt_len, new_tokens, ceilings[0],
                                      steps, eager=True)
         ok &= run_part("engine-eager", eager)
+    graph_step = None if args.skip_engine or not ceilings else steps.get("graph", {}).get(1)
+    ok &= run_part("determ", lambda: run_deterministic(args.cpu_smoke, device, timeit, graph_step))
     gpus = 2 if args.cpu_smoke else torch.cuda.device_count()
     if gpus < 2:
         report("tp", "tensor parallelism", "skipped: this machine has one GPU")
@@ -522,6 +531,20 @@ def main() -> int:
             ok &= run_part(f"tp{tp}", lambda tp=tp: bench_tp(device.type, dtype, tp, args.cpu_smoke,
                                                               4 if args.cpu_smoke else args.new_tokens))
 
+    return print_table(name, ok)
+
+
+def run_deterministic(smoke: bool, device, timeit, graph_step: float | None) -> None:
+    """Part 5 (gpu_check_det.py, beside this file); graph_step: the default Engine's batch-1 step with graphs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check_det import bench_deterministic
+
+    cfg = TINY if smoke else LLAMA3_8B
+    bench_deterministic(cfg, device, "bfloat16", smoke, timeit, report, engine_decode_steps, write_model_dir,
+                        graph_step)
+
+
+def print_table(name: str, ok: bool) -> int:
     width = max(len(r.name) for r in ROWS) if ROWS else 10
     print(f"\n=== radixgen GPU check: {name} ===")
     for r in ROWS:

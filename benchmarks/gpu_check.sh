@@ -4,6 +4,7 @@
 #   benchmarks/gpu_check.sh               kernel tests on CUDA, kernel timings vs SDPA, engine decode tokens/s,
 #                                         and tensor parallelism (tp 2 / tp 4) where the machine has that many GPUs
 #   benchmarks/gpu_check.sh --cpu-smoke   the same paths on tiny shapes on the CPU (Triton interpreted)
+#   benchmarks/gpu_check.sh --deterministic-only   the deterministic mode's kernel tests and part alone
 # Other wheels are taken from .whl/ at the repository root when that folder exists. PYTHON picks the interpreter.
 # Finishes in under 8 minutes; the last thing printed is one table.
 set -uo pipefail
@@ -12,7 +13,11 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 BUDGET_S=470
 SMOKE=0
-for arg in "$@"; do [ "$arg" = "--cpu-smoke" ] && SMOKE=1; done
+DET_ONLY=0
+for arg in "$@"; do
+    [ "$arg" = "--cpu-smoke" ] && SMOKE=1
+    [ "$arg" = "--deterministic-only" ] && DET_ONLY=1
+done
 
 # 1. the wheels of our other dependencies, without an index and without resolving (torch etc. are there)
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
@@ -37,6 +42,7 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 #    the smoke run takes one small file, the full suite already runs on the CPU in CI
 TESTS=(tests/kernels)
 [ "$SMOKE" = 1 ] && TESTS=(tests/kernels/test_store_kv_kernel.py)
+[ "$DET_ONLY" = 1 ] && TESTS=(tests/kernels/test_deterministic_triton.py)
 if "$PY" -c "import pytest" 2>/dev/null; then
     LOG=$(mktemp)
     timeout 240 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$LOG"

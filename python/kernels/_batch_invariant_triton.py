@@ -19,6 +19,7 @@ from ._triton_env import INTERPRET, check_launchable, next_pow2
 # the matmul's tiles: one set per platform, whatever M (the interpreter's are small to keep the tests fast)
 TILES = (16, 512, 64) if INTERPRET else (64, 64, 64)  # BM, BN, BK (interpreted: few, wide programs)
 ROW_BLOCK = 128 if INTERPRET else 1024  # the row kernels' step along a row
+MID_BYTES = 256 << 20  # at most this much scratch for extend-as-decode's partial outputs at once
 
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
@@ -186,5 +187,13 @@ def launch_extend_as_decode(q, k_buffer, v_buffer, req_to_slot, req_indices, pre
     first = torch.cumsum(reps, 0) - reps  # each request's first row in q
     start = torch.repeat_interleave(prefix_lens.long() - first + 1, reps, output_size=num_tokens)
     seq_lens = start + torch.arange(num_tokens, device=q.device)  # prefix_b + i + 1
-    return launch_decode(q, k_buffer, v_buffer, req_to_slot, tok_req, seq_lens, sm_scale, num_kv_splits,
-                         k_scales, v_scales, piece=piece)
+    # the decode kernel's partial outputs take (tokens, heads, splits, head_dim) float32: bounded by running the
+    # tokens in groups (each token's result is its own either way)
+    splits = num_kv_splits or triton.cdiv(req_to_slot.shape[1], piece)
+    group = max(1, MID_BYTES // (4 * q.shape[1] * q.shape[2] * splits))
+    if group >= num_tokens:
+        return launch_decode(q, k_buffer, v_buffer, req_to_slot, tok_req, seq_lens, sm_scale, splits, k_scales,
+                             v_scales, piece=piece)
+    return torch.cat([launch_decode(q[t:t + group], k_buffer, v_buffer, req_to_slot, tok_req[t:t + group],
+                                    seq_lens[t:t + group], sm_scale, splits, k_scales, v_scales, piece=piece)
+                      for t in range(0, num_tokens, group)])

@@ -17,8 +17,10 @@ from triton.runtime.jit import JITFunction
 import radixgen.kernels as K
 from radixgen.kernels import (
     _attention_triton,
+    _batch_invariant_triton,
     _fused_moe_triton,
     _norm_triton,
+    _quant_matmul_triton,
     _rotary_triton,
     _store_kv_triton,
     _triton_env,
@@ -26,7 +28,7 @@ from radixgen.kernels import (
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # the per-block maximum on sm_90
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int8: "i8",
          torch.int32: "i32"}
 seen: set[str] = set()
 
@@ -65,7 +67,8 @@ class CompileInsteadOfLaunch:
 
 def intercept_launches() -> None:
     assert not _triton_env.INTERPRET, "run with TRITON_INTERPRET unset"
-    for module in (_attention_triton, _fused_moe_triton, _norm_triton, _rotary_triton, _store_kv_triton):
+    for module in (_attention_triton, _fused_moe_triton, _norm_triton, _rotary_triton, _store_kv_triton,
+                   _batch_invariant_triton, _quant_matmul_triton):
         module.check_launchable = lambda *args: None  # CPU tensors only carry dtypes and strides here
         for name, obj in vars(module).copy().items():
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
@@ -91,7 +94,29 @@ def main() -> None:
         e, h, i, t, k = 128, 2048, 768, 4, 8
         K.fused_moe(torch.zeros(t, h, dtype=dtype), torch.zeros(e, 2 * i, h, dtype=dtype),
                     torch.zeros(e, h, i, dtype=dtype), torch.zeros(t, k), torch.zeros(t, k, dtype=torch.int32))
+    batch_invariant_kernels()
     print(f"compiled {len(seen)} kernel variants for sm_90")
+
+
+def batch_invariant_kernels() -> None:
+    """The deterministic mode's variants (radixgen.kernels.batch_invariant) at a Llama-3-8B / Qwen3 shape."""
+    from radixgen.kernels import batch_invariant as bi
+    from radixgen.kernels.cpu import FIXED_PIECE
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        pool = torch.zeros(16, 8, 128, dtype=dtype)
+        table, rows = torch.zeros(2, 512, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+        q = torch.zeros(2, 32, 128, dtype=dtype)
+        bi.decode_attention_fixed(q, pool, pool, table, rows, rows + 1, 0.1, FIXED_PIECE, 4)
+        bi.extend_attention_fixed(q, pool, pool, table, rows, rows, rows + 1, 0.1, FIXED_PIECE, 4)
+        x, w = torch.zeros(3, 4096, dtype=dtype), torch.zeros(14336, 4096, dtype=dtype)
+        bi.fixed_matmul(x, w)
+        bi.fixed_matmul(x, w, torch.zeros(14336, dtype=dtype))
+    x = torch.zeros(3, 4096, dtype=torch.bfloat16)
+    K.int8_matmul(x, torch.zeros(1024, 4096, dtype=torch.int8), torch.zeros(1024), batch_invariant=True)
+    logits = torch.zeros(2, 151936)
+    for op in (bi.row_log_softmax, bi.row_sum, bi.row_cumsum_, bi.row_argmax):
+        op(logits)
 
 
 if __name__ == "__main__":

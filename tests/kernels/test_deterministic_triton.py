@@ -182,6 +182,10 @@ def test_triton_ops_wire_the_batch_invariant_kernels(triton):
     assert int8.ops.linear_methods(int8.model) == ["int8 (triton)"]
     assert all(m.method.batch_invariant for m in int8.model.modules() if isinstance(m, LinearBase))
     assert ModelRunner(RuntimeConfig(**base), ops=TritonOps()).ops.attention.piece == 0  # the default: untouched
+    heads = torch.randn(5, 4, 16).to(torch.bfloat16).to(DEVICE)[:, 1:]  # per-head norms (q_norm), a strided view
+    w = torch.randn(16).to(torch.bfloat16).to(DEVICE)
+    normed = runner.ops.rms_norm(heads, w, 1e-6)
+    assert torch.equal(runner.ops.rms_norm(heads[3:4], w, 1e-6)[0], normed[3])
     with pytest.raises(ValueError, match="on CUDA does not run expert blocks"):
         ModelRunner(RuntimeConfig(**{**base, "model": str(tiny_model_dir("qwen3_moe"))}),
                     ops=TritonOps(deterministic=True))

@@ -229,10 +229,16 @@ class TritonOps(TorchOps):
             batch_invariant(model, swap=False)
 
     def rms_norm(self, x, weight, eps):
-        if x.dim() == 2:
-            from radixgen import kernels
+        from radixgen import kernels
 
+        if x.dim() == 2:
             return kernels.fused_add_rmsnorm(x, weight, eps).out
+        if self.attention_piece and x.dim() > 2 and weight.dim() == 1:
+            # per-head norms (q_norm / k_norm) as rows of the Triton kernel: torch's mean over the last dim picks
+            # its launch shape by the number of rows, the kernel one program per row
+            rows = x.reshape(-1, x.shape[-1])
+            return kernels.fused_add_rmsnorm(rows if rows.stride(1) == 1 else rows.contiguous(), weight,
+                                             eps).out.view(x.shape)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._attention_triton import _dot, launch_decode
-from ._triton_env import INTERPRET, check_launchable, next_pow2
+from ._triton_env import INTERPRET, check_launchable
 
 # the matmul's tiles: one set per platform, whatever M (the interpreter's are small to keep the tests fast)
 TILES = (16, 512, 64) if INTERPRET else (64, 64, 64)  # BM, BN, BK (interpreted: few, wide programs)
@@ -145,8 +145,8 @@ def _rows(kernel, x: torch.Tensor, *outs, name: str) -> None:
     rows, n = x.shape
     if rows == 0 or n == 0:
         return
-    block = min(ROW_BLOCK, max(16, next_pow2(n)))
-    kernel[(rows,)](x, *outs, n, *(t.stride(0) for t in (x, *outs) if t.dim() == 2), BLOCK=block, num_warps=4)
+    # one block size whatever n: a prefix of a row (the sampler's candidates) then sums in the row's own tree
+    kernel[(rows,)](x, *outs, n, *(t.stride(0) for t in (x, *outs) if t.dim() == 2), BLOCK=ROW_BLOCK, num_warps=4)
 
 
 def row_log_softmax(x: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
 from radixgen.kernels import batch_invariant as bi
 from radixgen.kernels import decode_attention_ref, extend_attention_ref, int8_matmul, int8_matmul_ref
 
-PIECE = 32  # two or three pieces per context below, the tail piece ragged (compiled kernels take multiples of 64)
-LENS = [75, 1, 32, 65, 40, 17, 50, 7]  # one piece exactly, a one-token context, ragged tails
+# pieces of 32 positions under the interpreter (its key blocks are 16), of 64 compiled (its blocks are 64)
+PIECE = 32 if DEVICE.type == "cpu" else 64
+# two or three pieces per context, exactly one, a one-token context, ragged tails
+LENS = [2 * PIECE + 11, 1, PIECE, 2 * PIECE + 1, PIECE + 8, PIECE // 2 + 1, PIECE + 18, 7]
 # the batches a row is checked in: (its position, the others' indices)
 BATCHES = [(0, [0, 5]), (1, [6, 0]), (3, [2, 4, 1, 0, 7]), (4, [7, 6, 5, 3, 0]), (5, [1, 2, 3, 4, 5, 0, 6, 7])]
 
@@ -51,7 +53,7 @@ def test_int8_matmul_batch_invariant_tiles(triton, poison, gen):
 
 
 def _decode_case(gen, dtype, group=2):
-    pool = make_pool(LENS, 1, 32, dtype, max_reqs=9, max_context_len=80, gen=gen)
+    pool = make_pool(LENS, 1, 32, dtype, max_reqs=9, max_context_len=3 * PIECE, gen=gen)
     q = torch.randn(len(LENS), group, 32, generator=gen).to(dtype).to(DEVICE)
     return q, pool, lens_tensor(LENS)
 
@@ -75,10 +77,10 @@ def test_decode_fixed_row_bits_do_not_follow_the_batch(triton, poison, gen, dtyp
 
 
 def test_extend_fixed_equals_decode_whatever_the_chunking(triton, poison, gen):
-    """A 40-token prompt as one extend, as two chunks (each beside another request) and token by token as
+    """A prompt over two pieces as one extend, as two chunks (each beside another request) and token by token as
     decode queries: every token's bits are the same."""
-    dtype, n = torch.bfloat16, 40
-    pool = make_pool([n, 10], 1, 32, dtype, max_reqs=4, max_context_len=64, gen=gen)
+    dtype, n = torch.bfloat16, PIECE + 8
+    pool = make_pool([n, 10], 1, 32, dtype, max_reqs=4, max_context_len=2 * PIECE, gen=gen)
     me, other = pool.req_indices[0:1], pool.req_indices[1:2]
     q = torch.randn(n, 2, 32, generator=gen).to(dtype).to(DEVICE)
     q_other = torch.randn(10, 2, 32, generator=gen).to(dtype).to(DEVICE)
@@ -86,13 +88,13 @@ def test_extend_fixed_equals_decode_whatever_the_chunking(triton, poison, gen):
     one = bi.extend_attention_fixed(q, *kv, me, lens_tensor([0]), lens_tensor([n]), 0.2, PIECE)
     ref = extend_attention_ref(q, *kv, me, lens_tensor([0]), lens_tensor([n]), 0.2)
     assert rel_err(one, ref) < TOL[dtype]
-    cut = 35  # past the first piece: the second chunk's tokens read a cached whole piece
+    cut = PIECE + 3  # past the first piece: the second chunk's tokens read a cached whole piece
     first = bi.extend_attention_fixed(torch.cat([q_other[:5], q[:cut]]), *kv, torch.cat([other, me]),
                                       lens_tensor([0, 0]), lens_tensor([5, cut]), 0.2, PIECE)
     second = bi.extend_attention_fixed(torch.cat([q[cut:], q_other[5:]]), *kv, torch.cat([me, other]),
                                        lens_tensor([cut, 5]), lens_tensor([n - cut, 5]), 0.2, PIECE)
     assert torch.equal(torch.cat([first[5:], second[:n - cut]]), one)
-    for pos in (0, 31, 32, 39):
+    for pos in (0, PIECE - 1, PIECE, n - 1):
         dec = bi.decode_attention_fixed(q[pos:pos + 1], *kv, me, lens_tensor([pos + 1]), 0.2, PIECE)
         assert torch.equal(dec[0], one[pos]), pos
 

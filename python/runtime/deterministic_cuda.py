@@ -23,8 +23,6 @@ CUDA_REFUSED = (
      "ranks' NCCL reductions sum in an order of their own; use tp_size=1 and pp_size=1"),
     (lambda c: c.ep_size > 1, "device={device} at ep_size={ep_size}: expert blocks have no batch-invariant "
      "kernel on CUDA"),
-    (lambda c: c.kv_cache_dtype != "auto", "device={device} and kv_cache_dtype={kv_cache_dtype}: 8-bit pools "
-     "are not covered by the Triton mode's tests; use kv_cache_dtype='auto'"),
     (lambda c: c.enable_lora or bool(c.lora_paths), "device={device} and LoRA adapters: the Triton shrink / "
      "expand kernels' tiles follow the adapters' segments in the batch"),
     (lambda c: c.speculative_algorithm != "none", "device={device} and speculative_algorithm="

@@ -4,7 +4,7 @@ On the CPU they run under the Triton interpreter (tiny shapes); benchmarks/gpu_c
 
 import pytest
 import torch
-from kernel_testutil import DEVICE, TOL, lens_tensor, make_pool, rel_err
+from kernel_testutil import CODE_DTYPES, DEVICE, TOL, lens_tensor, make_pool, quantize_pool, rel_err
 
 from radixgen.kernels import batch_invariant as bi
 from radixgen.kernels import decode_attention_ref, extend_attention_ref, int8_matmul, int8_matmul_ref
@@ -196,7 +196,7 @@ def test_triton_ops_wire_the_batch_invariant_kernels(triton):
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(), "device=cuda and CUDA graphs"),
     (dict(disable_cuda_graph=True, tp_size=2), "device=cuda at tp_size=2"),
-    (dict(disable_cuda_graph=True, kv_cache_dtype="int8"), "device=cuda and kv_cache_dtype=int8"),
+    (dict(disable_cuda_graph=True, pp_size=2), "device=cuda at tp_size=1, pp_size=2"),
     (dict(disable_cuda_graph=True, enable_lora=True), "device=cuda and LoRA adapters"),
     (dict(disable_cuda_graph=True, speculative_algorithm="ngram"), "device=cuda and speculative_algorithm=ngram"),
 ])
@@ -206,3 +206,23 @@ def test_the_cuda_mode_refuses_what_it_does_not_cover_by_name(kw, named):
     with pytest.raises(ValueError, match=f"deterministic mode does not run with {named}"):
         RuntimeConfig(deterministic=True, device="cuda", **kw)
     RuntimeConfig(deterministic=True, device="cuda", disable_cuda_graph=True)  # what the mode covers
+    RuntimeConfig(deterministic=True, device="cuda", disable_cuda_graph=True, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+def test_decode_fixed_8bit_pool_row_bits_do_not_follow_the_batch(triton, poison, gen, code_dtype):
+    """An int8 / fp8 pool (codes and per-slot scales, dequantized in registers): the same identities."""
+    q, pool, seq_lens = _decode_case(gen, torch.bfloat16)
+    qp = quantize_pool(pool, code_dtype)
+    kv = (qp.k_codes, qp.v_codes, pool.req_to_slot)
+    full = bi.decode_attention_fixed(q, *kv, pool.req_indices, seq_lens, 0.2, PIECE, **qp.scales())
+    ref = decode_attention_ref(q, *kv, pool.req_indices, seq_lens, 0.2, **qp.scales())
+    assert rel_err(full, ref) < TOL[torch.bfloat16]
+    row = 3
+    alone = bi.decode_attention_fixed(q[row:row + 1], *kv, pool.req_indices[row:row + 1], seq_lens[row:row + 1], 0.2,
+                                      PIECE, **qp.scales())
+    assert torch.equal(alone[0], full[row])
+    idx, at = next(_batches(row))
+    t = torch.tensor(idx, device=DEVICE)
+    out = bi.decode_attention_fixed(q[t], *kv, pool.req_indices[t], seq_lens[t], 0.2, PIECE, **qp.scales())
+    assert torch.equal(out[at], full[row])

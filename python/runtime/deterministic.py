@@ -21,6 +21,7 @@ layouts round the same.
 Everything the mode cannot keep is refused at start with the combination named, never served with a weaker
 promise: this module's two checks, the config's (`check_config`, from RuntimeConfig) and the runner's, once the
 weight format and the kernels are known (`check_deterministic`), and per layer, layers/fixed_order.install's.
+On CUDA the Triton path's promise and refusals are runtime/deterministic_cuda.py's.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ Blocks (per row of K values, K / block_size blocks; fp16 scales):
 A merged layer (qkv, gate|up) with a K-quant part runs each part in its own kind (GGUFPartsLinear: Q4_K_M's Q4_K
 q and k beside a Q6_K v); one whose parts differ in kind otherwise is dequantized as a whole. An expert block's stacks
 (ffn_{gate,up,down}_exps, one type per stack) the same way per expert (`GGUFGroupedLinear`): the experts' exact
-values in the grouped C layouts (cpu_moe), or all dequantized where a stack has no native kernel or gate and up
-differ in kind.
+values in the grouped C layouts (cpu_moe) for the four native types, from their own blocks one expert at a time
+on the per-linear kernels for the kinds those have (MXFP4, K-quants, ...: gguf_experts), else all dequantized.
 """
 
 from __future__ import annotations
@@ -337,6 +337,13 @@ class GGUFGroupedLinear:
                 raise ValueError(f"expert {e} of a GGUF expert block has {sum(p.rows for p in parts)} of its "
                                  f"{layer.out_features} rows")
         names = ", ".join(dict.fromkeys(f"{p.name.split('[')[0]} ({p.type_name})" for p in experts[0]))
+        from radixgen.runtime.layers.quantization import gguf_experts
+
+        if gguf_experts.takes(experts, self.kl):  # MXFP4, K-quants, ...: per expert from the file's blocks
+            final = gguf_experts.GGUFBlocksGroupedLinear(self.kl, experts)
+            layer.weight, layer.method = None, final
+            final.process_weights(layer)
+            return
         decoded = []
         for parts in experts:
             qws = [p.quantized() for p in parts]

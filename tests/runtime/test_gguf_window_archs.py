@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model_forward import Driver, prompts, ref_logits, rel_err
 from test_gguf_more import mapped
+from test_model_forward import Driver, prompts, ref_logits, rel_err
 from test_moe_gguf import byte_tokens, permute_rope
 from tiny_models import WINDOW, copy_default_tokenizer, hf_config
 

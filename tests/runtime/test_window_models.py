@@ -186,7 +186,7 @@ def test_gpt_oss_mxfp4_experts_from_their_blocks(tmp_path):
             assert g.method.nbytes(g) == g.num_experts * g.out_features * g.in_features // 32 * 17
             x, counts = torch.randn(7, g.in_features, generator=gen), [2, 0, 4, 1]
             want = torch.cat([x[s:s + n] @ ref.method.dequantize(ref, e).T
-                              for e, (s, n) in enumerate(zip([0, 2, 2, 6], counts))])
+                              for e, (s, n) in enumerate(zip([0, 2, 2, 6], counts, strict=True))])
             assert rel_err(g(x, counts), want) < 2e-2  # the inputs' int8 rounding
             assert all(torch.equal(g.method.dequantize(g, e), ref.method.dequantize(ref, e)) for e in range(4))
     assert rel_err(logits[2], logits[0]) < 6e-2

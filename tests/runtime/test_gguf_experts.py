@@ -15,7 +15,7 @@ from radixgen.runtime.layers.quantization.gguf import C_DENSE, GGUFStack, GGUFTe
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
-E, K, I = 3, 256, 64  # experts, input columns, rows per part
+E, K, ROWS = 3, 256, 64  # experts, input columns, rows per part
 
 
 def stack(name: str, t, rows: int, gen) -> GGUFStack:
@@ -42,7 +42,7 @@ def layer_of(ops: str, parts: list[GGUFStack]) -> GroupedLinear:
 @pytest.mark.parametrize("kinds", [(T.MXFP4,), (T.Q4_K, T.Q6_K), (T.IQ4_XS,), (T.Q5_0, T.Q2_K), (T.Q4_0, T.Q4_1)])
 def test_expert_stacks_run_per_expert_from_their_blocks(kinds):
     gen = np.random.default_rng(7)
-    parts = [stack(f"ffn_{i}_exps", t, I, gen) for i, t in enumerate(kinds)]
+    parts = [stack(f"ffn_{i}_exps", t, ROWS, gen) for i, t in enumerate(kinds)]
     layer = layer_of("cpu", parts)
     names = "/".join(sorted({t.name for t in kinds}))
     assert layer.method.name == f"gguf {names} (per expert, C)"
@@ -66,7 +66,7 @@ def test_expert_stacks_run_per_expert_from_their_blocks(kinds):
 
 def test_the_torch_ops_keep_their_reference():
     gen = np.random.default_rng(8)
-    parts = [stack("ffn_up_exps", T.MXFP4, I, gen)]
+    parts = [stack("ffn_up_exps", T.MXFP4, ROWS, gen)]
     layer = layer_of("torch", parts)
     assert "per expert" not in layer.method.name
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(4))

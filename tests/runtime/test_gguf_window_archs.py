@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_gguf_more import mapped
 from test_model_forward import Driver, prompts, ref_logits, rel_err
 from test_moe_gguf import byte_tokens, permute_rope
 from tiny_models import WINDOW, copy_default_tokenizer, hf_config
 
+from radixgen.kernels import cpu
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.executor.model_runner import ModelRunner
 
@@ -179,11 +181,17 @@ def test_llama_cpp_layout_gives_transformers_logits(arch, tmp_path, monkeypatch)
                                                  for t in ref.config.layer_types)
     assert runner.model_config.sliding_windows == windows
     out = Driver(runner).step({"a": a, "b": b})
-    assert rel_err(out["a"], ref_logits(ref, a)) < TOL and rel_err(out["b"], ref_logits(ref, b)) < TOL
+    # gpt-oss's MXFP4 experts run from their blocks on the C kernels (auto): their inputs rounded to int8 per 32
+    tol = 3e-3 if arch == "gpt_oss" and cpu.available() else TOL
+    assert rel_err(out["a"], ref_logits(ref, a)) < tol and rel_err(out["b"], ref_logits(ref, b)) < tol
     if arch == "gpt_oss":  # the eos token and harmony's ends of a turn stop generation
         assert runner.model_config.eos_token_ids == (2, 257, 258)
-    if arch == "gpt_oss":  # from the file's own blocks: the MXFP4 stacks' exact values in the grouped layouts
+    if arch == "gpt_oss":  # from the file's own blocks: the MXFP4 stacks as stored, one matmul per expert
         native = _runner(path, quantization="gguf")
         experts = native.model.layers[0].mlp.experts
-        assert "gguf" in experts.gate_up.method.name and "gguf" in experts.down.method.name
-        assert rel_err(Driver(native).step({"a": a})["a"], ref_logits(ref, a)) < 1e-3
+        if cpu.available():
+            assert experts.gate_up.method.name == experts.down.method.name == "gguf MXFP4 (per expert, C)"
+            ranges = mapped(path.resolve())  # the blocks are views of the file's map: nothing copied
+            assert all(any(lo <= w.data.data_ptr() < hi for lo, hi in ranges)
+                       for ws in experts.down.gguf_experts for w in ws)
+        assert rel_err(Driver(native).step({"a": a})["a"], ref_logits(ref, a)) < 3e-3

@@ -144,9 +144,10 @@ QUANTIZED_EXPERTS = {  # (layer, projection) -> type; what each expert GroupedLi
                    (1, "up"): Q.Q4_0, (1, "down"): Q.Q8_0},
                   ["gguf Q4_1 (grouped, C)", "gguf Q4_0 (grouped, C)", "gguf Q4_0 (grouped, C)",
                    "gguf Q8_0 (grouped, C)"]),
-    # gate Q4_0 and up Q4_1 differ in kind: dequantized (a log line); the shared expert's in Q8_0 blocks
+    # gate Q4_0 and up Q4_1 differ in kind: per expert on the block kernels (each part in its kind; dequantized with a
+    # log line without the C kernels); the shared expert's in Q8_0 blocks
     "qwen2_moe": ({(0, "gate"): Q.Q4_0, (0, "up"): Q.Q4_1, (0, "down"): Q.Q4_1, (0, "shexp"): Q.Q8_0},
-                  ["dense", "gguf Q4_1 (grouped, C)"]),
+                  ["gguf Q4_0/Q4_1 (per expert, C)", "gguf Q4_1 (grouped, C)"]),
 }
 
 
@@ -173,10 +174,12 @@ def test_quantized_gguf_experts_run_from_their_blocks(arch, tmp_path, monkeypatc
     got = [m.method.name for m in experts]
     if cpu.available():
         assert [("dense" if "gguf" not in g else g) for g in got] == want
-    if arch == "qwen2_moe":
+    if arch == "qwen2_moe" and not cpu.available():
         assert any("ffn_gate_exps" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
-        assert "gguf Q8_0 (C)" in native.ops.linear_methods(native.model) or not cpu.available()
-    assert rel(logits_of(native), logits_of(ref)) < 1e-4
+    if arch == "qwen2_moe" and cpu.available():
+        assert "gguf Q8_0 (C)" in native.ops.linear_methods(native.model)
+    # (the block kernels round their inputs to int8 per 32 values)
+    assert rel(logits_of(native), logits_of(ref)) < (3e-2 if arch == "qwen2_moe" and cpu.available() else 1e-4)
     held = [m.method.nbytes(m) for m in experts]
     dense = [m.method.nbytes(m) for m in ref.model.modules() if isinstance(m, GroupedLinear)]
     assert all(h < 0.4 * d for h, d, g in zip(held, dense, got, strict=True) if "gguf" in g)  # int4: ~1/6 of f32

@@ -14,6 +14,7 @@ from test_scheduler import make_scheduler, run
 from tiny_models import WINDOW, tiny_window_model_dir
 
 from radixgen.common.sampling_params import SamplingParams
+from radixgen.kernels import cpu
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.executor.cpu_decode import FusedDecode
 from radixgen.runtime.executor.cuda_graph_runner import graph_unsafe
@@ -134,9 +135,10 @@ def test_mxfp4_codes_dequantize_to_their_values():
         dequantize_mxfp4(blocks, exps[:, :1].to(torch.uint8), torch.float32)
 
 
-def test_gpt_oss_mxfp4_experts_load_as_their_bf16_layout(tmp_path):
+def test_gpt_oss_mxfp4_experts_from_their_blocks(tmp_path):
     """A checkpoint whose experts are MXFP4 blocks (the published layout: (E, out, G, 16) and (E, out, G), with
-    quantization_config mxfp4) gives the logits of the same values in the bf16 layout."""
+    quantization_config mxfp4) gives the logits of the same values in the bf16 layout: exactly under the torch ops
+    (dequantized at load); on the C kernels kept in their blocks, within the int8 rounding of the inputs."""
     import json
     import shutil
 
@@ -170,9 +172,24 @@ def test_gpt_oss_mxfp4_experts_load_as_their_bf16_layout(tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (packed / "config.json").write_text(json.dumps(cfg))
     (a,) = prompts(1, [9], seed=2)
-    logits = [Driver(ModelRunner(RuntimeConfig(model=str(d), dtype="float32", max_total_tokens=64,
-                                               max_running_requests=1))).step({"a": a})["a"] for d in (dense, packed)]
-    assert torch.equal(logits[0], logits[1])
+    runners = [ModelRunner(RuntimeConfig(model=str(d), dtype="float32", max_total_tokens=64, max_running_requests=1,
+                                         **kw)) for d in (dense, packed) for kw in ({}, {"disable_cpu_kernels": True})]
+    logits = [Driver(r).step({"a": a})["a"] for r in runners]
+    assert torch.equal(logits[3], logits[1])  # the torch ops: the blocks dequantized at load, the same values
+    if not cpu.available():
+        return
+    # the C kernels: the blocks kept (repacked into GGUF's layout), one matmul per expert on int8 inputs
+    for ours, theirs in zip(runners[2].model.layers, runners[0].model.layers, strict=True):
+        for g, ref in ((ours.mlp.experts.gate_up, theirs.mlp.experts.gate_up),
+                       (ours.mlp.experts.down, theirs.mlp.experts.down)):
+            assert g.method.name == "gguf MXFP4 (per expert, C)"
+            assert g.method.nbytes(g) == g.num_experts * g.out_features * g.in_features // 32 * 17
+            x, counts = torch.randn(7, g.in_features, generator=gen), [2, 0, 4, 1]
+            want = torch.cat([x[s:s + n] @ ref.method.dequantize(ref, e).T
+                              for e, (s, n) in enumerate(zip([0, 2, 2, 6], counts, strict=True))])
+            assert rel_err(g(x, counts), want) < 2e-2  # the inputs' int8 rounding
+            assert all(torch.equal(g.method.dequantize(g, e), ref.method.dequantize(ref, e)) for e in range(4))
+    assert rel_err(logits[2], logits[0]) < 6e-2
 
 
 # HF names -> llama.cpp's block names (its phi3 files keep the fused projections)

@@ -19,7 +19,7 @@ from tiny_models import tiny_window_model_dir
 from radixgen.common.harmony_prompt import render_harmony
 
 SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
-CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
@@ -97,6 +97,21 @@ def test_tool_call_whole_and_streamed(server):
         assert calls[0]["function"]["name"] == "get_weather" and finish == "tool_calls"
         assert json.loads("".join(t["function"].get("arguments", "") for t in calls)) == {"city": "Paris"}
         assert not any(d.get("content") for d in deltas)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_in_the_format(server, choice):
+    """tool_choice required / named: the grammar of one call in the format's own messages, whose markers (special
+    tokens) it lets through: the model's call is allowed token by token, and read back as the call."""
+    server, _, _ = server
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json=_body(tool_choice=choice))
+        assert r.status_code == 200, r.text
+        choice_out = r.json()["choices"][0]
+        assert choice_out["finish_reason"] == "tool_calls"
+        (call,) = choice_out["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
 def test_constraints_are_refused_by_name(server):

@@ -16,7 +16,7 @@ import xgrammar as xgr
 from radixgen.common.grammar.compose import constraint_grammar
 from radixgen.common.grammar.schema import ConstraintError
 from radixgen.common.grammar.tool_formats import ToolSpec, auto_calls, calls_or_answer, only_calls
-from radixgen.common.parsers import TOOL_PARSERS, collect, tool_parser_class
+from radixgen.common.parsers import TOOL_PARSERS, collect, reasoning_format, tool_parser_class
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
@@ -129,5 +129,56 @@ def test_raw_string_keywords_qwen3_coder():
             (call,) = collect(parser.feed(text) + parser.finish()).calls
             jsonschema.validate(json.loads(call["function"]["arguments"]), when,
                                 format_checker=jsonschema.FormatChecker())
-    # harmony (gpt-oss) has no call grammar yet: its constraints are refused by name (docs/models.md)
+    # harmony (gpt-oss): a forced call only (test_harmony_forced_call_validates), its other constraints refused
     assert set(FORMATS) == set(TOOL_PARSERS) - {"qwen25", "harmony"}
+
+
+HARMONY_VOCAB = [chr(i) for i in range(32, 127)] + ["\n", "<|channel|>", "<|message|>", "<|constrain|>", "<|start|>",
+                                                    "<|end|>", "analysis", "commentary", " to=functions.", "json",
+                                                    "get_weather", "get_time", "<|call|>"]
+HARMONY_INFO = xgr.TokenizerInfo(HARMONY_VOCAB, stop_token_ids=[len(HARMONY_VOCAB) - 1])
+
+
+def test_harmony_forced_call_validates():
+    """gpt-oss's harmony format, tool_choice required (both tools) and named (one): every walk is the thinking if
+    written, then one call the harmony parsers read back (the call's end, <|call|>, is the stop token) with
+    schema-valid arguments; a named tool is the one called."""
+    from radixgen.common.grammar.tool_formats import harmony_calls
+    from radixgen.runtime.server.chat_output import ChatOutput
+    from radixgen.runtime.server.protocol import Tool
+    from radixgen.runtime.server.tools import tool_parser
+
+    global VOCAB, INFO, COMPILER
+    saved = VOCAB, INFO, COMPILER
+    VOCAB, INFO, COMPILER = HARMONY_VOCAB, HARMONY_INFO, xgr.GrammarCompiler(HARMONY_INFO)
+    tools = [Tool.model_validate({"type": "function", "function": {"name": t.name, "parameters": t.parameters}})
+             for t in TOOLS]
+    try:
+        ended = 0
+        for named in (None, "get_time"):
+            grammar = harmony_calls([t for t in TOOLS if named in (None, t.name)])
+            for seed in range(25):
+                text = sample(grammar, seed)
+                if text is None:
+                    continue
+                ended += 1
+                fmt = reasoning_format("harmony")
+                parser = tool_parser(tools, "required", tool_parser_class("harmony"), forced_in_format=True)
+                out = ChatOutput(lambda fmt=fmt: fmt.parser(""), parser, False, True)
+                msg = out.choice().message(text + "<|call|>")
+                assert "tool_calls" in msg, (text, msg)
+                (call,) = msg["tool_calls"]
+                assert named in (None, call["function"]["name"]) and not msg["content"], text
+                jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    finally:
+        VOCAB, INFO, COMPILER = saved
+    assert ended >= 8  # (a random walk through the thinking's free text seldom ends: checked by text below)
+    both = harmony_calls(TOOLS)
+    thinking = ('<|channel|>analysis<|message|>Need the time.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_time <|constrain|>json<|message|>{"zone":"UTC"}')
+    for text, ok in ((thinking, True), (thinking.replace("UTC", "utc"), False),
+                     (thinking.replace("get_time", "get_date"), False), (thinking[:48], False),
+                     ('<|channel|>final<|message|>{"zone":"UTC"}', False)):
+        matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(HARMONY_INFO).compile_grammar(both))
+        assert (matcher.accept_string(text) and matcher.is_terminated() is False
+                and matcher.accept_token(len(HARMONY_VOCAB) - 1)) == ok, text

@@ -6,7 +6,9 @@ the model's own format) are enforced whatever the format writes:
 - qwen3_coder: ``<parameter=k>`` blocks in schema order (the required ones present), each value raw text
   for a ``"type": "string"`` parameter (as the parser reads it back) and JSON for any other;
 - pythonic: ``[f(k=v, ...), ...]`` at the start of the output, keyword values as Python literals (the JSON
-  grammar with ``True`` / ``False`` / ``None`` for JSON's literals); the parser reads calls only there.
+  grammar with ``True`` / ``False`` / ``None`` for JSON's literals); the parser reads calls only there;
+- harmony (gpt-oss, a forced call): the thinking's analysis messages if written, then the call's message with a
+  JSON-schema grammar for its arguments (`harmony_calls`).
 
 The flattened formats (qwen3_coder, pythonic) spell an arguments object as its properties, so a schema
 whose top level is not plain properties (anyOf, patternProperties, minProperties, ...) cannot be enforced
@@ -25,6 +27,7 @@ import xgrammar as xgr
 from radixgen.common.grammar.compose import CallTag, _structural, calls_only, json_ebnf, triggered_calls
 from radixgen.common.grammar.schema import ConstraintError, analyze_schema, report_unenforced
 from radixgen.common.parsers import tool_parser_class
+from radixgen.common.parsers.harmony import CHANNEL, CONSTRAIN, MESSAGE, START
 from radixgen.common.parsers.xml_calls import CLOSE, FN, FN_CLOSE, OPEN, PARAM, PARAM_CLOSE
 
 
@@ -203,3 +206,22 @@ def calls_or_answer(fmt: str, answer: xgr.Grammar, tools: Sequence[ToolSpec], *,
                     whitespace: str = "compact") -> xgr.Grammar:
     """Either calls (nothing else) or an answer of `answer`'s grammar."""
     return xgr.Grammar.union(only_calls(fmt, tools, parallel=parallel, whitespace=whitespace), answer)
+
+
+# ---------------------------------------------------------------- harmony (gpt-oss)
+
+
+def harmony_calls(tools: Sequence[ToolSpec], *, whitespace: str = "compact") -> xgr.Grammar:
+    """gpt-oss's output (after the prompt's ``<|start|>assistant``) ending in one call of `tools`: analysis
+    messages first if the model writes them (its thinking, free text), then the call's message, on the commentary
+    channel to ``functions.NAME`` with JSON content, the arguments valid under the tool's schema. The ``<|call|>``
+    that ends the call is a stop token (the turn ends there: one call per turn, the format's way)."""
+    thought = _structural({"type": "tag", "begin": f"{CHANNEL}analysis{MESSAGE}", "content": {"type": "any_text"},
+                           "end": f"<|end|>{START}assistant"})
+    calls = [{"type": "sequence", "elements": [
+        {"type": "const_string", "value": f"{CHANNEL}commentary to=functions.{t.name} {CONSTRAIN}json{MESSAGE}"},
+        {"type": "grammar", "grammar": json_ebnf(t.parameters, t.where, whitespace=whitespace, strict=t.strict)
+         .replace(_JSON_CHAR, _JSON_CHAR[:-1] + '<]')}]}  # "<" escaped in strings: no marker inside the arguments
+        for t in tools]
+    call = _structural(calls[0] if len(calls) == 1 else {"type": "or", "elements": calls})
+    return xgr.Grammar.union(xgr.Grammar.concat(thought, call), call)

@@ -156,7 +156,7 @@ def release_gguf_pages(model: torch.nn.Module, folder: Path) -> int:
         return 0
     kept = []
     for t in _model_tensors(model):
-        if t.numel() and t.device.type == "cpu":
+        if t.numel() and t.device.type == "cpu" and t.layout == torch.strided:  # (oneDNN's packed: no file view)
             s = t.untyped_storage()
             kept.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
     page = 4096
@@ -179,12 +179,20 @@ def release_gguf_pages(model: torch.nn.Module, folder: Path) -> int:
 
 def _model_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
     """The tensors `model` holds: parameters, buffers, and tensors its modules keep in attributes (directly, in
-    lists, or as the `data` of the weight objects of the C layouts)."""
+    lists or lists of lists, or as the `data` of the weight objects of the C layouts)."""
     yield from model.parameters()
     yield from model.buffers()
+
+    def items(v):
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                yield from items(x)
+        else:
+            yield v
+
     for m in model.modules():
         for v in vars(m).values():
-            for item in v if isinstance(v, (list, tuple)) else (v,):
+            for item in items(v):
                 if isinstance(item, torch.Tensor):
                     yield item
                 else:

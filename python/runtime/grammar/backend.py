@@ -167,6 +167,9 @@ def make_backend(cfg, tokenizer, vocab_size: int,
                           strict_json=cfg.grammar_strict_json, json_whitespace=cfg.grammar_json_whitespace)
 
 
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
+
+
 def build_tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary, with special tokens other than the stop tokens blanked (an
     empty token is never allowed): their text would be dropped by the detokenizer."""
@@ -184,6 +187,9 @@ def build_tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[in
         encoded[idx] = token
     special = set(getattr(tokenizer, "all_special_ids", []))
     special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    # the harmony format's markers (gpt-oss) stay: its requests keep special tokens in the text, and a forced
+    # call's grammar writes them (grammar/tool_formats.harmony_calls)
+    special -= {vocab[m] for m in HARMONY_MARKERS if m in vocab}
     for i in special - set(stop_token_ids):
         if 0 <= i < vocab_size:
             encoded[i] = ""

@@ -4,10 +4,13 @@ a router with a bias whose top-k logits are softmaxed, and experts whose gate an
 (E, hidden, 2I) tensor, each with a bias, through a clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)
 with g = min(gate, l).
 
-Weights: the bf16 layout (experts.gate_up_proj (E, hidden, 2I), down_proj (E, I, hidden) and their biases), and
-the published MXFP4 checkpoints' expert blocks (experts.*_blocks / *_scales), dequantized at load, and llama.cpp's
-GGUF files (quantization="gguf": the MXFP4 stacks run from their blocks through the grouped GGUF method). The expert
-block runs on one rank (tp_size 1), the rows of each expert a step routes to in one grouped matmul."""
+Weights: the bf16 layout (experts.gate_up_proj (E, hidden, 2I), down_proj (E, I, hidden) and their biases), the
+published MXFP4 checkpoints' expert blocks (experts.*_blocks / *_scales), and llama.cpp's GGUF files
+(quantization="gguf"). MXFP4 experts stay in their blocks on the CPU's C kernels (one matmul per expert and part
+reading the 4.25 bits a weight: layers/quantization/gguf_experts), a checkpoint's blocks repacked at load into
+the GGUF block layout (the same bits: `repack_mxfp4`); under the torch ops and on CUDA they are dequantized to the
+model's dtype at load. The expert block runs on one rank (tp_size 1), the rows of each expert a step routes to in
+one grouped matmul."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from torch import nn
 
 from radixgen.runtime.config import ModelConfig
 from radixgen.runtime.ground.parallel_context import ParallelContext
-from radixgen.runtime.layers.quantization.experts import group_by_expert
+from radixgen.runtime.layers.quantization.experts import GroupedLinear, group_by_expert
+from radixgen.runtime.layers.quantization.gguf import GGUFGroupedLinear, GGUFStack
 from radixgen.runtime.models.decoder import Architecture, CausalLM
 from radixgen.runtime.models.moe_block import Experts
 from radixgen.runtime.models.parts import AttentionSpec, MLPPart, MLPStructure
@@ -50,6 +54,9 @@ class ExpertBlock(MLPPart):
         self.experts = Experts(e, h, i, par)
         self.experts.gate_proj_bias, self.experts.up_proj_bias = _param(e, i), _param(e, i)
         self.experts.down_proj_bias = _param(e, h)
+        if str((hf.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4":
+            for g in (self.experts.gate_up, self.experts.down):  # kept in their blocks where the ops set can
+                g.stored_blocks = "MXFP4"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden): each token's top-k experts (softmax over the k chosen router logits), the rows
@@ -86,9 +93,34 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.flatten(-2).to(dtype)
 
 
-def _dequantized(weights, dtype: torch.dtype):
+def repack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's MXFP4 groups (blocks (..., G, 16): codes 2j and 2j + 1 in byte j's low and high nibble; scales
+    (..., G)) -> GGUF MXFP4 blocks (..., G * 17): the exponent byte (the same e8m0), then codes j and j + 16 in
+    byte j's low and high nibble."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"(blocks (..., G, 16), scales (..., G))")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # (..., G, 32) uint8
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.to(torch.uint8).unsqueeze(-1), qs], -1).flatten(-2)
+
+
+def _stacks(name: str, blocks: torch.Tensor, scales: torch.Tensor):
+    """An expert tensor's MXFP4 pair as the grouped experts load GGUF stacks: gate_up_proj's rows (interleaved gate
+    / up) as gate_proj and up_proj stacks (E, I, G * 17), down_proj's (E, hidden, G * 17) as they are."""
+    raw = repack_mxfp4(blocks, scales)
+    columns = blocks.shape[-2] * 32
+    if name.endswith("gate_up_proj"):
+        base = name.rsplit(".", 1)[0]
+        for proj, rows in (("gate_proj", raw[:, 0::2]), ("up_proj", raw[:, 1::2])):
+            yield f"{base}.{proj}", GGUFStack(f"{base}.{proj}", "MXFP4", rows.contiguous(), columns)
+    else:
+        yield name, GGUFStack(name, "MXFP4", raw, columns)
+
+
+def _dequantized(weights, dtype: torch.dtype, blocks: bool = False):
     """Checkpoint tensors with each expert tensor's MXFP4 pair (<name>_blocks, <name>_scales; (E, out, G, 16) and
-    (E, out, G)) replaced by <name> in the bf16 layout (E, in, out)."""
+    (E, out, G)) replaced by <name> in the bf16 layout (E, in, out), or (blocks) by its GGUF MXFP4 stacks."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         for suffix in ("_blocks", "_scales"):
@@ -98,6 +130,9 @@ def _dequantized(weights, dtype: torch.dtype):
                 pair[suffix] = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
                 if len(pair) == 2:
                     del pending[base]
+                    if blocks:
+                        yield from _stacks(base, pair["_blocks"], pair["_scales"])
+                        break
                     yield base, dequantize_mxfp4(pair["_blocks"], pair["_scales"], dtype).transpose(1, 2)
                 break
         else:
@@ -112,7 +147,9 @@ def _grouped_layout(weights):
     up stacks (E, I, hidden), down (E, hidden, I), the gate and up biases apart. A GGUF file's stacks (llama.cpp
     splits and transposes them the same way; named mlp.gguf_experts.*) pass as they are."""
     for name, tensor in weights:
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_up_proj_bias")):
+        if isinstance(tensor, GGUFStack):  # a checkpoint's MXFP4 blocks, already as llama.cpp's stacks
+            yield name, tensor
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_up_proj_bias")):
             t = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
             base = name.rsplit(".", 1)[0]
             if name.endswith("gate_up_proj"):
@@ -150,4 +187,5 @@ class GptOssForCausalLM(CausalLM):
     architecture = GPT_OSS
 
     def load_weights(self, weights) -> None:
-        super().load_weights(_grouped_layout(_dequantized(weights, next(self.parameters()).dtype)))
+        blocks = any(isinstance(m.method, GGUFGroupedLinear) for m in self.modules() if isinstance(m, GroupedLinear))
+        super().load_weights(_grouped_layout(_dequantized(weights, next(self.parameters()).dtype, blocks)))

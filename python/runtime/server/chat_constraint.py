@@ -4,7 +4,8 @@ ebnf / json_schema fields, and how it meets a reasoning model's think block:
 - tool_choice "auto" with strict tools: free text, and each call, once its marker is written, has arguments
   valid under its tool's schema (in every tool-call format: grammar/tool_formats.py);
 - tool_choice "auto" with a response_format (or another constraint): either valid calls or a valid answer;
-- "required" / a named function: the JSON that tools.tool_choice_schema describes;
+- "required" / a named function: the JSON that tools.tool_choice_schema describes; in the harmony format
+  (gpt-oss) one call in the format's own messages instead (grammar/tool_formats.harmony_calls);
 - a reasoning model whose prompt leaves the think block to the output: any constraint starts after the
   block (the same request, one grammar), and `max_thinking_tokens` closes the block at its budget (the
   block is opened in the prompt when the template leaves opening it to the model).
@@ -17,9 +18,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixgen.common.grammar.compose import after_thinking, constraint_grammar, ebnf_of
 from radixgen.common.grammar.schema import ConstraintError, analyze_schema, report_unenforced
-from radixgen.common.grammar.tool_formats import ToolSpec, auto_calls, calls_or_answer
+from radixgen.common.grammar.tool_formats import ToolSpec, auto_calls, calls_or_answer, harmony_calls
 from radixgen.common.http_errors import bad_request
-from radixgen.runtime.server.protocol import ChatCompletionRequest
+from radixgen.runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
 from radixgen.runtime.server.tools import parameters_schema, tool_choice_schema
 
 if TYPE_CHECKING:
@@ -58,11 +59,9 @@ def chat_constraint(chat: ChatServing, req: ChatCompletionRequest, prompt: str, 
     tools = (req.tools or []) if with_tools else []
     check_strict_tools(req)
     tool_schema = tool_choice_schema(tools, choice, req.parallel_calls) if tools else None
+    if chat.harmony:
+        return _harmony_constraint(api, req, prompt, tools, choice, whitespace)
     base = api.constraint(req, response_format=_response_schema(req), tool_choice=tool_schema)
-    if chat.harmony and (base or req.max_thinking_tokens is not None or any(t.function.strict for t in tools)):
-        raise bad_request("the harmony format (gpt-oss) takes no constraint yet: response_format, strict tools, "
-                          "tool_choice required / named, regex / ebnf / json_schema and max_thinking_tokens are "
-                          "refused", "response_format")
     grammar = None
     try:
         enforce_calls = bool(tools) and choice == "auto" and (bool(base) or any(t.function.strict for t in tools))
@@ -97,3 +96,24 @@ def chat_constraint(chat: ChatServing, req: ChatCompletionRequest, prompt: str, 
 def _tool_specs(req: ChatCompletionRequest) -> list[ToolSpec]:
     return [ToolSpec(t.function.name, parameters_schema(t), strict=bool(t.function.strict),
                      where=f"tools[{i}].function.parameters") for i, t in enumerate(req.tools or [])]
+
+
+def _harmony_constraint(api, req: ChatCompletionRequest, prompt: str, tools: list, choice, whitespace: str
+                        ) -> ChatConstraint:
+    """The harmony format (gpt-oss): tool_choice required / a named function forces one call in the format (its
+    thinking first if the model writes it: grammar/tool_formats.harmony_calls); other constraints are refused."""
+    forced = bool(tools) and choice not in ("auto", "none")
+    others = api.constraint(req, response_format=_response_schema(req))
+    if others or req.max_thinking_tokens is not None or (not forced and any(t.function.strict for t in tools)):
+        raise bad_request("the harmony format (gpt-oss) takes no constraint but a forced tool call yet: "
+                          "response_format, strict tools under tool_choice auto, regex / ebnf / json_schema and "
+                          "max_thinking_tokens are refused", "response_format")
+    if not forced:
+        return ChatConstraint(prompt, {})
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    specs = [s for s in _tool_specs(req) if named in (None, s.name)]
+    try:
+        grammar = harmony_calls(specs, whitespace=whitespace)
+    except ConstraintError as e:
+        raise bad_request(str(e), "tools") from e
+    return ChatConstraint(prompt, {"ebnf": ebnf_of(grammar)})

@@ -224,7 +224,7 @@ class ChatServing:
             top_logprobs_num=req.top_logprobs or 0,
             logprob_start_len=-1,
         )
-        tools = tool_parser(req.tools or [], choice if with_tools else "none", self.tool_format)
+        tools = tool_parser(req.tools or [], choice if with_tools else "none", self.tool_format, self.harmony)
         return PreparedChat(jobs, self.output(req, text, tools), rid)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:

@@ -91,14 +91,15 @@ def tool_choice_schema(
 
 
 def tool_parser(
-    tools: list[Tool], choice: str | NamedToolChoice, fmt: type[ToolParser]
+    tools: list[Tool], choice: str | NamedToolChoice, fmt: type[ToolParser], forced_in_format: bool = False
 ) -> Callable[[], ToolParser] | None:
     """A maker of one choice's tool-call parser for `choice` (None: tool_choice none, calls are not read).
-    auto: the model's own format `fmt`; required / named: the JSON the grammar lets out."""
+    auto: the model's own format `fmt`; required / named: the JSON the grammar lets out, or `fmt` where the
+    grammar forces the call in that format (`forced_in_format`: harmony)."""
     schemas = {t.function.name: parameters_schema(t) for t in tools}
     if choice == "none":
         return None
-    if choice == "auto":
+    if choice == "auto" or forced_in_format:
         return lambda: fmt(schemas)
     if isinstance(choice, NamedToolChoice):
         return lambda: NamedParser(schemas, choice.function.name)

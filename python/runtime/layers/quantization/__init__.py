@@ -66,7 +66,7 @@ def resolve(requested: str, hf_config: dict, gguf_native: bool = False, experts:
     qc = hf_config.get("quantization_config") or {}
     found = "gguf" if gguf_native else (str(qc.get("quant_method", "")).lower() or None)
     if found == "mxfp4" and "GptOssForCausalLM" in (hf_config.get("architectures") or ()):
-        found = None  # gpt-oss's MXFP4 expert blocks, dequantized by its loader (models/gpt_oss.py); the rest is bf16
+        found = None  # gpt-oss's MXFP4 expert blocks: its loader's (models/gpt_oss.py); the rest is bf16
     if found is not None and found not in (*CHECKPOINT_METHODS, "gguf"):
         raise ValueError(f"the checkpoint's quantization_config has quant_method {found!r}, which radixgen does not "
                          f"support (supported: {', '.join(CHECKPOINT_METHODS)})")

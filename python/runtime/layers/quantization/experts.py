@@ -199,7 +199,10 @@ def grouped_method(quantization: str, ops: str = "torch", kl=None, layer: Groupe
     """The grouped-expert method of weight format `quantization` (a QuantSpec's method name, or "int4" for experts
     quantized at load) under the ops set named `ops` (kl: its C kernels, or None): the C one on the CPU where the
     kernels take it (quantized experts; bf16 ones on AVX512-BF16 builds: float32 keeps its exact torch reference),
-    else the torch reference."""
+    else the torch reference. A layer whose checkpoint stores blocks of a GGUF kind (`layer.stored_blocks`, set by
+    its model: gpt-oss's MXFP4) takes the GGUF method on the C kernels, its loader handing the blocks over."""
+    if quantization == "none" and ops == "cpu" and kl is not None and getattr(layer, "stored_blocks", None):
+        quantization = "gguf"  # a checkpoint's own blocks (gpt-oss's MXFP4), handed over as GGUF stacks
     if quantization == "gguf":  # the file's blocks, as they are where a kernel takes them (layers/quantization/gguf)
         from radixgen.runtime.layers.quantization.gguf import GGUFGroupedLinear
 

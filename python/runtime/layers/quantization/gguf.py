@@ -21,8 +21,8 @@ Blocks (per row of K values, K / block_size blocks; fp16 scales):
 A merged layer (qkv, gate|up) with a K-quant part runs each part in its own kind (GGUFPartsLinear: Q4_K_M's Q4_K
 q and k beside a Q6_K v); one whose parts differ in kind otherwise is dequantized as a whole. An expert block's stacks
 (ffn_{gate,up,down}_exps, one type per stack) the same way per expert (`GGUFGroupedLinear`): the experts' exact
-values in the grouped C layouts (cpu_moe), or all dequantized where a stack has no native kernel or gate and up
-differ in kind.
+values in the grouped C layouts (cpu_moe) for the four native types, from their own blocks one expert at a time
+on the per-linear kernels for the kinds those have (MXFP4, K-quants, ...: gguf_experts), else all dequantized.
 """
 
 from __future__ import annotations
@@ -115,6 +115,9 @@ class GGUFTensor:
         """The (rows, columns) float32 weight (the gguf package's dequantization for block types)."""
         if self.type_name in FLOAT:
             return self.raw.float()
+        fast = _c_dense(self)
+        if fast is not None:
+            return fast
         import gguf
 
         try:
@@ -123,6 +126,25 @@ class GGUFTensor:
             raise GGUFError(f"GGUF tensor {self.name!r} has type {self.type_name}, which radixgen can neither run "
                             f"nor dequantize ({e})") from e
         return torch.from_numpy(data.copy()).float().reshape(self.rows, self.columns)
+
+
+# the kinds whose C row readers give the gguf package's dequantization bit for bit (tests/runtime/test_gguf_experts.py)
+C_DENSE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS", "MXFP4")
+
+
+def _c_dense(t: GGUFTensor) -> torch.Tensor | None:
+    """t's float32 values from the C kernels' row readers (an untied 201k-row embedding: a second, where the gguf
+    package's numpy takes half a minute), or None where they do not read its kind."""
+    from radixgen.kernels import cpu, cpu_gguf, cpu_gguf_more
+
+    if t.type_name not in C_DENSE or not cpu.available():
+        return None
+    qk = cpu_gguf_more.QK.get(t.type_name) or cpu_gguf.BLOCK_VALUES[t.type_name]
+    if t.columns % qk or t.raw.dtype != torch.uint8 or t.raw.dim() != 2:
+        return None
+    w = cpu_gguf_more.wrap(t.raw, t.type_name, t.columns) if t.type_name in cpu_gguf_more.KINDS \
+        else cpu_gguf.repack(t.raw.contiguous(), t.type_name, t.columns)
+    return cpu_gguf._rows(cpu.lib(), w, torch.arange(t.rows), torch.float32)
 
 
 @dataclass(eq=False)
@@ -337,6 +359,13 @@ class GGUFGroupedLinear:
                 raise ValueError(f"expert {e} of a GGUF expert block has {sum(p.rows for p in parts)} of its "
                                  f"{layer.out_features} rows")
         names = ", ".join(dict.fromkeys(f"{p.name.split('[')[0]} ({p.type_name})" for p in experts[0]))
+        from radixgen.runtime.layers.quantization import gguf_experts
+
+        if gguf_experts.takes(experts, self.kl):  # MXFP4, K-quants, ...: per expert from the file's blocks
+            final = gguf_experts.GGUFBlocksGroupedLinear(self.kl, experts)
+            layer.weight, layer.method = None, final
+            final.process_weights(layer)
+            return
         decoded = []
         for parts in experts:
             qws = [p.quantized() for p in parts]

@@ -186,3 +186,60 @@ static rg_status gq_gemm(const uint8_t *w, int64_t kind, int64_t N, int64_t K, c
     return failed ? RG_ERR_ALLOC : RG_OK;
 }
 #endif
+
+#include "cpu_task_pool.h"
+#define GQ_POOL_MAX_M 8          /* rows up to which a 32-value block kind runs gq_linear (decode steps) */
+#define GQ_POOL_CHUNK_BYTES 16384 /* weight bytes per claimed chunk: a few microseconds of work */
+
+typedef struct {
+    const uint8_t *w;
+    int64_t kind, N, K, M, rb;
+    const int8_t *xq;
+    const float *xd, *xs;
+    float *y;
+} gq_job;
+
+/* Output columns [lo, hi) of every row: per weight row the tiles of up to 4 input rows, as in the driver. */
+static void gq_job_rows(void *arg, int64_t lo, int64_t hi) {
+    const gq_job *j = (const gq_job *)arg;
+    const int64_t ng = j->K / 32;
+    for (int64_t n = lo; n < hi; ++n)
+        for (int64_t i = 0; i < j->M; i += 4) {
+            const int mb = j->M - i < 4 ? (int)(j->M - i) : 4;
+            float r[4];
+            gq_tile(j->w + n * j->rb, ng, j->kind, j->xq + i * j->K, j->xd + i * ng, j->xs + i * ng, j->K, mb, r);
+            for (int t = 0; t < mb; ++t) j->y[(i + t) * j->N + n] = r[t];
+        }
+}
+
+/* A few input rows (M <= GQ_POOL_MAX_M: decode) against a 32-value block kind, on the task pool (cpu_task_pool.h)
+ * rather than an OpenMP region: chunks of whole 16-output runs (no cache line of y written by two threads),
+ * claimed by whichever thread is free. The inputs are quantized by the caller first (M rows: microseconds). Each
+ * output is the tile's chain exactly as in rg_gguf_k_linear, so the bits are the same as there. */
+static rg_status gq_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    const int64_t ng = K / 32;
+    enum { CAP = 65536 }; /* input values quantized on the stack (a decode step's rows); more: malloc */
+    int8_t xq[CAP];
+    float xd[CAP / 16];
+    int16_t s16[CAP / 16];
+    const int fits = M * K <= CAP;
+    int8_t *q = fits ? xq : (int8_t *)malloc((size_t)(M * K));
+    float *d = fits ? xd : (float *)malloc(sizeof(float) * (size_t)(2 * M * ng));
+    int16_t *s = fits ? s16 : (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * ng));
+    rg_status st = RG_OK;
+    if (!q || !d || !s) {
+        st = RG_ERR_ALLOC;
+    } else {
+        for (int64_t m = 0; m < M; ++m) gk_quantize_row(x + m * K, K, q + m * K, d + m * ng, d + M * ng + m * ng,
+                                                        s + m * 2 * ng);
+        gq_job job = {.w = w, .kind = kind, .N = N, .K = K, .M = M, .rb = ng * gq_block_bytes(kind), .xq = q,
+                      .xd = d, .xs = d + M * ng, .y = y};
+        int64_t rows = (GQ_POOL_CHUNK_BYTES / (job.rb * M)) & ~(int64_t)15;
+        rows = rows < 16 ? 16 : rows;
+        tp_parallel(gq_job_rows, &job, N, rows, omp_get_max_threads());
+    }
+    if (q != xq) free(q);
+    if (d != xd) free(d);
+    if (s != s16) free(s);
+    return st;
+}

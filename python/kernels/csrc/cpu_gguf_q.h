@@ -197,6 +197,7 @@ typedef struct {
     const int8_t *xq;
     const float *xd, *xs;
     float *y;
+    uint16_t *y16; /* instead of y where set: the outputs rounded to bf16 (nearest even, as torch rounds) */
 } gq_job;
 
 /* Output columns [lo, hi) of every row: per weight row the tiles of up to 4 input rows, as in the driver. */
@@ -208,7 +209,11 @@ static void gq_job_rows(void *arg, int64_t lo, int64_t hi) {
             const int mb = j->M - i < 4 ? (int)(j->M - i) : 4;
             float r[4];
             gq_tile(j->w + n * j->rb, ng, j->kind, j->xq + i * j->K, j->xd + i * ng, j->xs + i * ng, j->K, mb, r);
-            for (int t = 0; t < mb; ++t) j->y[(i + t) * j->N + n] = r[t];
+            for (int t = 0; t < mb; ++t)
+                if (j->y16)
+                    j->y16[(i + t) * j->N + n] = f32_to_bf16(r[t]);
+                else
+                    j->y[(i + t) * j->N + n] = r[t];
         }
 }
 
@@ -216,7 +221,8 @@ static void gq_job_rows(void *arg, int64_t lo, int64_t hi) {
  * rather than an OpenMP region: chunks of whole 16-output runs (no cache line of y written by two threads),
  * claimed by whichever thread is free. The inputs are quantized by the caller first (M rows: microseconds). Each
  * output is the tile's chain exactly as in rg_gguf_k_linear, so the bits are the same as there. */
-static rg_status gq_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+static rg_status gq_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x,
+                           const uint16_t *x16, int64_t M, float *y, uint16_t *y16) {
     const int64_t ng = K / 32;
     enum { CAP = 65536 }; /* input values quantized on the stack (a decode step's rows); more: malloc */
     int8_t xq[CAP];
@@ -230,10 +236,14 @@ static rg_status gq_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
     if (!q || !d || !s) {
         st = RG_ERR_ALLOC;
     } else {
-        for (int64_t m = 0; m < M; ++m) gk_quantize_row(x + m * K, K, q + m * K, d + m * ng, d + M * ng + m * ng,
-                                                        s + m * 2 * ng);
+        for (int64_t m = 0; m < M; ++m) {
+            float row[4096]; /* a bf16 input row widened (K <= 4096; larger: rejected by the caller) */
+            if (x16)
+                for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_f32(x16[m * K + k]);
+            gk_quantize_row(x16 ? row : x + m * K, K, q + m * K, d + m * ng, d + M * ng + m * ng, s + m * 2 * ng);
+        }
         gq_job job = {.w = w, .kind = kind, .N = N, .K = K, .M = M, .rb = ng * gq_block_bytes(kind), .xq = q,
-                      .xd = d, .xs = d + M * ng, .y = y};
+                      .xd = d, .xs = d + M * ng, .y = y, .y16 = y16};
         int64_t rows = (GQ_POOL_CHUNK_BYTES / (job.rb * M)) & ~(int64_t)15;
         rows = rows < 16 ? 16 : rows;
         tp_parallel(gq_job_rows, &job, N, rows, omp_get_max_threads());
@@ -242,4 +252,19 @@ static rg_status gq_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
     if (d != xd) free(d);
     if (s != s16) free(s);
     return st;
+}
+
+/* y (M, N) bf16 = x (M, K) bf16 @ w^T for a Q4_0 / Q4_1 / Q8_0 weight (kind 3..5, the file's blocks) and a decode
+ * step's rows (M <= GQ_POOL_MAX_M, K <= 4096): the bf16 activations widened and the outputs rounded here, so that
+ * a bf16 model's matmul is one call, not three (torch's conversions to float32 and back cost more than a small
+ * matmul on one core). The same bits as rg_gguf_k_linear on the widened rows, then rounded as torch rounds.
+ * RG_ERR_UNSUPPORTED for other kinds or shapes (the caller takes the float32 entry). */
+static int gk_valid(const uint8_t *w, int64_t kind, int64_t N, int64_t K); /* cpu_gguf_k.h */
+
+rg_status rg_gguf_q_linear_bf16(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const uint16_t *x, int64_t M,
+                                uint16_t *y) {
+    if (!gk_valid(w, kind, N, K) || !gq_is32(kind) || M < 0 || M > GQ_POOL_MAX_M || K > 4096 ||
+        (M && (!x || !y)))
+        return RG_ERR_UNSUPPORTED;
+    return M ? gq_linear(w, kind, N, K, NULL, x, M, NULL, y) : RG_OK;
 }

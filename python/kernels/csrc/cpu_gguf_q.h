@@ -147,43 +147,47 @@ static void gq_tile(const uint8_t *wr, int64_t nb, int64_t kind, const int8_t *x
 #define RG_GQ_GEMM 1
 #define GQ_GEMM_MIN_M 9 /* rows from which a 32-value block kind runs the panel GEMM (fewer: the tiles above) */
 
-/* Prefill (M >= GQ_GEMM_MIN_M rows): each thread takes an equal run of 16-row output blocks and, a panel at a
- * time, dequantizes their rows to float32 (the blocks' exact values) into the panel layout of
+/* Prefill (M >= GQ_GEMM_MIN_M rows): the threads claim a panel of 16-row output blocks at a time (the task pool,
+ * cpu_task_pool.h), each dequantizes their rows to float32 (the blocks' exact values) into the panel layout of
  * cpu_linear_bf16_avx2.h ([block][pair p][column 2p: 16 rows, column 2p+1: 16 rows]), then runs that file's 6 x 16
  * FMA tiles over every input row (float32 inputs, not int8): the dequantization is paid once per panel, not once
  * per row. Every output is one FMA chain over k in order, so within this regime too a row's bits do not depend on
  * the other rows or the thread count (they differ from the tiles' int8-input sums: two regimes, by M). */
+typedef struct {
+    const uint8_t *w;
+    int64_t kind, N, K, M;
+    const float *x;
+    float *y;
+    _Atomic int failed;
+} gq_gemm_job;
+
+/* 16-row blocks [lo, hi) (one panel): dequantized into the thread's scratch, then every input row against them. */
+static void gq_gemm_blocks(void *arg, int64_t lo, int64_t hi) {
+    gq_gemm_job *j = (gq_gemm_job *)arg;
+    const int64_t K = j->K, N = j->N, nb = hi - lo, bb = gq_block_bytes(j->kind), rb = K / 32 * bb;
+    float *pf = tp_scratch((size_t)(nb * K * 16 + K));
+    if (!pf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *row = pf + nb * K * 16;
+    for (int64_t jj = 0; jj < nb * 16; ++jj) {
+        const int64_t n = lo * 16 + jj;
+        if (n < N)
+            for (int64_t c = 0; c < K / 32; ++c) gq_block_row(j->w + n * rb + c * bb, j->kind, row + 32 * c);
+        float *dst = pf + (jj / 16) * K * 16 + jj % 16;
+        for (int64_t k = 0; k < K; ++k) dst[(k >> 1) * 32 + (k & 1) * 16] = n < N ? row[k] : 0.f;
+    }
+    const rg_weight shape = {.N = N, .K = K}; /* what the GEMM tiles read of a weight */
+    bf16f_gemm_panel(&shape, j->x, j->M, pf, lo, nb, NULL, NULL, j->y, 0);
+}
+
 static rg_status gq_gemm(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
-    const int64_t blocks = (N + 15) / 16, rb = K / 32 * gq_block_bytes(kind);
     int64_t panel = BF16F_PANEL_BYTES / (K * 64);
     panel = panel < 1 ? 1 : panel;
-    const rg_weight shape = {.N = N, .K = K}; /* what the GEMM tiles read of a weight */
-    int failed = 0;
-#pragma omp parallel
-    {
-        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = blocks * me / team, hi = blocks * (me + 1) / team;
-        float *pf = hi > lo ? (float *)malloc(sizeof(float) * (size_t)(panel * K * 16 + K)) : NULL;
-        if (hi > lo && !pf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t b = lo; pf && b < hi;) {
-            const int64_t nb = hi - b < panel ? hi - b : panel;
-            float *row = pf + panel * K * 16;
-            for (int64_t j = 0; j < nb * 16; ++j) {
-                const int64_t n = b * 16 + j;
-                if (n < N)
-                    for (int64_t c = 0; c < K / 32; ++c) gq_block_row(w + n * rb + c * gq_block_bytes(kind), kind, row + 32 * c);
-                float *dst = pf + (j / 16) * K * 16 + j % 16;
-                for (int64_t k = 0; k < K; ++k) dst[(k >> 1) * 32 + (k & 1) * 16] = n < N ? row[k] : 0.f;
-            }
-            bf16f_gemm_panel(&shape, x, M, pf, b, nb, NULL, NULL, y, 0);
-            b += nb;
-        }
-        free(pf);
-    }
-    return failed ? RG_ERR_ALLOC : RG_OK;
+    gq_gemm_job job = {.w = w, .kind = kind, .N = N, .K = K, .M = M, .x = x, .y = y};
+    tp_parallel(gq_gemm_blocks, &job, (N + 15) / 16, panel, omp_get_max_threads()); /* a panel a chunk */
+    return atomic_load(&job.failed) ? RG_ERR_ALLOC : RG_OK;
 }
 #endif
 

@@ -11,7 +11,9 @@
  * of the thread count and of who ran what. One job at a time (a mutex: concurrent callers take turns). Workers
  * spin a short while after a job (the next matmul of the step follows within microseconds), then sleep on a
  * futex. A child process after fork() starts its own workers (the parent's are not copied). Included by
- * cpu_gguf_q.h; Linux only (futex), x86 (pause), which every build of these kernels is. */
+ * cpu_linear_bf16_avx2.h and cpu_gguf_q.h; Linux only (futex), x86 (pause), which every build of these kernels is. */
+#ifndef RG_TASK_POOL_H
+#define RG_TASK_POOL_H
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -130,3 +132,17 @@ static void tp_parallel(tp_fn fn, void *ctx, int64_t total, int64_t chunk_len, i
     }
     pthread_mutex_unlock(&tp.lock);
 }
+
+/* A scratch buffer of at least n floats owned by the calling thread (kept for its next chunk; one per thread, the
+ * largest asked of it: a GEMM panel, 256 KB), or NULL when it cannot be had. */
+static __attribute__((unused)) float *tp_scratch(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = (float *)malloc(sizeof(float) * n);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+#endif

@@ -164,6 +164,10 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("src", "const void * const *"), ("src_scale", "const void * const *"), ("dst", "void * const *"),
         ("n_bufs", "int64_t"), ("src_index", "const int64_t *"), ("dst_index", "const int64_t *"),
         ("n_rows", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("code", "int64_t"), ("threads", "int64_t")]),
+    # Q4_0 / Q4_1 / Q8_0 decode rows in bf16 (csrc/cpu_gguf_q.h), every build
+    "rg_gguf_q_linear_bf16": ("rg_status", [
+        ("w", "const uint8_t *"), ("kind", "int64_t"), ("N", "int64_t"), ("K", "int64_t"), ("x", "const uint16_t *"),
+        ("M", "int64_t"), ("y", "uint16_t *")]),
 }
 
 

@@ -128,6 +128,9 @@ def linear_ref(w: KQuantWeight, x: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x.float(), unpack(w), None if bias is None else bias.float()).to(x.dtype)
 
 
+_BF16_ROWS = 8  # csrc/cpu_gguf_q.h GQ_POOL_MAX_M: rows up to which bf16 inputs take rg_gguf_q_linear_bf16
+
+
 def _require(kl: CKernels | None) -> CKernels:
     from .cpu import _require
 
@@ -150,6 +153,15 @@ def linear(w, x: torch.Tensor, bias: torch.Tensor | None = None, *, kl: CKernels
 
 
 def _linear(kl: CKernels, w, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (bias is None and x.dtype == torch.bfloat16 and x.shape[0] <= _BF16_ROWS and w.k <= 4096
+            and w.entry == "rg_gguf_k" and w.kind >= KINDS["Q4_0"]):
+        # a bf16 model's decode rows: one call that widens and rounds itself, the same bits as the float32 entry
+        # then .to(bfloat16), without the two conversions (which cost more than a small matmul on one core)
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], w.n), dtype=torch.bfloat16)
+        kl.fn("rg_gguf_q_linear_bf16")(w=w.data.data_ptr(), kind=w.kind, N=w.n, K=w.k, x=x.data_ptr(),
+                                       M=x.shape[0], y=y.data_ptr())
+        return y
     xf = x.float().contiguous()
     y = torch.empty((xf.shape[0], w.n), dtype=torch.float32)
     kl.fn(f"{w.entry}_linear")(w=w.data.data_ptr(), kind=w.kind, N=w.n, K=w.k, x=xf.data_ptr(), M=xf.shape[0],

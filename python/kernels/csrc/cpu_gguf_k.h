@@ -316,6 +316,7 @@ rg_status rg_gguf_k_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
 #ifdef RG_GQ_GEMM
     if (gq_is32(kind) && M >= GQ_GEMM_MIN_M) return gq_gemm(w, kind, N, K, x, M, y);
 #endif
+    if (gq_is32(kind) && M <= GQ_POOL_MAX_M) return gq_linear(w, kind, N, K, x, NULL, M, y, NULL); /* cpu_gguf_q.h */
     const int64_t ng = K / 32, nb = K / GK_QK, rb = gk_row_bytes(kind, K);
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * ng));

@@ -147,42 +147,128 @@ static void gq_tile(const uint8_t *wr, int64_t nb, int64_t kind, const int8_t *x
 #define RG_GQ_GEMM 1
 #define GQ_GEMM_MIN_M 9 /* rows from which a 32-value block kind runs the panel GEMM (fewer: the tiles above) */
 
-/* Prefill (M >= GQ_GEMM_MIN_M rows): each thread takes an equal run of 16-row output blocks and, a panel at a
- * time, dequantizes their rows to float32 (the blocks' exact values) into the panel layout of
+/* Prefill (M >= GQ_GEMM_MIN_M rows): the threads claim a panel of 16-row output blocks at a time (the task pool,
+ * cpu_task_pool.h), each dequantizes their rows to float32 (the blocks' exact values) into the panel layout of
  * cpu_linear_bf16_avx2.h ([block][pair p][column 2p: 16 rows, column 2p+1: 16 rows]), then runs that file's 6 x 16
  * FMA tiles over every input row (float32 inputs, not int8): the dequantization is paid once per panel, not once
  * per row. Every output is one FMA chain over k in order, so within this regime too a row's bits do not depend on
  * the other rows or the thread count (they differ from the tiles' int8-input sums: two regimes, by M). */
+typedef struct {
+    const uint8_t *w;
+    int64_t kind, N, K, M;
+    const float *x;
+    float *y;
+    _Atomic int failed;
+} gq_gemm_job;
+
+/* 16-row blocks [lo, hi) (one panel): dequantized into the thread's scratch, then every input row against them. */
+static void gq_gemm_blocks(void *arg, int64_t lo, int64_t hi) {
+    gq_gemm_job *j = (gq_gemm_job *)arg;
+    const int64_t K = j->K, N = j->N, nb = hi - lo, bb = gq_block_bytes(j->kind), rb = K / 32 * bb;
+    float *pf = tp_scratch((size_t)(nb * K * 16 + K));
+    if (!pf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *row = pf + nb * K * 16;
+    for (int64_t jj = 0; jj < nb * 16; ++jj) {
+        const int64_t n = lo * 16 + jj;
+        if (n < N)
+            for (int64_t c = 0; c < K / 32; ++c) gq_block_row(j->w + n * rb + c * bb, j->kind, row + 32 * c);
+        float *dst = pf + (jj / 16) * K * 16 + jj % 16;
+        for (int64_t k = 0; k < K; ++k) dst[(k >> 1) * 32 + (k & 1) * 16] = n < N ? row[k] : 0.f;
+    }
+    const rg_weight shape = {.N = N, .K = K}; /* what the GEMM tiles read of a weight */
+    bf16f_gemm_panel(&shape, j->x, j->M, pf, lo, nb, NULL, NULL, j->y, 0);
+}
+
 static rg_status gq_gemm(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
-    const int64_t blocks = (N + 15) / 16, rb = K / 32 * gq_block_bytes(kind);
     int64_t panel = BF16F_PANEL_BYTES / (K * 64);
     panel = panel < 1 ? 1 : panel;
-    const rg_weight shape = {.N = N, .K = K}; /* what the GEMM tiles read of a weight */
-    int failed = 0;
-#pragma omp parallel
-    {
-        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = blocks * me / team, hi = blocks * (me + 1) / team;
-        float *pf = hi > lo ? (float *)malloc(sizeof(float) * (size_t)(panel * K * 16 + K)) : NULL;
-        if (hi > lo && !pf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t b = lo; pf && b < hi;) {
-            const int64_t nb = hi - b < panel ? hi - b : panel;
-            float *row = pf + panel * K * 16;
-            for (int64_t j = 0; j < nb * 16; ++j) {
-                const int64_t n = b * 16 + j;
-                if (n < N)
-                    for (int64_t c = 0; c < K / 32; ++c) gq_block_row(w + n * rb + c * gq_block_bytes(kind), kind, row + 32 * c);
-                float *dst = pf + (j / 16) * K * 16 + j % 16;
-                for (int64_t k = 0; k < K; ++k) dst[(k >> 1) * 32 + (k & 1) * 16] = n < N ? row[k] : 0.f;
-            }
-            bf16f_gemm_panel(&shape, x, M, pf, b, nb, NULL, NULL, y, 0);
-            b += nb;
-        }
-        free(pf);
-    }
-    return failed ? RG_ERR_ALLOC : RG_OK;
+    gq_gemm_job job = {.w = w, .kind = kind, .N = N, .K = K, .M = M, .x = x, .y = y};
+    tp_parallel(gq_gemm_blocks, &job, (N + 15) / 16, panel, omp_get_max_threads()); /* a panel a chunk */
+    return atomic_load(&job.failed) ? RG_ERR_ALLOC : RG_OK;
 }
 #endif
+
+#include "cpu_task_pool.h"
+#define GQ_POOL_MAX_M 8          /* rows up to which a 32-value block kind runs gq_linear (decode steps) */
+#define GQ_POOL_CHUNK_BYTES 16384 /* weight bytes per claimed chunk: a few microseconds of work */
+
+typedef struct {
+    const uint8_t *w;
+    int64_t kind, N, K, M, rb;
+    const int8_t *xq;
+    const float *xd, *xs;
+    float *y;
+    uint16_t *y16; /* instead of y where set: the outputs rounded to bf16 (nearest even, as torch rounds) */
+} gq_job;
+
+/* Output columns [lo, hi) of every row: per weight row the tiles of up to 4 input rows, as in the driver. */
+static void gq_job_rows(void *arg, int64_t lo, int64_t hi) {
+    const gq_job *j = (const gq_job *)arg;
+    const int64_t ng = j->K / 32;
+    for (int64_t n = lo; n < hi; ++n)
+        for (int64_t i = 0; i < j->M; i += 4) {
+            const int mb = j->M - i < 4 ? (int)(j->M - i) : 4;
+            float r[4];
+            gq_tile(j->w + n * j->rb, ng, j->kind, j->xq + i * j->K, j->xd + i * ng, j->xs + i * ng, j->K, mb, r);
+            for (int t = 0; t < mb; ++t)
+                if (j->y16)
+                    j->y16[(i + t) * j->N + n] = f32_to_bf16(r[t]);
+                else
+                    j->y[(i + t) * j->N + n] = r[t];
+        }
+}
+
+/* A few input rows (M <= GQ_POOL_MAX_M: decode) against a 32-value block kind, on the task pool (cpu_task_pool.h)
+ * rather than an OpenMP region: chunks of whole 16-output runs (no cache line of y written by two threads),
+ * claimed by whichever thread is free. The inputs are quantized by the caller first (M rows: microseconds). Each
+ * output is the tile's chain exactly as in rg_gguf_k_linear, so the bits are the same as there. */
+static rg_status gq_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x,
+                           const uint16_t *x16, int64_t M, float *y, uint16_t *y16) {
+    const int64_t ng = K / 32;
+    enum { CAP = 65536 }; /* input values quantized on the stack (a decode step's rows); more: malloc */
+    int8_t xq[CAP];
+    float xd[CAP / 16];
+    int16_t s16[CAP / 16];
+    const int fits = M * K <= CAP;
+    int8_t *q = fits ? xq : (int8_t *)malloc((size_t)(M * K));
+    float *d = fits ? xd : (float *)malloc(sizeof(float) * (size_t)(2 * M * ng));
+    int16_t *s = fits ? s16 : (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * ng));
+    rg_status st = RG_OK;
+    if (!q || !d || !s) {
+        st = RG_ERR_ALLOC;
+    } else {
+        for (int64_t m = 0; m < M; ++m) {
+            float row[4096]; /* a bf16 input row widened (K <= 4096; larger: rejected by the caller) */
+            if (x16)
+                for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_f32(x16[m * K + k]);
+            gk_quantize_row(x16 ? row : x + m * K, K, q + m * K, d + m * ng, d + M * ng + m * ng, s + m * 2 * ng);
+        }
+        gq_job job = {.w = w, .kind = kind, .N = N, .K = K, .M = M, .rb = ng * gq_block_bytes(kind), .xq = q,
+                      .xd = d, .xs = d + M * ng, .y = y, .y16 = y16};
+        int64_t rows = (GQ_POOL_CHUNK_BYTES / (job.rb * M)) & ~(int64_t)15;
+        rows = rows < 16 ? 16 : rows;
+        tp_parallel(gq_job_rows, &job, N, rows, omp_get_max_threads());
+    }
+    if (q != xq) free(q);
+    if (d != xd) free(d);
+    if (s != s16) free(s);
+    return st;
+}
+
+/* y (M, N) bf16 = x (M, K) bf16 @ w^T for a Q4_0 / Q4_1 / Q8_0 weight (kind 3..5, the file's blocks) and a decode
+ * step's rows (M <= GQ_POOL_MAX_M, K <= 4096): the bf16 activations widened and the outputs rounded here, so that
+ * a bf16 model's matmul is one call, not three (torch's conversions to float32 and back cost more than a small
+ * matmul on one core). The same bits as rg_gguf_k_linear on the widened rows, then rounded as torch rounds.
+ * RG_ERR_UNSUPPORTED for other kinds or shapes (the caller takes the float32 entry). */
+static int gk_valid(const uint8_t *w, int64_t kind, int64_t N, int64_t K); /* cpu_gguf_k.h */
+
+rg_status rg_gguf_q_linear_bf16(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const uint16_t *x, int64_t M,
+                                uint16_t *y) {
+    if (!gk_valid(w, kind, N, K) || !gq_is32(kind) || M < 0 || M > GQ_POOL_MAX_M || K > 4096 ||
+        (M && (!x || !y)))
+        return RG_ERR_UNSUPPORTED;
+    return M ? gq_linear(w, kind, N, K, NULL, x, M, NULL, y) : RG_OK;
+}

@@ -21,6 +21,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include <omp.h>
+
+#include "cpu_task_pool.h" /* the threads the matmuls below run on */
 #define RG_AVX2_BF16 1
 #define BF16F_GEMV_MAX_M 4         /* rows up to which the weights stream (more: the GEMM) */
 #define BF16F_PREFETCH 2048        /* bytes ahead in each stream, into L2 (as linear_avx2 does) */
@@ -191,38 +193,48 @@ static void bf16f_gemm_panel(const rg_weight *w, const float *x, int64_t M, cons
         }
 }
 
-/* y (M, N) = x (M, K) @ w^T (+ bias) for bf16 K-pair weights, float32 inputs, over a new team: each thread takes an
- * equal run of consecutive blocks, streamed (gemv) or panel by panel (GEMM). Outputs as linear_portable gives
- * them. */
+typedef struct {
+    const rg_weight *w;
+    const float *x, *biasf;
+    int64_t M;
+    uint16_t *yb;
+    float *yf;
+    int round_bf16, gemm;
+    _Atomic int failed;
+} bf16f_job;
+
+/* Blocks [lo, hi) of one job: a panel widened into the thread's scratch and run against every row (GEMM), or
+ * streamed four blocks at a time (gemv). */
+static void bf16f_job_blocks(void *arg, int64_t lo, int64_t hi) {
+    bf16f_job *j = (bf16f_job *)arg;
+    if (j->gemm) {
+        float *pf = tp_scratch((size_t)((hi - lo) * j->w->K * 16));
+        if (!pf) {
+            atomic_store(&j->failed, 1);
+            return;
+        }
+        bf16f_widen_panel(j->w, lo, hi - lo, pf);
+        bf16f_gemm_panel(j->w, j->x, j->M, pf, lo, hi - lo, j->biasf, j->yb, j->yf, j->round_bf16);
+        return;
+    }
+    for (int64_t b = lo; b < hi; b += 4)
+        bf16f_gemv_blocks(j->w, j->x, j->M, j->biasf, j->yb, j->yf, j->round_bf16, b, hi - b < 4 ? hi - b : 4);
+}
+
+/* y (M, N) = x (M, K) @ w^T (+ bias) for bf16 K-pair weights, float32 inputs, on the task pool (cpu_task_pool.h):
+ * the threads claim a panel of blocks at a time (GEMM) or runs of blocks of about 64 KB (gemv), so a thread the
+ * OS has not scheduled holds nothing up, and no OpenMP region is forked per matmul. Every output is computed by
+ * one thread in one order whoever claims its block: outputs as linear_portable gives them. */
 static rg_status linear_bf16_avx2(const rg_weight *w, const float *x, int64_t M, const float *biasf, uint16_t *yb,
                                   float *yf, int round_bf16) {
     const int64_t K = w->K, blocks = (w->N + 15) / 16;
-    const int gemm = M > BF16F_GEMV_MAX_M;
-    int64_t panel = BF16F_PANEL_BYTES / (K * 64); /* blocks a panel (64 bytes of float32 per block and column) */
-    panel = panel < 1 ? 1 : panel;
-    int failed = 0;
-#pragma omp parallel
-    {
-        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = blocks * me / team, hi = blocks * (me + 1) / team;
-        float *pf = NULL;
-        if (gemm && hi > lo && !(pf = (float *)malloc(sizeof(float) * (size_t)(panel * K * 16)))) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t b = lo; b < hi && !(gemm && !pf);) {
-            const int64_t step = gemm ? panel : 4, nb = hi - b < step ? hi - b : step;
-            if (gemm) {
-                bf16f_widen_panel(w, b, nb, pf);
-                bf16f_gemm_panel(w, x, M, pf, b, nb, biasf, yb, yf, round_bf16);
-            } else {
-                bf16f_gemv_blocks(w, x, M, biasf, yb, yf, round_bf16, b, nb);
-            }
-            b += nb;
-        }
-        free(pf);
-    }
-    return failed ? RG_ERR_ALLOC : RG_OK;
+    bf16f_job job = {.w = w, .x = x, .biasf = biasf, .M = M, .yb = yb, .yf = yf, .round_bf16 = round_bf16,
+                     .gemm = M > BF16F_GEMV_MAX_M};
+    int64_t chunk = job.gemm ? BF16F_PANEL_BYTES / (K * 64) /* a panel: 64 bytes of float32 per block and column */
+                             : ((65536 / (K * 32)) & ~(int64_t)3); /* 64 KB of bf16 blocks, a multiple of four */
+    chunk = chunk < (job.gemm ? 1 : 4) ? (job.gemm ? 1 : 4) : chunk;
+    tp_parallel(bf16f_job_blocks, &job, blocks, chunk, omp_get_max_threads());
+    return atomic_load(&job.failed) ? RG_ERR_ALLOC : RG_OK;
 }
 #endif /* AVX2 and FMA */
 #endif

@@ -4,6 +4,12 @@
  * (whether the pool has a bf16 scale per (slot, head), applied after the dot products: to a key's score and
  * to a value's softmax weight) and PFN(name) (the name with the format's and the dtype's suffixes:
  * rg_store_kv_bf16, rg_store_kv_i8_bf16, ...). Undefines them and KV_FORMAT at its end. */
+#ifndef ATT_TEAM_MIN_WORK
+/* K and V values (summed over the batch's rows) from which decode attention runs on the OpenMP team: below it a
+ * step is a few microseconds of work, less than the team's fork and join, and a team member the OS has not
+ * scheduled (a core shared with other processes) would stall the step for a time slice */
+#define ATT_TEAM_MIN_WORK (1 << 17)
+#endif
 #if KV_FORMAT == KV_PLAIN
 #define KT T
 #define KLD(x) LD(x)
@@ -338,7 +344,9 @@ rg_status FN(decode_attention)(const T *q, int64_t q_stride, const T *k_buf, con
     if (piece > 0 && !pieces_cover(seq_lens, B, 0, splits, piece)) return RG_ERR_UNSUPPORTED;
     const int64_t sc_len = (piece > 0 ? piece : FN(max_piece)(seq_lens, B, splits)) * (H / Hkv);
     int failed = 0;
-#pragma omp parallel
+    int64_t work = 0; /* K and V values read: a short step (a few microseconds) runs on the calling thread alone */
+    for (int64_t b = 0; b < B; ++b) work += seq_lens[b] * Hkv * D;
+#pragma omp parallel if (work >= ATT_TEAM_MIN_WORK)
     {
         float *qf = (float *)malloc(sizeof(float) * (size_t)(H * D));
         float *sc = (float *)malloc(sizeof(float) * (size_t)(sc_len > 0 ? sc_len : 1));

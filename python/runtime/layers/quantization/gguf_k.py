@@ -42,7 +42,7 @@ class GGUFPartsLinear(LinearMethod):
             else:
                 weights.append(p)
             kinds.append(p.type_name)
-        weights = [cpu_gguf.repack(w[1].contiguous(), w[0], self.parts[0].columns) if isinstance(w, tuple)
+        weights = [cpu_gguf.repack(w[1].contiguous(), w[0], self.parts[0].columns, kl=self.kl) if isinstance(w, tuple)
                    else w.quantized().pack() for w in weights]
         self.parts = None
         layer.gguf_weights = weights

@@ -80,14 +80,33 @@ def repack(raw: torch.Tensor, type_name: str, k: int, *, kl: CKernels | None = N
 
         kl = lib()
     if kl is not None:
-        src = raw.contiguous()
-        out = torch.empty((n, nb * BLOCK_BYTES[type_name]), dtype=torch.uint8)
-        kl.fn("rg_gguf_k_repack")(raw=src.data_ptr(), kind=KINDS[type_name], N=n, K=k, out=out.data_ptr())
-        return KQuantWeight(type_name, n, k, out)
+        return repack_parts([raw], type_name, k, kl=kl)
     b = raw.reshape(n, nb, FILE_BYTES[type_name])
     sc, mn = _scales_mins(b[..., 4:16])
     data = torch.cat([b[..., 0:4], sc, mn, b[..., 16:]], -1)  # d, dmin | sc | m | (qh) qs
     return KQuantWeight(type_name, n, k, data.reshape(n, -1).contiguous())
+
+
+def repack_parts(raws: list[torch.Tensor], type_name: str, k: int, *, kl: CKernels | None = None) -> KQuantWeight:
+    """Several tensors' blocks (a merged layer's parts of one kind, rows one after another) -> one weight in the
+    kernels' layout, each part repacked in C straight into its rows (no concatenated copy of the file's bytes)."""
+    expect(len(raws) > 0, "repack_parts takes at least one tensor")
+    if type_name in AS_STORED or len(raws) == 1 and kl is None:
+        return repack(torch.cat(raws) if len(raws) > 1 else raws[0], type_name, k, kl=kl)
+    kl = _require(kl)
+    nb = k // BLOCK_VALUES[type_name]
+    for raw in raws:
+        check_tensor("raw", raw, 2, (torch.uint8,))
+        expect(k % BLOCK_VALUES[type_name] == 0 and k > 0 and raw.shape[1] == nb * FILE_BYTES[type_name],
+               f"{type_name} rows of {k} values take {nb * FILE_BYTES[type_name]} bytes, got {raw.shape[1]}")
+    out = torch.empty((sum(r.shape[0] for r in raws), nb * BLOCK_BYTES[type_name]), dtype=torch.uint8)
+    row = 0
+    for raw in raws:
+        src = raw.contiguous()
+        kl.fn("rg_gguf_k_repack")(raw=src.data_ptr(), kind=KINDS[type_name], N=src.shape[0], K=k,
+                                  out=out[row].data_ptr())
+        row += src.shape[0]
+    return KQuantWeight(type_name, out.shape[0], k, out)
 
 
 def unpack(w: KQuantWeight) -> torch.Tensor:

@@ -25,7 +25,7 @@
 
 enum { RG_GK_Q4_K = 0, RG_GK_Q5_K = 1, RG_GK_Q6_K = 2 };
 #define GK_QK 256
-#define GK_CHUNK_BYTES (1 << 18) /* int8 input rows per chunk: 256 KiB */
+#define GK_CHUNK_BYTES (1 << 16) /* int8 input rows per chunk: 64 KiB (with 256 KiB, 64+ rows of K = 2048 ran at half speed: L2-bound) */
 
 static inline int64_t gk_block_bytes(int64_t kind) { return kind == RG_GK_Q6_K ? 210 : kind == RG_GK_Q5_K ? 180 : 148; }
 static inline int64_t gk_row_bytes(int64_t kind, int64_t K); /* (after cpu_gguf_q.h) */

@@ -81,6 +81,12 @@ def repack(raw: torch.Tensor, type_name: str, k: int, *, kl: CKernels | None = N
         kl = lib()
     if kl is not None:
         return repack_parts([raw], type_name, k, kl=kl)
+    return _repack_torch(raw, type_name, k)
+
+
+def _repack_torch(raw: torch.Tensor, type_name: str, k: int) -> KQuantWeight:
+    """repack's torch path (no C kernels), the reference of the C one."""
+    n, nb = raw.shape[0], k // QK
     b = raw.reshape(n, nb, FILE_BYTES[type_name])
     sc, mn = _scales_mins(b[..., 4:16])
     data = torch.cat([b[..., 0:4], sc, mn, b[..., 16:]], -1)  # d, dmin | sc | m | (qh) qs

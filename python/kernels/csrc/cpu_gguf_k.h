@@ -25,7 +25,9 @@
 
 enum { RG_GK_Q4_K = 0, RG_GK_Q5_K = 1, RG_GK_Q6_K = 2 };
 #define GK_QK 256
-#define GK_CHUNK_BYTES (1 << 16) /* int8 input rows per chunk: 64 KiB (with 256 KiB, 64+ rows of K = 2048 ran at half speed: L2-bound) */
+/* int8 input rows per chunk (each weight row runs over a chunk's rows, 4 at a time): 64 KiB (256 KiB ran 64+ rows of
+ * K = 2048 at half the speed of 32: L2-bound; 32 KiB re-read long weight rows too often) */
+#define GK_CHUNK_BYTES (64 << 10)
 
 static inline int64_t gk_block_bytes(int64_t kind) { return kind == RG_GK_Q6_K ? 210 : kind == RG_GK_Q5_K ? 180 : 148; }
 static inline int64_t gk_row_bytes(int64_t kind, int64_t K); /* (after cpu_gguf_q.h) */
@@ -344,8 +346,10 @@ rg_status rg_gguf_k_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
 #ifdef RG_GQ_GEMM
     if (gq_is32(kind) && M >= GQ_GEMM_MIN_M) return gq_gemm(w, kind, N, K, x, M, y);
 #endif
-    const int64_t ng = K / 32, nb = K / GK_QK, rb = gk_row_bytes(kind, K);
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    /* the int8 rows' stride (KS / 32 scales, KS / 16 sums per row): one cache line past K for the K-quants, so that
+     * the rows of a tile do not all fall in one L1 set where K is a multiple of 4096 */
+    const int64_t KS = gq_is32(kind) ? K : K + 64, ng = KS / 32, nb = K / GK_QK, rb = gk_row_bytes(kind, K);
+    int8_t *xq = (int8_t *)malloc((size_t)(M * KS));
     float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * M * ng));
     int16_t *s16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * ng));
     if (!xq || !xd || !s16) {
@@ -355,7 +359,7 @@ rg_status rg_gguf_k_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
         return RG_ERR_ALLOC;
     }
     float *xs = xd + M * ng;
-    int64_t chunk = (GK_CHUNK_BYTES / K) & ~(int64_t)3;
+    int64_t chunk = (GK_CHUNK_BYTES / KS) & ~(int64_t)3;
     chunk = chunk < 4 ? 4 : chunk;
 #pragma omp parallel
     {
@@ -364,7 +368,7 @@ rg_status rg_gguf_k_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
             if (gq_is32(kind)) /* per 32 values (cpu_gguf_q.h's tiles) */
                 gk_quantize_row(x + m * K, K, xq + m * K, xd + m * ng, xs + m * ng, s16 + m * 2 * ng);
             else /* per super-block */
-                gk_quantize_row256(x + m * K, K, xq + m * K, xd + m * ng, s16 + m * 2 * ng);
+                gk_quantize_row256(x + m * K, K, xq + m * KS, xd + m * ng, s16 + m * 2 * ng);
         }
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t n0 = N * me / team, n1 = N * (me + 1) / team;
@@ -376,7 +380,7 @@ rg_status rg_gguf_k_linear(const uint8_t *w, int64_t kind, int64_t N, int64_t K,
                     const int mb = mc - i < 4 ? (int)(mc - i) : 4;
                     float r[4];
                     const int64_t at = m0 + i;
-                    gk_tile(wr, nb, kind, xq + at * K, xd + at * ng, xs + at * ng, s16 + at * 2 * ng, K, mb, r);
+                    gk_tile(wr, nb, kind, xq + at * KS, xd + at * ng, xs + at * ng, s16 + at * 2 * ng, KS, mb, r);
                     for (int t = 0; t < mb; ++t) y[(at + t) * N + n] = r[t];
                 }
             }

@@ -20,8 +20,7 @@ from radixgen.kernels import cpu as cpu_kernels
 from radixgen.kernels import cpu_linear, cpu_lora, cpu_moe
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from radixgen.runtime.layers.linear import LinearBase
-from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
-from radixgen.runtime.layers.quantization import gguf
+from radixgen.runtime.layers.quantization import NONE, QuantSpec, gguf, linear_method
 from radixgen.runtime.layers.quantization.experts import GroupedLinear, grouped_method
 
 

@@ -2,11 +2,13 @@
 kernels of csrc/cpu_gguf_k.h and csrc/cpu_gguf_q.h.
 
 `repack` turns a tensor's blocks as the file stores them ((N, bytes per row) uint8) into the kernels' row-major
-layout, in torch (vectorised over every block): the packed 6-bit sub-block scales and mins spread to a byte each,
+layout, in C (rows in parallel; in torch without the kernels), `repack_parts` several parts straight into one
+weight: the packed 6-bit sub-block scales and mins spread to a byte each,
 everything else as it is (148 bytes per 256 values for Q4_K against the file's 144, 180 against 176 for Q5_K);
 Q6_K's blocks stay exactly as stored (210 bytes: 6.56 bits a weight), as do Q4_0's, Q4_1's and Q8_0's (18 / 20 /
 34 bytes per 32 values).
-`linear` is y = x @ w^T (+ bias) with the input quantized to int8 per 32 values inside the kernel, `rows`
+`linear` is y = x @ w^T (+ bias) with the input quantized to int8 inside the kernel (per 256 values for the
+K-quants, whose block products then sum in int32; per 32 for the 32-value kinds), `rows`
 dequantized rows (an embedding lookup); `unpack` is the torch reference of the layout (the dense float32 weight),
 `linear_ref` the reference of the matmul (float32 x against it).
 """

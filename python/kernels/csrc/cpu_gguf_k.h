@@ -13,13 +13,15 @@
  *   r = e % 128, c = r / 32, l = r % 32: the low nibble (c < 2) or high nibble of ql[64 h + 32 (c % 2) + l] and
  *   bits 2c, 2c + 1 of qh[32 h + l] above it; w = d sc[e / 16] (q - 32) (no mins).
  *
- * The matmul y (M, N) = x (M, K) @ w^T quantizes each input row to int8 per 32 values first (scale dx = max |x| /
- * 127, and the sum of the 32 int8 values for the mins' term, as llama.cpp's q8 dot products do), then per
- * output and sub-block j takes the exact integer sum of q x_q, times sc[j], to float32 times the input scale:
- *   y = sum_blocks d sum_j sc_j dx_j sum q x_q  -  dmin sum_j m_j dx_j sum x_q.
+ * The matmul y (M, N) = x (M, K) @ w^T quantizes each input row to int8 per 256-value super-block first (scale
+ * dx = max |x| / 127, and the int8 sums per 16 values for the mins' and Q6_K's -32 terms), then per output and
+ * super-block sums every product in int32 (exact: sub-block scale times maddubs pairs, vpdpwssd on VNNI builds)
+ * and takes one float32 step per block:
+ *   y = sum_blocks dx (d sum_j sc_j sum q x_q  -  dmin sum_j m_j sum x_q)      (Q6_K: d sum_g sc_g sum (q - 32) x_q)
  * Each output is computed by one thread in one fixed order, whatever M is and however the rows are split, so a
  * row's result is the same bits alone and in a batch. Threads take equal runs of output rows; input rows go
- * in chunks whose int8 copy stays in L2, four at a time against one weight row (read from L1 after the first). */
+ * in chunks of 64 KiB, four at a time against one weight row (read from L1 after the first). The 32-value kinds
+ * (cpu_gguf_q.h) keep their inputs per 32 values, through the same driver. */
 
 #include <omp.h>
 

@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 NATIVE = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")
 # layers with a part of these types run on the K-quant kernels (kernels/cpu_gguf.py), every part in its own kind (a
-# Q6_K part there too, at its 6.56 bits); a layer of Q6_K alone keeps int8, the layout of the fused decode step
+# Q6_K part there too, at its 6.56 bits); a layer of Q6_K alone keeps int8, the layout of the fused decode step,
+# except in a model with such layers (prefer_blocks: no step applies there)
 K_NATIVE = ("Q4_K", "Q5_K")
 # on builds without the fused decode step (no AVX512-BF16: nothing reads cpu_linear's layouts in one call), these run
 # from the file's blocks on the kernels of kernels/cpu_gguf.py too (int8 inputs, integer dot products), every part in

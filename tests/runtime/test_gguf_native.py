@@ -219,8 +219,6 @@ def test_k_quant_file_runs_from_its_own_bits(tmp_path, monkeypatch):
     native = runner(path, quantization="gguf")
     methods = set(native.ops.linear_methods(native.model))
     assert {"gguf Q4_K/Q6_K (C)", "gguf Q4_K (C)", "gguf Q4_K/Q5_K (C)", "gguf Q5_K (C)"} <= methods, methods
-    # the Q6_K down of layer 0 from its blocks on every build too: no fused step reads a K-quant model's layouts
-    assert "gguf Q6_K (C)" in methods, methods
     assert not any(isinstance(p, torch.Tensor) and p.dtype.is_floating_point and p.dim() == 2
                    for m in native.model.modules() if hasattr(m, "gguf_weights")
                    for p in m.parameters(recurse=False))

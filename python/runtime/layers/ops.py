@@ -20,7 +20,7 @@ from radixgen.kernels import cpu as cpu_kernels
 from radixgen.kernels import cpu_linear, cpu_lora, cpu_moe
 from radixgen.runtime.layers.attention import CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from radixgen.runtime.layers.linear import LinearBase
-from radixgen.runtime.layers.quantization import NONE, QuantSpec, gguf, linear_method
+from radixgen.runtime.layers.quantization import NONE, QuantSpec, linear_method
 from radixgen.runtime.layers.quantization.experts import GroupedLinear, grouped_method
 
 
@@ -49,7 +49,6 @@ class TorchOps:
     def install(self, model: nn.Module) -> None:
         """Once `model`'s weights are loaded: the linear methods re-lay them out (one copy each), and this becomes
         the ops of every layer."""
-        gguf.prefer_blocks(model)
         for m in model.modules():
             if isinstance(m, OpsLayer):
                 m.ops = self

@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 NATIVE = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")
 # layers with a part of these types run on the K-quant kernels (kernels/cpu_gguf.py), every part in its own kind (a
-# Q6_K part there too, at its 6.56 bits); a layer of Q6_K alone keeps int8, the layout of the fused decode step,
-# except in a model with such layers (prefer_blocks: no step applies there)
+# Q6_K part there too, at its 6.56 bits); a layer of Q6_K alone keeps int8, the layout of the fused decode step (and
+# of cpu_linear's prefill GEMM: 4.6x the K-quant tile's speed at 512 rows, so it stays int8 in a Q4_K_M model too)
 K_NATIVE = ("Q4_K", "Q5_K")
 # on builds without the fused decode step (no AVX512-BF16: nothing reads cpu_linear's layouts in one call), these run
 # from the file's blocks on the kernels of kernels/cpu_gguf.py too (int8 inputs, integer dot products), every part in
@@ -240,7 +240,6 @@ class GGUFLinear(LinearMethod):
 
     def __init__(self, ops: str, kl) -> None:
         self.ops, self.kl = ops, kl
-        self.k_model = False  # set by prefer_blocks: the model has K-quant layers, so no fused step reads its layouts
 
     def create_weights(self, layer):
         parts: dict = {}
@@ -265,8 +264,7 @@ class GGUFLinear(LinearMethod):
             final.process_weights(layer)
             return
         k_quant = any(p.type_name in K_NATIVE for p in parts)
-        blocks = (self.kl is not None and (not self.kl.has_decode_step or self.k_model)
-                  and all(p.type_name in BLOCK_NATIVE for p in parts))
+        blocks = self.kl is not None and not self.kl.has_decode_step and all(p.type_name in BLOCK_NATIVE for p in parts)
         if self.kl is not None and (k_quant or blocks) and all(runs_alone(p, layer.in_features) for p in parts):
             final = GGUFPartsLinear(self.kl, parts)  # K-quants from their own bits, each part in its own kind
             layer.weight, layer.method = None, final
@@ -288,18 +286,6 @@ class GGUFLinear(LinearMethod):
             final = CpuPackedLinear(self.kl, fmt) if self.kl is not None else TorchQuantizedLinear(fmt)
         layer.method = final
         final.process_weights(layer)
-
-
-def prefer_blocks(model) -> None:
-    """Before the layers re-lay their weights out: in a model with a Q4_K / Q5_K layer (a Q4_K_M file) the fused
-    decode step never applies (it reads cpu_linear's layouts only), so its Q4_0 / Q4_1 / Q8_0 / Q6_K layers (Q4_K_M's
-    Q6_K ffn_down and LM head) run from their blocks too, as on builds without the step: the file's bytes read at
-    decode (Q6_K 6.56 bits a weight, not int8 + a float scale per 16: 1.5x), and no int8 layout built at load."""
-    layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), GGUFLinear)
-              and isinstance(getattr(m, "gguf_parts", None), dict)]
-    if any(p.type_name in K_NATIVE for m in layers for p in m.gguf_parts.values()):
-        for m in layers:
-            m.method.k_model = True
 
 
 def method(ops: str, spec, layer, kl):

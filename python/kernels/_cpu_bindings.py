@@ -144,6 +144,10 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
     "rg_gguf_k_rows": ("rg_status", [
         ("w", "const uint8_t *"), ("kind", "int64_t"), ("N", "int64_t"), ("K", "int64_t"),
         ("ids", "const int64_t *"), ("n", "int64_t"), ("out", "float *")]),
+    "rg_gguf_k_repack": ("rg_status", [
+        ("raw", "const uint8_t *"), ("kind", "int64_t"), ("N", "int64_t"), ("K", "int64_t"), ("out", "uint8_t *")]),
+    "rg_gguf_q6k_int8": ("rg_status", [
+        ("raw", "const uint8_t *"), ("N", "int64_t"), ("K", "int64_t"), ("q", "int8_t *"), ("s", "float *")]),
     # GGUF Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS / MXFP4 weights as stored (csrc/cpu_gguf_more.h), every build
     "rg_gguf_more_linear": ("rg_status", [
         ("w", "const uint8_t *"), ("kind", "int64_t"), ("N", "int64_t"), ("K", "int64_t"), ("x", "const float *"),

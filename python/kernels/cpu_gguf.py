@@ -2,11 +2,13 @@
 kernels of csrc/cpu_gguf_k.h and csrc/cpu_gguf_q.h.
 
 `repack` turns a tensor's blocks as the file stores them ((N, bytes per row) uint8) into the kernels' row-major
-layout, in torch (vectorised over every block): the packed 6-bit sub-block scales and mins spread to a byte each,
+layout, in C (rows in parallel; in torch without the kernels), `repack_parts` several parts straight into one
+weight: the packed 6-bit sub-block scales and mins spread to a byte each,
 everything else as it is (148 bytes per 256 values for Q4_K against the file's 144, 180 against 176 for Q5_K);
 Q6_K's blocks stay exactly as stored (210 bytes: 6.56 bits a weight), as do Q4_0's, Q4_1's and Q8_0's (18 / 20 /
 34 bytes per 32 values).
-`linear` is y = x @ w^T (+ bias) with the input quantized to int8 per 32 values inside the kernel, `rows`
+`linear` is y = x @ w^T (+ bias) with the input quantized to int8 inside the kernel (per 256 values for the
+K-quants, whose block products then sum in int32; per 32 for the 32-value kinds), `rows`
 dequantized rows (an embedding lookup); `unpack` is the torch reference of the layout (the dense float32 weight),
 `linear_ref` the reference of the matmul (float32 x against it).
 """
@@ -63,8 +65,9 @@ def _scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def repack(raw: torch.Tensor, type_name: str, k: int) -> KQuantWeight:
-    """raw (N, k / 256 * file bytes) uint8, a tensor's blocks as stored -> the kernels' layout."""
+def repack(raw: torch.Tensor, type_name: str, k: int, *, kl: CKernels | None = None) -> KQuantWeight:
+    """raw (N, k / 256 * file bytes) uint8, a tensor's blocks as stored -> the kernels' layout (in C, rows in
+    parallel, where the kernels load: torch's byte ops took most of a 1.7B model's load; else in torch)."""
     expect(type_name in KINDS, f"repack takes {sorted(KINDS)}, got {type_name}")
     check_tensor("raw", raw, 2, (torch.uint8,))
     qk = BLOCK_VALUES[type_name]
@@ -74,10 +77,44 @@ def repack(raw: torch.Tensor, type_name: str, k: int) -> KQuantWeight:
            f"{type_name} rows of {k} values take {nb * FILE_BYTES[type_name]} bytes, got {raw.shape[1]}")
     if type_name in AS_STORED:  # read as stored
         return KQuantWeight(type_name, n, k, raw.contiguous())
+    if kl is None:
+        from .cpu import lib
+
+        kl = lib()
+    if kl is not None:
+        return repack_parts([raw], type_name, k, kl=kl)
+    return _repack_torch(raw, type_name, k)
+
+
+def _repack_torch(raw: torch.Tensor, type_name: str, k: int) -> KQuantWeight:
+    """repack's torch path (no C kernels), the reference of the C one."""
+    n, nb = raw.shape[0], k // QK
     b = raw.reshape(n, nb, FILE_BYTES[type_name])
     sc, mn = _scales_mins(b[..., 4:16])
     data = torch.cat([b[..., 0:4], sc, mn, b[..., 16:]], -1)  # d, dmin | sc | m | (qh) qs
     return KQuantWeight(type_name, n, k, data.reshape(n, -1).contiguous())
+
+
+def repack_parts(raws: list[torch.Tensor], type_name: str, k: int, *, kl: CKernels | None = None) -> KQuantWeight:
+    """Several tensors' blocks (a merged layer's parts of one kind, rows one after another) -> one weight in the
+    kernels' layout, each part repacked in C straight into its rows (no concatenated copy of the file's bytes)."""
+    expect(len(raws) > 0, "repack_parts takes at least one tensor")
+    if type_name in AS_STORED or len(raws) == 1 and kl is None:
+        return repack(torch.cat(raws) if len(raws) > 1 else raws[0], type_name, k, kl=kl)
+    kl = _require(kl)
+    nb = k // BLOCK_VALUES[type_name]
+    for raw in raws:
+        check_tensor("raw", raw, 2, (torch.uint8,))
+        expect(k % BLOCK_VALUES[type_name] == 0 and k > 0 and raw.shape[1] == nb * FILE_BYTES[type_name],
+               f"{type_name} rows of {k} values take {nb * FILE_BYTES[type_name]} bytes, got {raw.shape[1]}")
+    out = torch.empty((sum(r.shape[0] for r in raws), nb * BLOCK_BYTES[type_name]), dtype=torch.uint8)
+    row = 0
+    for raw in raws:
+        src = raw.contiguous()
+        kl.fn("rg_gguf_k_repack")(raw=src.data_ptr(), kind=KINDS[type_name], N=src.shape[0], K=k,
+                                  out=out[row].data_ptr())
+        row += src.shape[0]
+    return KQuantWeight(type_name, out.shape[0], k, out)
 
 
 def unpack(w: KQuantWeight) -> torch.Tensor:

@@ -59,6 +59,21 @@ def test_repacked_blocks_decode_to_the_gguf_values(t):
     assert torch.equal(cpu_gguf.rows(w, ids, torch.bfloat16), ref[ids].bfloat16())
 
 
+def test_load_time_c_paths_match_torch():
+    """The C repack (Q4_K / Q5_K, several parts into one weight) and Q6_K's int8 decode are the torch ones' bytes."""
+    from radixgen.runtime.layers.quantization import gguf as gguf_method
+
+    for t in ("Q4_K", "Q5_K"):
+        parts = [kquant_blocks(t, rows, 512, rows) for rows in (3, 5)]
+        want = cpu_gguf._repack_torch(torch.from_numpy(np.concatenate(parts)), t, 512)
+        got = cpu_gguf.repack_parts([torch.from_numpy(p) for p in parts], t, 512)
+        assert got.n == 8 and torch.equal(got.data, want.data), t
+    raw = torch.from_numpy(kquant_blocks("Q6_K", 7, 512, 2))
+    qw = gguf_method._q6_k(raw, 7, 512)
+    dense = qw.q.float().reshape(7, 32, 16) * qw.scales.reshape(7, 32, 1)
+    assert torch.equal(dense.reshape(7, 512), reference("Q6_K", raw.numpy()))
+
+
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize(("n", "k"), [(45, 512), (3, 256), (19, 96)])
 def test_matmul_matches_the_dequantized_float32_matmul(t, n, k, gen):
@@ -86,7 +101,7 @@ def test_matmul_matches_the_dequantized_float32_matmul(t, n, k, gen):
 
 
 def test_rows_in_chunks_are_the_rows_alone(gen):
-    """K = 8192: 32 input rows per chunk of int8 inputs, so 37 rows cross a chunk boundary."""
+    """K = 8192: 4 input rows per chunk of int8 inputs, so 37 rows cross chunk boundaries."""
     raw = kquant_blocks("Q4_K", 5, 8192, 3)
     w, ref = cpu_gguf.repack(torch.from_numpy(raw), "Q4_K", 8192), reference("Q4_K", raw)
     x = torch.randn(37, 8192, generator=gen)

@@ -34,15 +34,13 @@ class GGUFPartsLinear(LinearMethod):
         for p in self.parts:
             if p.type_name in cpu_gguf.KINDS:
                 if kinds and kinds[-1] == p.type_name:  # beside a part of its kind: one weight, one call per step
-                    prev = weights.pop()
-                    raw = torch.cat([prev[1], p.raw])
+                    weights[-1][1].append(p.raw)
                 else:
-                    raw = p.raw
-                weights.append((p.type_name, raw))
+                    weights.append((p.type_name, [p.raw]))
             else:
                 weights.append(p)
             kinds.append(p.type_name)
-        weights = [cpu_gguf.repack(w[1].contiguous(), w[0], self.parts[0].columns) if isinstance(w, tuple)
+        weights = [cpu_gguf.repack_parts(w[1], w[0], self.parts[0].columns, kl=self.kl) if isinstance(w, tuple)
                    else w.quantized().pack() for w in weights]
         self.parts = None
         layer.gguf_weights = weights

@@ -164,6 +164,10 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
         ("src", "const void * const *"), ("src_scale", "const void * const *"), ("dst", "void * const *"),
         ("n_bufs", "int64_t"), ("src_index", "const int64_t *"), ("dst_index", "const int64_t *"),
         ("n_rows", "int64_t"), ("Hkv", "int64_t"), ("D", "int64_t"), ("code", "int64_t"), ("threads", "int64_t")]),
+    # the deterministic mode's float32 matmul (csrc/cpu_linear_f32_fixed.h), every build
+    "rg_linear_f32_fixed": ("rg_status", [
+        ("w", "const float *"), ("N", "int64_t"), ("K", "int64_t"), ("x", "const float *"), ("M", "int64_t"),
+        ("bias", "const float *"), ("y", "float *")]),
 }
 
 

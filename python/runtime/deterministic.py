@@ -31,18 +31,12 @@ import torch
 _REFUSED = (
     (lambda c: c.device != "cpu", "device={device}: the Triton kernels have no batch-invariant variant yet (their "
      "decode split follows the batch); use device='cpu'"),
-    (lambda c: c.tp_size not in (1, 2), "tp_size={tp_size}: the row-parallel sums run in tp 2's fixed segments "
-     "(layers/fixed_order.py), which a larger group would cut further; use tp_size 1 or 2"),
     (lambda c: c.tp_size > 1 and c.pp_size > 1, "tp_size={tp_size} and pp_size={pp_size} together: not covered by "
      "the mode's tests (each alone is); use one of them"),
     (lambda c: c.ep_size > 1, "ep_size={ep_size}: the expert ranks' partial sums are all-reduced in no fixed order; "
      "use ep_size=1"),
     (lambda c: c.disable_cpu_kernels, "disable_cpu_kernels: the plain torch matmuls and attention pick their "
      "blocking by the row count"),
-    (lambda c: c.dtype == "float32", "dtype=float32: float32 weights run on oneDNN, whose kernels follow the row "
-     "count; use dtype='bfloat16' (or 'auto', which picks it wherever the C kernels build)"),
-    (lambda c: c.quantization == "fp8", "quantization=fp8: its CPU path upcasts tiles for torch's matmul, whose "
-     "blocking follows the row count; use bf16, int8, int4 or GGUF weights"),
     (lambda c: c.hicache_enabled and c.kv_code_dtype is None and c.hicache_kv_format in ("int8", "fp8_e4m3"),
      "hicache_kv_format={hicache_kv_format} over a {dtype} pool: a prefix reloaded from the host or disk tier in "
      "8-bit codes rounds apart from the one computed; use hicache_kv_format 'auto' or 'model'"),
@@ -62,13 +56,8 @@ def check_deterministic(quant_spec, dtype: torch.dtype, ops, head_dim: int) -> N
     dtype, the ops set and the head size are known: bf16 activations on radixgen's C kernels (any build), heads
     the C attention takes (else the torch attention would run, whose sums follow the batch). Each linear layer's
     method is checked once loaded (layers/fixed_order.install)."""
-    if quant_spec.method == "fp8":
-        raise ValueError("deterministic mode does not run with fp8 weights (the checkpoint resolves to fp8): their "
-                         "CPU path upcasts tiles for torch's matmul, whose blocking follows the row count")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"deterministic mode needs bfloat16 activations on the CPU, got {dtype} (float32 weights "
-                         f"run on oneDNN, whose blocking follows the row count; dtype='auto' picks bfloat16 "
-                         f"wherever radixgen's C kernels build)")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"deterministic mode needs bfloat16 or float32 activations on the CPU, got {dtype}")
     kl = getattr(ops, "kl", None)  # the C kernels of CpuOps; the other ops sets have none
     if kl is None or not ops.attention_piece:
         raise ValueError("deterministic mode needs radixgen's C kernels (they did not build here, or "

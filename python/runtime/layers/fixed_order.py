@@ -1,4 +1,5 @@
-"""The deterministic mode's tensor-parallel sums: tp 1 and tp 2 give the same bits (runtime/deterministic.py).
+"""The deterministic mode's tensor-parallel sums: tp 1 and tp 2 give the same bits, and every tp size the same bits
+whatever the batch (runtime/deterministic.py).
 
 A row-parallel matmul (o_proj, down_proj) is a sum over its input features. With the default kernels tp 1 rounds
 one float32 sum to bf16, while each rank of tp 2 rounds its partial sum to bf16 and the all-reduce adds those, so
@@ -23,8 +24,14 @@ a lone bf16 row of an int4 weight (an odd call's last one) takes a shorter path 
 row of theirs on the streaming kernel's row pairs: calls of at most 16 rows, an even number where that path exists.
 
 The vocabulary-parallel embedding sums one rank's row with -0.0 from the others, which is exact, and the LM head's
-pieces are gathered, not summed. The supported sizes are those whose cut is a union of tp 2's segments: 1 and 2
-(`SUPPORTED_TP`). A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to match).
+pieces are gathered, not summed. A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to
+match).
+
+Larger groups (tp 3, 4, ...) sum their own cut: each rank's share one segment (`fix_order(partial=True)`), the
+segments gathered and added in rank order, as at tp 2. A row's bits then depend on the tp size (a rank's share of
+tp 4 is half a segment of tp 2's, summed as its own accumulator) but never on the batch: the promise the mode makes
+at every size is that of one layout, and tp 1 == tp 2 is the one cross-layout equality it adds. Matching tp 1 at
+tp 4 would take tp 4's four segments at tp 1 and 2 as well (a k_split per segment), which the C tiles do not have.
 """
 
 from __future__ import annotations
@@ -32,16 +39,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.kernels import cpu_linear
+from radixgen.kernels import cpu_fixed_f32, cpu_linear
 from radixgen.kernels.cpu_gguf import BLOCK_VALUES, PANEL_GEMM_ROWS, KQuantWeight
 from radixgen.runtime.ground.parallel_context import ParallelAxis
-from radixgen.runtime.layers.linear import LinearBase, LinearMethod, RowParallelLinear
+from radixgen.runtime.layers.linear import DenseLinear, LinearBase, LinearMethod, RowParallelLinear
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
 from radixgen.runtime.layers.quantization.experts import CpuGroupedLinear, GroupedLinear
+from radixgen.runtime.layers.quantization.fp8 import FP8Linear
 from radixgen.runtime.layers.quantization.gguf_k import GGUFPartsLinear
+from radixgen.runtime.layers.quantization.unquantized import OneDnnLinear
 
-SEGMENTS = 2  # the fixed segments of every row-parallel sum: tp 2's cut
-SUPPORTED_TP = (1, 2)
+SEGMENTS = 2  # the fixed segments of every row-parallel sum at tp 1 and 2: tp 2's cut
 STREAM_ROWS = 16  # the rows up to which the int8 / int4 matmuls stream their weights on every build
 
 
@@ -99,6 +107,36 @@ class FixedRows(LinearMethod):
         return self.inner.nbytes(layer)
 
 
+class FixedFloat32(LinearMethod):
+    """A float32 layer's method in the mode (dtype float32): the weight in the layout of the fixed float32 matmul
+    (kernels/cpu_fixed_f32.py), one fused multiply-add chain per output in input order, whose bits follow neither the
+    rows of the call nor the build. Replaces oneDNN's packed copy, whose blocking follows the row count."""
+
+    name = "float32 fixed chains (C)"
+
+    def __init__(self, kl) -> None:
+        self.kl = kl
+
+    def adopt(self, layer, w: torch.Tensor) -> None:
+        layer.fixed_f32 = cpu_fixed_f32.pack(w)
+        layer.weight, layer.packed, layer.method = None, None, self
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, layer.in_features).contiguous()
+        y = cpu_fixed_f32.linear(self.kl, layer.fixed_f32, layer.out_features, x2, layer.bias)
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def dequantize(self, layer):
+        return cpu_fixed_f32.unpack(layer.fixed_f32, layer.out_features)
+
+    def embed(self, layer, ids):
+        flat = ids.reshape(-1).to(torch.int64)
+        return cpu_fixed_f32.rows(layer.fixed_f32, flat).view(*ids.shape, layer.in_features)
+
+    def nbytes(self, layer):
+        return layer.fixed_f32.numel() * 4 + super().nbytes(layer)
+
+
 def _int_matmuls(method: LinearMethod, layer) -> bool | None:
     """Whether the layer's C matmuls include ones that change path with the row count (True: int8 / int4, GGUF
     Q4_0 / Q4_1 / Q8_0 and the other block kinds), only bf16 K pairs / GGUF K-quants (False), or it is not on the C
@@ -129,6 +167,11 @@ def install(model: nn.Module, kl) -> None:
             continue
         if not isinstance(m, LinearBase):
             continue
+        if m.dtype == torch.float32:
+            _float32(name, m, kl)
+            continue
+        if type(m.method) is FP8Linear:
+            _fp8_as_bf16(m, kl)
         quantized = _int_matmuls(m.method, m)
         if quantized is None:
             raise ValueError(f"deterministic mode needs every linear layer on radixgen's C matmuls (bf16 K pairs, "
@@ -146,6 +189,37 @@ def install(model: nn.Module, kl) -> None:
                                  rows=STREAM_ROWS if panel is None else min(STREAM_ROWS, panel - 1))
 
 
+def _float32(name: str, layer, kl) -> None:
+    """float32 activations: float weights onto the fixed float32 chains; a row-parallel layer at tp 1 only (its
+    ranks would round their partial sums apart: tp > 1 in float32 is not covered), other formats refused (their
+    kernels' float32-input paths are not held to the row count)."""
+    if isinstance(layer.method, OneDnnLinear):
+        w = layer.method.dequantize(layer)
+    elif type(layer.method) is DenseLinear and layer.weight is not None:
+        w = layer.weight.detach()
+    else:
+        raise ValueError(f"deterministic mode with float32 activations runs float weights only; {name} runs "
+                         f"{layer.method.name}: use dtype='bfloat16' for quantized weights")
+    if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+        raise ValueError(f"deterministic mode does not run {name} at tp_size={layer.tp.size} in float32: the ranks' "
+                         f"partial sums have no fixed segments there; use dtype='bfloat16' or tp_size 1")
+    FixedFloat32(kl).adopt(layer, w.float().contiguous())
+
+
+def _fp8_as_bf16(layer, kl) -> None:
+    """An fp8 layer's weight as bf16 K pairs on the C matmuls. e4m3 values are exact in bf16, but the upcast path
+    (FP8Linear) multiplies them by their float32 scale and rounds the product to the activations' dtype for torch's
+    matmul: the weight rounded the same way here is the bf16 weight that path multiplies by, every row of it (the
+    mode's results are those of the default path's weight; it holds 2 bytes a weight instead of 1). A layer whose
+    input size is odd (no K pairs) or whose activations are not bf16 keeps the upcast path, which install refuses."""
+    if layer.in_features % 2 or layer.dtype != torch.bfloat16 or not kl.has_fast_bf16_linear:
+        return
+    w = (layer.qweight.float() * layer.qscale[:, None]).to(torch.bfloat16)
+    del layer.qweight, layer.qscale  # (buffers)
+    layer.packed, layer.perm = cpu_linear.pack_bf16(w), None
+    layer.method = CpuPackedLinear(kl, None)
+
+
 def _check_experts(name: str, layer: GroupedLinear, tp_size: int) -> None:
     """An expert block's experts: bf16 K pairs on the grouped C matmuls, whose rows give the same bits at any row
     count (an expert sees however many rows the batch routed to it; a token's k terms are added in its own order,
@@ -161,9 +235,6 @@ def _check_experts(name: str, layer: GroupedLinear, tp_size: int) -> None:
 
 def _fix(name: str, layer: RowParallelLinear, kl, quantized: bool) -> None:
     tp = layer.tp
-    if tp.size not in SUPPORTED_TP:
-        raise ValueError(f"deterministic mode does not run with tp_size={tp.size}: its fixed segments are tp 2's "
-                         f"cut of each row-parallel matmul; use tp_size 1 or 2")
     if tp.size > 1 and not kl.has_decode_step:
         raise ValueError(f"deterministic mode does not run with tp_size={tp.size} on the {kl.isa} build of the CPU "
                          f"kernels: the fixed segments of {name} need the AVX512-BF16 tiles; use tp_size 1")
@@ -179,6 +250,8 @@ def _fix(name: str, layer: RowParallelLinear, kl, quantized: bool) -> None:
     if layer.bias is not None:
         raise ValueError(f"deterministic mode does not run {name} at tp_size={tp.size}: a row-parallel layer with a "
                          f"bias (rank 0 alone holds it, and every rank must add it)")
+    # each rank's share one segment; at tp 2 those are the segments tp 1 sums apart (the same bits), at a larger
+    # size the group's own (the same bits whatever the batch, at that size)
     layer.packed.fix_order(partial=True)
     layer.ordered_sum = OrderedSum(kl, tp)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixgen.kernels import _cpu_build, cpu, cpu_gguf, cpu_linear
+from radixgen.kernels import _cpu_build, cpu, cpu_fixed_f32, cpu_gguf, cpu_linear
 from radixgen.runtime.layers.fixed_order import FixedRows
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
 
@@ -97,3 +97,26 @@ def test_int_weights_keep_a_rows_bits_in_fixed_rows(kl, kind, dtype, gen):
     if kind == "int4" and dtype == torch.bfloat16 and kl.has_decode_step:  # what even_rows is for
         alone = torch.cat([cpu_linear._linear(kl, pw, x[i:i + 1].contiguous(), None) for i in range(32)])
         assert not torch.equal(alone, method.apply(layer, x[:32]))
+
+
+def test_float32_weights_keep_a_rows_bits_on_every_build(gen):
+    """The mode's float32 matmul (dtype float32: layers/fixed_order.FixedFloat32): one fused multiply-add chain per
+    output in input order, so a row's bits follow neither the row count nor the build (AVX-512, AVX2)."""
+    n, k = 203, 384  # a partial last block of 16 outputs
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu_fixed_f32.pack(w)
+    assert torch.equal(cpu_fixed_f32.unpack(packed, n), w)
+    assert torch.equal(cpu_fixed_f32.rows(packed, torch.tensor([0, 17, 202])), w[[0, 17, 202]])
+    x = torch.randn(200, k, generator=gen)
+    want, builds = None, 0
+    for isa in BUILDS:
+        if _cpu_build.missing_flags(isa) or not cpu.available():
+            continue
+        kl, builds = cpu.load(isa), builds + 1
+        y = cpu_fixed_f32.linear(kl, packed, n, x, b)
+        assert (y.double() - (x.double() @ w.double().t() + b.double())).abs().max() < 1e-3
+        assert _pieces_equal(lambda a, kl=kl: cpu_fixed_f32.linear(kl, packed, n, a.contiguous(), b), x) == [], isa
+        want = y if want is None else want
+        assert torch.equal(y, want), isa
+    if not builds:
+        pytest.skip("no build of the CPU kernels here")

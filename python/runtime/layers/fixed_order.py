@@ -167,8 +167,7 @@ def install(model: nn.Module, kl) -> None:
             continue
         if not isinstance(m, LinearBase):
             continue
-        if m.dtype == torch.float32:
-            _float32(name, m, kl)
+        if m.dtype == torch.float32 and _float32(name, m, kl):
             continue
         if type(m.method) is FP8Linear:
             _fp8_as_bf16(m, kl)
@@ -189,21 +188,22 @@ def install(model: nn.Module, kl) -> None:
                                  rows=STREAM_ROWS if panel is None else min(STREAM_ROWS, panel - 1))
 
 
-def _float32(name: str, layer, kl) -> None:
-    """float32 activations: float weights onto the fixed float32 chains; a row-parallel layer at tp 1 only (its
-    ranks would round their partial sums apart: tp > 1 in float32 is not covered), other formats refused (their
-    kernels' float32-input paths are not held to the row count)."""
+def _float32(name: str, layer, kl) -> bool:
+    """float32 activations: a float weight (oneDNN's packed copy, or the dense weight of a tied LM head) onto the
+    fixed float32 chains (True); other formats go on as in bf16 models (False: their C matmuls take float32 rows,
+    FixedRows keeping the int8 / int4 ones on one path). A row-parallel float layer at tp 1 only: the chains have
+    no fixed segments to match across ranks."""
     if isinstance(layer.method, OneDnnLinear):
         w = layer.method.dequantize(layer)
     elif type(layer.method) is DenseLinear and layer.weight is not None:
         w = layer.weight.detach()
     else:
-        raise ValueError(f"deterministic mode with float32 activations runs float weights only; {name} runs "
-                         f"{layer.method.name}: use dtype='bfloat16' for quantized weights")
+        return False
     if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
         raise ValueError(f"deterministic mode does not run {name} at tp_size={layer.tp.size} in float32: the ranks' "
                          f"partial sums have no fixed segments there; use dtype='bfloat16' or tp_size 1")
     FixedFloat32(kl).adopt(layer, w.float().contiguous())
+    return True
 
 
 def _fp8_as_bf16(layer, kl) -> None:

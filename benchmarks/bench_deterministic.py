@@ -6,10 +6,11 @@ default model (bf16) and on a GGUF file shaped like SmolLM2-1.7B (scale_gguf.py'
 random, written once into --gguf-dir (the shared /tmp/scale cache). Each build runs in its own process (RADIXGEN_CPU_ISA is read once). The two
 runners take turns inside each round, so both meet the same machine; each figure is the best of its rounds.
 
-    python benchmarks/bench_deterministic.py [--models default,gguf] [--builds native,x86-64-v3,skylake-avx512]
+    python benchmarks/bench_deterministic.py [--models default,gguf,f32] [--builds native,x86-64-v3,skylake-avx512]
         [--batches 1,8] [--prefill 512] [--ctx 256] [--reps 4] [--layers 24] [--gguf-type Q4_0]
 
---layers cuts the GGUF's depth (every layer has the 1.7B shapes: the ratios hold, the run gets shorter).
+f32 is the default model with dtype float32 (the mode's float32 matmul against oneDNN's). --layers cuts the
+GGUF's depth (every layer has the 1.7B shapes: the ratios hold, the run gets shorter).
 Target (issue 49): decode at batch 1 at most 1.3x slower than the default mode (ratio >= 0.77).
 """
 
@@ -49,8 +50,11 @@ def one_build(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     build = os.environ.get("RADIXGEN_CPU_ISA") or "native"
     for name in args.models.split(","):
+        dtype = "bfloat16"
         if name == "default":
             path, kw = resolve_model_path(None), {}
+        elif name == "f32":  # the default model in float32: oneDNN against the mode's fixed float32 chains
+            path, kw, dtype = resolve_model_path(None), {}, "float32"
         else:
             shape = SHAPES["1.7b"]._replace(layers=args.layers)  # every layer the 1.7B's shapes
             folder = Path(args.gguf_dir)
@@ -58,7 +62,7 @@ def one_build(args) -> None:
             path, kw = folder / f"{shape.name}-{args.layers}l-{args.gguf_type}.gguf", dict(quantization="gguf")
             if not path.exists():  # (write_gguf goes through a temporary name)
                 write_gguf(path, shape, args.gguf_type)
-        models = {mode: OurModel(path, "bfloat16", max(batches), args.ctx, deterministic=mode == "on", **kw)
+        models = {mode: OurModel(path, dtype, max(batches), args.ctx, deterministic=mode == "on", **kw)
                   for mode in ("off", "on")}
         label = f"{build:14} {name:8}"
         ids = torch.randint(0, 1000, (args.prefill,)).tolist()

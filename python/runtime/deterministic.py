@@ -8,7 +8,7 @@ for bf16 weights, float32 weights (layers/fixed_order.FixedFloat32: one FMA chai
 every build), fp8 weights (stored as the bf16 weight their upcast path multiplies by), GGUF files from their own
 blocks, int8 / int4 / AWQ / GPTQ weights, bf16 expert blocks, LoRA adapters, 8-bit KV pools and the host / disk
 tiers (in the pool's format); at any tp size (above 1: bf16 weights on an AVX512-BF16 build; tp 1 and 2 give each
-other's bits, a larger group its own), pp 1 or 2. The mode's choices are made once, when the model is built: the ops
+other's bits, a larger group its own), pp 1 or 2, tp and pp together. The mode's choices are made once, when the model is built: the ops
 set (`ops_for(..., deterministic=True)`) has decode attention sum every context over fixed pieces
 (kernels.cpu.FIXED_PIECE) and every query of a prefill run as a decode query at its own position, so a token's
 attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16 K-pair
@@ -33,8 +33,6 @@ import torch
 _REFUSED = (
     (lambda c: c.device != "cpu", "device={device}: the Triton kernels have no batch-invariant variant yet (their "
      "decode split follows the batch); use device='cpu'"),
-    (lambda c: c.tp_size > 1 and c.pp_size > 1, "tp_size={tp_size} and pp_size={pp_size} together: not covered by "
-     "the mode's tests (each alone is); use one of them"),
     (lambda c: c.ep_size > 1, "ep_size={ep_size}: the expert ranks' partial sums are all-reduced in no fixed order; "
      "use ep_size=1"),
     (lambda c: c.disable_cpu_kernels, "disable_cpu_kernels: the plain torch matmuls and attention pick their "

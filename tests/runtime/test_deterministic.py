@@ -101,7 +101,6 @@ def test_without_the_mode_some_probes_round_apart(model):
 
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(device="cuda"), "device=cuda"),
-    (dict(tp_size=2, pp_size=2), "tp_size=2 and pp_size=2"),
     (dict(disable_cpu_kernels=True), "disable_cpu_kernels"),
     (dict(tp_size=4, ep_size=2), "ep_size=2"),
 ])

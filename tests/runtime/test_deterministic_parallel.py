@@ -41,7 +41,8 @@ def reference(model_path):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}])
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2},
+                                    pytest.param({"tp_size": 2, "pp_size": 2}, marks=pytest.mark.slow)])
 def test_probes_keep_their_bits_across_layouts(model_path, reference, layout):
     got = run_group(model_path, workload="determinism", **CONFIG, **layout)
     assert got["fused"]

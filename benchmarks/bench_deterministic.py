@@ -1,13 +1,15 @@
 """What the deterministic mode costs: decode steps at batch 1 and 8 over 256-token contexts and a 512-token prefill,
 with the mode on and off (the default kernels) in one run, per build of the CPU kernels this CPU can run (native,
 and the emulated older CPUs: x86-64-v3 is an AVX2 CPU, skylake-avx512 one with AVX-512 but no BF16), on the bundled
-default model (bf16) and on a GGUF file shaped like SmolLM2-1.7B (scale_gguf.py's "1.7b": hidden 2048, MLP 8192,
-32 heads, tied; --gguf-type Q4_0 by default, its tied embedding in Q6_K as llama.cpp writes them) whose blocks are
-random, written once into --gguf-dir (the shared /tmp/scale cache). Each build runs in its own process (RADIXGEN_CPU_ISA is read once). The two
-runners take turns inside each round, so both meet the same machine; each figure is the best of its rounds.
+default model (bf16) and on a GGUF file shaped like SmolLM2-1.7B (scale_gguf.py's "1.7b": hidden 2048, MLP 8192, 32
+heads, tied; --gguf-type Q4_0 by default, its tied embedding in Q6_K as llama.cpp writes them) whose blocks are
+random, written once into --gguf-dir (the shared /tmp/scale cache). Each build runs in its own process
+(RADIXGEN_CPU_ISA is read once). The two runners take turns inside each round, so both meet the same machine; each
+figure is the best of its rounds.
 
     python benchmarks/bench_deterministic.py [--models default,gguf,f32] [--builds native,x86-64-v3,skylake-avx512]
-        [--batches 1,8] [--prefill 512] [--ctx 256] [--reps 4] [--layers 24] [--gguf-type Q4_0]
+        [--batches 1,8] [--prefill 512] [--ctx 256] [--reps 4] [--layers 24] [--gguf-type Q4_0] [--clock cpu]
+        [--threads 1]
 
 f32 is the default model with dtype float32 (the mode's float32 matmul against oneDNN's). --layers cuts the
 GGUF's depth (every layer has the 1.7B shapes: the ratios hold, the run gets shorter).
@@ -28,16 +30,19 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the scheduler process a
 import torch
 from scale_gguf import FILE_TYPES, SHAPES, write_gguf
 
-def turns(fns: dict, reps: int) -> dict:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds, all threads
+
+
+def turns(fns: dict, reps: int, clock=time.perf_counter) -> dict:
     """name -> best seconds of one run, the runs of the engines taking turns `reps` rounds (after a warm-up)."""
     for fn in fns.values():
         fn()
     best = {name: float("inf") for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], clock() - t0)
     return best
 
 
@@ -67,12 +72,12 @@ def one_build(args) -> None:
         label = f"{build:14} {name:8}"
         ids = torch.randint(0, 1000, (args.prefill,)).tolist()
         prefills = {mode: (lambda m=m, ids=ids: m.prefill(ids)) for mode, m in models.items()}
-        best = turns(prefills, max(1, args.reps // 2))
+        best = turns(prefills, max(1, args.reps // 2), CLOCKS[args.clock])
         rows = [(f"prefill {args.prefill}", args.prefill / best["off"], args.prefill / best["on"])]
         for b in batches:
             fis = {mode: m.setup_decode(b, args.ctx) for mode, m in models.items()}
             best = turns({mode: (lambda m=m, fi=fis[mode]: m.runner.forward(fi)) for mode, m in models.items()},
-                         args.reps * 2)
+                         args.reps * 2, CLOCKS[args.clock])
             rows.append((f"decode b={b}", b / best["off"], b / best["on"]))
         for case, off, on in rows:
             print(f"{label} {case:12} {off:14.1f} {on:14.1f} {on / off:6.2f}x", flush=True)
@@ -88,16 +93,22 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--clock", default="wall", choices=tuple(CLOCKS),
+                    help="cpu: CPU seconds instead of wall seconds (steadier on a shared machine; with --threads 1 "
+                         "the figures are single-core work rates)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--gguf-type", default="Q4_0", choices=FILE_TYPES)
     ap.add_argument("--gguf-dir", default="/tmp/scale", help="the random-weight files' cache (scale_gguf.py)")
     ap.add_argument("--one-build", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.one_build:
         one_build(args)
         return
     from radixgen.kernels import _cpu_build
 
-    print(f"CPU: {_cpu_build.cpu_model()}, torch threads: {torch.get_num_threads()}")
+    print(f"CPU: {_cpu_build.cpu_model()}, torch threads: {torch.get_num_threads()}, clock: {args.clock}")
     print(f"{'build':14} {'model':8} {'case':12} {'default tok/s':>14} {'deterministic':>14} {'ratio':>7}", flush=True)
     for build in args.builds.split(","):
         missing = _cpu_build.missing_flags(build)

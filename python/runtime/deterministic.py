@@ -1,24 +1,24 @@
 """The deterministic mode (`RuntimeConfig.deterministic`, `--deterministic`): what it needs, and its refusals.
 
-What it promises (docs/architecture.md, "The deterministic mode"): on the CPU path with bf16 or float32
-activations, on every build of the C kernels (AVX2, AVX-512 without BF16, AVX512-BF16), a request's output ids and logprobs are the same
-bits whatever else is in its batches, however its prompt is chunked, whatever part of it comes from the radix
-cache, with or without speculation, through the fused decode step or the layer-by-layer path, after a retraction;
-for bf16 weights, float32 weights (layers/fixed_order.FixedFloat32: one FMA chain per output, the same bits on
-every build), fp8 weights (stored as the bf16 weight their upcast path multiplies by), GGUF files from their own
-blocks, int8 / int4 / AWQ / GPTQ weights, bf16 expert blocks, LoRA adapters, 8-bit KV pools and the host / disk
+What it promises (docs/architecture.md, "The deterministic mode"): on the CPU path with bf16 or float32 activations,
+on every build of the C kernels (AVX2, AVX-512 without BF16, AVX512-BF16), a request's output ids and logprobs are
+the same bits whatever else is in its batches, however its prompt is chunked, whatever part of it comes from the
+radix cache, with or without speculation, through the fused decode step or the layer-by-layer path, after a
+retraction; for bf16 weights, float32 weights (layers/fixed_order.FixedFloat32: one FMA chain per output, the same
+bits on every build), fp8 weights (stored as the bf16 weight their upcast path multiplies by), GGUF files from their
+own blocks, int8 / int4 / AWQ / GPTQ weights, bf16 expert blocks, LoRA adapters, 8-bit KV pools and the host / disk
 tiers (in the pool's format); at any tp size (above 1: bf16 weights on an AVX512-BF16 build; tp 1 and 2 give each
-other's bits, a larger group its own), pp 1 or 2, tp and pp together. The mode's choices are made once, when the model is built: the ops
-set (`ops_for(..., deterministic=True)`) has decode attention sum every context over fixed pieces
-(kernels.cpu.FIXED_PIECE) and every query of a prefill run as a decode query at its own position, so a token's
-attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16 K-pair
-matmuls give each output one accumulator fed the input pairs in order (vdpbf16ps, or float32 FMAs on AVX2), and the
-GGUF K-quant kernels compute each output in a fixed order, so a row's dot products are the same at 1 row and at 200
-(tests/kernels/test_deterministic_builds_kernels.py holds them to it); the int8 / int4 matmuls, which run another kernel
-past 16 rows, get calls of at most 16 rows, and GGUF Q4_0 / Q4_1 / Q8_0 ones, whose panel GEMM starts at 9 rows, of at
-most 8 (layers/fixed_order.FixedRows). On AVX512-BF16 the row-parallel ones sum
-tp 2's cut of their inputs as two fixed segments at tp 1 and tp 2 alike (layers/fixed_order.py), so that the two
-layouts round the same; a larger group sums each rank's share as its own segment, in rank order.
+other's bits, a larger group its own), pp 1 or 2, tp and pp together. The mode's choices are made once, when the
+model is built: the ops set (`ops_for(..., deterministic=True)`) has decode attention sum every context over fixed
+pieces (kernels.cpu.FIXED_PIECE) and every query of a prefill run as a decode query at its own position, so a
+token's attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16
+K-pair matmuls give each output one accumulator fed the input pairs in order (vdpbf16ps, or float32 FMAs on AVX2),
+and the GGUF K-quant kernels compute each output in a fixed order, so a row's dot products are the same at 1 row and
+at 200 (tests/kernels/test_deterministic_builds_kernels.py holds them to it); the int8 / int4 matmuls, which run
+another kernel past 16 rows, get calls of at most 16 rows, and GGUF Q4_0 / Q4_1 / Q8_0 ones, whose panel GEMM starts
+at 9 rows, of at most 8 (layers/fixed_order.FixedRows). On AVX512-BF16 the row-parallel ones sum tp 2's cut of their
+inputs as two fixed segments at tp 1 and tp 2 alike (layers/fixed_order.py), so that the two layouts round the same;
+a larger group sums each rank's share as its own segment, in rank order.
 
 Everything the mode cannot keep is refused at start with the combination named, never served with a weaker
 promise: this module's two checks, the config's (`check_config`, from RuntimeConfig) and the runner's, once the

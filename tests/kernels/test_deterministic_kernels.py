@@ -141,14 +141,14 @@ def test_a_larger_groups_sums_follow_no_batch(tp, k, gen):
     n = 200
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
     cuts = [k * r // tp // 2 * 2 for r in range(tp)] + [k]  # even cuts, as the layers' shares
-    ranks = [cpu_linear.pack_bf16(w[:, a:b].contiguous()) for a, b in zip(cuts, cuts[1:])]
+    ranks = [cpu_linear.pack_bf16(w[:, a:b].contiguous()) for a, b in zip(cuts, cuts[1:], strict=False)]
     for r in ranks:
         r.fix_order(partial=True)
     x = torch.randn(90, k, generator=gen).to(torch.bfloat16)
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         parts = [cpu_linear.linear(r, rows[:, a:b].contiguous(), float_out=True)
-                 for r, a, b in zip(ranks, cuts, cuts[1:])]
+                 for r, a, b in zip(ranks, cuts, cuts[1:], strict=False)]
         return cpu_linear.sum_partials(KL, torch.stack(parts))
 
     y = step(x)

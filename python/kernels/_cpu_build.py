@@ -22,7 +22,8 @@ SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h", "cpu_pool_impl.h", "cpu_kv_qua
            "cpu_parallel.h", "cpu_linear.h", "cpu_moe.h", "cpu_moe_step.h", "cpu_bitmask.h",
            "cpu_linear_avx2.h", "cpu_linear_amx.h", "cpu_profile.h", "cpu_kv_copy.h", "cpu_linear_layout.h",
            "cpu_linear_bf16_avx2.h", "cpu_linear_avx512.h", "cpu_linear_avx512_gemm.h",
-           "cpu_gguf_k.h", "cpu_gguf_more.h")
+           "cpu_gguf_k.h", "cpu_gguf_more.h",
+           "cpu_linear_f32_fixed.h")
 ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512",
         "cooperlake": "-march=cooperlake"}
 _FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")

@@ -118,8 +118,10 @@ def main() -> None:
         env = {**os.environ, "RADIXGEN_CPU_ISA": build}
         subprocess.run([sys.executable, __file__, "--one-build", *sys.argv[1:]], env=env, check=True)
     print("\ndeterministic: every attention query over fixed pieces of its context, prefill queries as decode\n"
-          "queries, int8 / int4 matmuls in calls of at most 16 rows (runtime/deterministic.py); default: the split "
-          "follows\nthe batch, prefill runs the extend kernel and the GEMMs.")
+          "queries, int8 / int4 matmuls in calls of at most 16 rows, GGUF Q4_0 / Q4_1 / Q8_0 ones of at most 8 (their\n"
+          "panel GEMM starts at 9), float32 weights on the fixed float32 chains instead of oneDNN\n"
+          "(runtime/deterministic.py); default: the split follows the batch, prefill runs the extend kernel and the "
+          "GEMMs.")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """The matmul facts the deterministic mode rests on, on every build of the CPU kernels that runs here (x86-64-v3:
 AVX2; skylake-avx512: AVX-512 without BF16; native): a row's bits do not depend on how many rows share the call for
 bf16 K-pair weights (bf16 or float32 activations) and for the GGUF K-quant kernels; the int8 / int4 kernels, which
-do not hold to that alone (another kernel past 16 rows; on AVX512-BF16 a lone bf16 row of an int4 weight has its
-own path), and the GGUF Q4_0 / Q4_1 / Q8_0 ones (a panel GEMM from 9 rows) do under layers/fixed_order.FixedRows."""
+do not hold to that alone (another kernel past 16 rows), and the GGUF Q4_0 / Q4_1 / Q8_0 ones (a panel GEMM from 9 rows) do under layers/fixed_order.FixedRows."""
 
 from __future__ import annotations
 
@@ -91,14 +90,12 @@ def test_int_weights_keep_a_rows_bits_in_fixed_rows(kl, kind, dtype, gen):
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         pw = cpu_linear.pack_int4(q, s, (-8 * s).half().float(), 32, False)
     layer = SimpleNamespace(packed=pw, perm=None, bias=None, in_features=k, out_features=n)
-    # (even rows for int4 on AVX512-BF16 only, as fixed_order.install gives them: int8 keeps a lone row's bits)
-    method = FixedRows(CpuPackedLinear(kl, SimpleNamespace(name=kind)),
-                       even_rows=kl.has_decode_step and kind == "int4")
+    method = FixedRows(CpuPackedLinear(kl, SimpleNamespace(name=kind)), even_rows=False)  # as install gives it
     x = torch.randn(200, k, generator=gen).to(dtype)
     assert _pieces_equal(lambda a: method.apply(layer, a), x) == []
-    if kind == "int4" and dtype == torch.bfloat16 and kl.has_decode_step:  # what even_rows is for
-        alone = torch.cat([cpu_linear._linear(kl, pw, x[i:i + 1].contiguous(), None) for i in range(32)])
-        assert not torch.equal(alone, method.apply(layer, x[:32]))
+    # a lone row (an odd call's last one) has the bits it has beside others: no row needs doubling
+    alone = torch.cat([cpu_linear._linear(kl, pw, x[i:i + 1].contiguous(), None) for i in range(32)])
+    assert torch.equal(alone, method.apply(layer, x[:32]))
 
 
 def test_float32_weights_keep_a_rows_bits_on_every_build(gen):

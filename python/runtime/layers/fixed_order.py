@@ -19,11 +19,10 @@ tp 1 sums each row-parallel matmul as one accumulator and larger groups are refu
 
 The matmuls of other weight formats: the bf16 K pairs and the GGUF K-quant kernels give a row the same bits at any
 row count on every build (tests/kernels/test_deterministic_kernels.py); the int8 / int4 ones (int8, int4, AWQ,
-GPTQ, GGUF Q4_0 / Q4_1 / Q8_0) stream up to 16 rows and run another kernel beyond, and on AVX512-BF16 builds
-a lone bf16 row of an int4 weight (an odd call's last one) takes a shorter path of its own. `FixedRows` keeps every
-row of theirs on the streaming kernel's row pairs: calls of at most 16 rows, an even number where that path exists
-(int4 weights on AVX512-BF16 builds only: the others give a lone row its bits, and a doubled row doubles a decode
-step's dot products at batch 1).
+GPTQ, GGUF Q4_0 / Q4_1 / Q8_0) stream up to 16 rows and run another kernel beyond. `FixedRows` keeps every row of
+theirs on the streaming kernel: calls of at most 16 rows (8 for the GGUF 32-value kinds' panel GEMM). Its
+`even_rows` (an odd call's last row twice) is no longer needed: the int4 streaming tiles of AVX512-BF16 builds sum
+every row as their former one-row path did (two chains a quad), so a lone row has the bits it has beside others.
 
 The vocabulary-parallel embedding sums one rank's row with -0.0 from the others, which is exact, and the LM head's
 pieces are gathered, not summed. A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to
@@ -150,14 +149,6 @@ def _int_matmuls(method: LinearMethod, layer) -> bool | None:
     return None
 
 
-def _int4_parts(layer) -> bool:
-    """Whether the layer multiplies an int4 PackedWeight, whose lone bf16 row (AVX512-BF16 builds) takes a one-row
-    path of its own: only those need FixedRows' even rows. The int8 and GGUF block kernels give a row its bits at
-    one row too, and doubling it would double a decode step's dot products at batch 1."""
-    weights = getattr(layer, "gguf_weights", None) or [getattr(layer, "packed", None)]
-    return any(isinstance(w, cpu_linear.PackedWeight) and w.kind == cpu_linear.KIND_INT4 for w in weights)
-
-
 def _panel_rows(layer) -> int | None:
     """A GGUF layer with Q4_0 / Q4_1 / Q8_0 parts: the row count from which their kernel switches from the int8
     tiles to the panel GEMM (float32 inputs: other bits), which its calls must stay under; None for other layers."""
@@ -194,7 +185,7 @@ def install(model: nn.Module, kl) -> None:
             _fix(name, m, kl, quantized)
         if quantized:
             panel = _panel_rows(m)
-            m.method = FixedRows(m.method, even_rows=kl.has_decode_step and _int4_parts(m),
+            m.method = FixedRows(m.method, even_rows=False,
                                  rows=STREAM_ROWS if panel is None else min(STREAM_ROWS, panel - 1))
 
 

@@ -46,6 +46,7 @@ CASES = [  # (build, weights, KV pool, scenarios)
     ("x86-64-v3", "gguf", "auto", ("batch-8",)),
     ("x86-64-v3", "float32", "auto", ("batch-8",)),  # float32 weights on the fixed float32 chains
     ("skylake-avx512", "fp8", "auto", ("batch-8",)),  # fp8 weights as the bf16 weight their upcast multiplies by
+    ("native", "int4", "auto", ("batch-8",)),  # int4 tiles: a lone row (batch 1) with the bits of any tile
 ]
 
 

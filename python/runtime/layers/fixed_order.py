@@ -76,8 +76,9 @@ class OrderedSum:
 class FixedRows(LinearMethod):
     """An int8 / int4 layer's method (or a GGUF layer's with such parts) with every row on the streaming kernel:
     x cut into calls of at most STREAM_ROWS rows, and where `even_rows`, each call given an even number of rows (an
-    odd one's last row twice), so that no row takes the one-row path. No packed weight: the fused decode step, which
-    would pass it its whole batch, stays off."""
+    odd one's last row twice). Its packed weight (int8 / int4 layouts) goes to the fused decode step, which streams
+    every row count through the same tiles as these calls (linear_team_bf16, never the blocked GEMM): a row gets
+    the same bits there at any batch."""
 
     def __init__(self, inner: LinearMethod, even_rows: bool, rows: int = STREAM_ROWS) -> None:
         self.inner, self.even, self.rows = inner, even_rows, rows
@@ -106,6 +107,9 @@ class FixedRows(LinearMethod):
 
     def nbytes(self, layer):
         return self.inner.nbytes(layer)
+
+    def packed_weight(self, layer):
+        return self.inner.packed_weight(layer)
 
 
 class FixedFloat32(LinearMethod):

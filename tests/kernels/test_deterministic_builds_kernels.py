@@ -1,7 +1,8 @@
 """The matmul facts the deterministic mode rests on, on every build of the CPU kernels that runs here (x86-64-v3:
 AVX2; skylake-avx512: AVX-512 without BF16; native): a row's bits do not depend on how many rows share the call for
 bf16 K-pair weights (bf16 or float32 activations) and for the GGUF K-quant kernels; the int8 / int4 kernels, which
-do not hold to that alone (another kernel past 16 rows), and the GGUF Q4_0 / Q4_1 / Q8_0 ones (a panel GEMM from 9 rows) do under layers/fixed_order.FixedRows."""
+do not hold to that alone (another kernel past 16 rows), and the GGUF Q4_0 / Q4_1 / Q8_0 ones (a panel GEMM from 9
+rows) do under layers/fixed_order.FixedRows; and the mode's float32 matmul, on every build alike."""
 
 from __future__ import annotations
 

@@ -131,7 +131,8 @@ def test_probes_keep_their_bits(build, weights, kv, names, tmp_path_factory, mon
             assert sched.stats["retractions"] > 0
         if name == "host-disk":
             assert sched.server_info()["hicache"]["disk_hit_tokens"] > 0
-        assert (sched.runner.fused_decode is not None) == (build == "native" and weights in ("bf16", "moe", "lora", "int4"))
+        fused = build == "native" and weights in ("bf16", "moe", "lora", "int4")
+        assert (sched.runner.fused_decode is not None) == fused
     methods = {type(m.method).__name__ for m in alone.runner.model.modules() if isinstance(m, LinearBase)}
     if weights == "float32":  # every matmul on the fixed float32 chains (none on oneDNN)
         assert methods == {"FixedFloat32"}

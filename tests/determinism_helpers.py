@@ -17,7 +17,8 @@ def scheduler(model_dir, tokenizer, *, layer_by_layer: bool = False, **kw) -> Sc
     kw.setdefault("max_total_tokens", 16384)
     kw.setdefault("max_running_requests", 64)
     kw.setdefault("deterministic", True)
-    cfg = RuntimeConfig(model=str(model_dir), dtype="bfloat16", **kw)
+    kw.setdefault("dtype", "bfloat16")
+    cfg = RuntimeConfig(model=str(model_dir), **kw)
     runner = ModelRunner(cfg)
     if layer_by_layer:
         runner.fused_decode = None  # every decode step on the layer-by-layer path
@@ -104,18 +105,24 @@ def mismatches(got: dict, want: dict) -> list[str]:
     return bad
 
 
-def group_workload(runner: ModelRunner, n_others: int = 7) -> dict[str, tuple[list[int], list[float]]]:
+def group_workload(runner: ModelRunner, n_others: int = 7,
+                   alone: bool = False) -> dict[str, tuple[list[int], list[float]]] | tuple[dict, dict]:
     """The probes' results on `runner` (rank 0 of a parallel group, parallel_helpers.run_group(workload=
     "determinism"), or one process): cached prefixes of several lengths first, then the probes beside random other
-    requests (some sharing their prefixes), under the runner's config."""
+    requests (some sharing their prefixes), under the runner's config. alone: each probe run alone first, on the
+    same runner, before anything is cached: (batched results, alone results)."""
     from radixgen.runtime.loader import load_tokenizer
     from radixgen.runtime.scheduler.pipeline import PipelineScheduler
 
     cfg = runner.runtime_config
     sched = (PipelineScheduler if cfg.pp_size > 1 else Scheduler)(cfg, runner, load_tokenizer(runner.model_path))
     vocab = 49152  # prompts reading both halves of a vocabulary-parallel embedding
+    want = {}
+    if alone:
+        for p in probes(vocab):
+            want.update(probe_results(run(sched, [p])))
     ps = probes(vocab)
     run(sched, prefix_holders(ps, vocab=vocab))
     res = run(sched, others(n_others, vocab, 11, ps) + ps)
     assert sum(o["cached"] for rid, o in res.items() if rid.startswith("probe")) > 0, "no probe hit the cache"
-    return probe_results(res)
+    return (probe_results(res), want) if alone else probe_results(res)

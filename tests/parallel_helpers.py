@@ -87,7 +87,14 @@ def drive_determinism(runner: ModelRunner) -> dict:
     return group_workload(runner)
 
 
-WORKLOADS = {"drive": drive, "drive_copy": drive_copy, "determinism": drive_determinism}
+def drive_determinism_alone(runner: ModelRunner) -> tuple[dict, dict]:
+    from determinism_helpers import group_workload
+
+    return group_workload(runner, alone=True)
+
+
+WORKLOADS = {"drive": drive, "drive_copy": drive_copy, "determinism": drive_determinism,
+             "determinism_alone": drive_determinism_alone}
 
 
 def _rank_main(cfg: RuntimeConfig, model_path: str, rank: int, addr: tuple[str, int], out: str,

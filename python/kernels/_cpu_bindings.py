@@ -172,6 +172,10 @@ _TABLE = {  # "{T}": the kernel exists once per suffix of ELEMENT_TYPES, T being
     "rg_gguf_q_linear_bf16": ("rg_status", [
         ("w", "const uint8_t *"), ("kind", "int64_t"), ("N", "int64_t"), ("K", "int64_t"), ("x", "const uint16_t *"),
         ("M", "int64_t"), ("y", "uint16_t *")]),
+    # the deterministic mode's float32 matmul (csrc/cpu_linear_f32_fixed.h), every build
+    "rg_linear_f32_fixed": ("rg_status", [
+        ("w", "const float *"), ("N", "int64_t"), ("K", "int64_t"), ("x", "const float *"), ("M", "int64_t"),
+        ("bias", "const float *"), ("y", "float *")]),
 }
 
 

@@ -23,7 +23,7 @@ SOURCES = ("cpu_kernels.c", "cpu_kernels_impl.h", "cpu_pool_impl.h", "cpu_kv_qua
            "cpu_linear_avx2.h", "cpu_linear_amx.h", "cpu_profile.h", "cpu_kv_copy.h", "cpu_linear_layout.h",
            "cpu_linear_bf16_avx2.h", "cpu_linear_avx512.h", "cpu_linear_avx512_gemm.h",
            "cpu_gguf_k.h", "cpu_gguf_more.h",
-           "cpu_gguf_q.h", "cpu_task_pool.h")
+           "cpu_gguf_q.h", "cpu_task_pool.h", "cpu_linear_f32_fixed.h")
 ISAS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "skylake-avx512": "-march=skylake-avx512",
         "cooperlake": "-march=cooperlake"}
 _FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")

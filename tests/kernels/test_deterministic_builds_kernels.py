@@ -1,8 +1,8 @@
 """The matmul facts the deterministic mode rests on, on every build of the CPU kernels that runs here (x86-64-v3:
 AVX2; skylake-avx512: AVX-512 without BF16; native): a row's bits do not depend on how many rows share the call for
 bf16 K-pair weights (bf16 or float32 activations) and for the GGUF K-quant kernels; the int8 / int4 kernels, which
-do not hold to that alone (another kernel past 16 rows; on AVX512-BF16 a lone bf16 row of an int4 weight has its
-own path), and the GGUF Q4_0 / Q4_1 / Q8_0 ones (a panel GEMM from 9 rows) do under layers/fixed_order.FixedRows."""
+do not hold to that alone (another kernel past 16 rows), and the GGUF Q4_0 / Q4_1 / Q8_0 ones (a panel GEMM from 9
+rows) do under layers/fixed_order.FixedRows; and the mode's float32 matmul, on every build alike."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixgen.kernels import _cpu_build, cpu, cpu_gguf, cpu_linear
+from radixgen.kernels import _cpu_build, cpu, cpu_fixed_f32, cpu_gguf, cpu_linear
 from radixgen.runtime.layers.fixed_order import FixedRows
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
 
@@ -91,9 +91,32 @@ def test_int_weights_keep_a_rows_bits_in_fixed_rows(kl, kind, dtype, gen):
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         pw = cpu_linear.pack_int4(q, s, (-8 * s).half().float(), 32, False)
     layer = SimpleNamespace(packed=pw, perm=None, bias=None, in_features=k, out_features=n)
-    method = FixedRows(CpuPackedLinear(kl, SimpleNamespace(name=kind)), even_rows=kl.has_decode_step)
+    method = FixedRows(CpuPackedLinear(kl, SimpleNamespace(name=kind)), even_rows=False)  # as install gives it
     x = torch.randn(200, k, generator=gen).to(dtype)
     assert _pieces_equal(lambda a: method.apply(layer, a), x) == []
-    if kind == "int4" and dtype == torch.bfloat16 and kl.has_decode_step:  # what even_rows is for
-        alone = torch.cat([cpu_linear._linear(kl, pw, x[i:i + 1].contiguous(), None) for i in range(32)])
-        assert not torch.equal(alone, method.apply(layer, x[:32]))
+    # a lone row (an odd call's last one) has the bits it has beside others: no row needs doubling
+    alone = torch.cat([cpu_linear._linear(kl, pw, x[i:i + 1].contiguous(), None) for i in range(32)])
+    assert torch.equal(alone, method.apply(layer, x[:32]))
+
+
+def test_float32_weights_keep_a_rows_bits_on_every_build(gen):
+    """The mode's float32 matmul (dtype float32: layers/fixed_order.FixedFloat32): one fused multiply-add chain per
+    output in input order, so a row's bits follow neither the row count nor the build (AVX-512, AVX2)."""
+    n, k = 203, 384  # a partial last block of 16 outputs
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu_fixed_f32.pack(w)
+    assert torch.equal(cpu_fixed_f32.unpack(packed, n), w)
+    assert torch.equal(cpu_fixed_f32.rows(packed, torch.tensor([0, 17, 202])), w[[0, 17, 202]])
+    x = torch.randn(200, k, generator=gen)
+    want, builds = None, 0
+    for isa in BUILDS:
+        if _cpu_build.missing_flags(isa) or not cpu.available():
+            continue
+        kl, builds = cpu.load(isa), builds + 1
+        y = cpu_fixed_f32.linear(kl, packed, n, x, b)
+        assert (y.double() - (x.double() @ w.double().t() + b.double())).abs().max() < 1e-3
+        assert _pieces_equal(lambda a, kl=kl: cpu_fixed_f32.linear(kl, packed, n, a.contiguous(), b), x) == [], isa
+        want = y if want is None else want
+        assert torch.equal(y, want), isa
+    if not builds:
+        pytest.skip("no build of the CPU kernels here")

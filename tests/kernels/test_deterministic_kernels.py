@@ -131,3 +131,29 @@ def test_a_fixed_order_is_for_bf16_weights_on_even_cuts(gen):
     with pytest.raises(cpu.CKernelError, match="not supported"):  # a rank's partial sums carry no bias
         cpu_linear.linear(pw, torch.randn(2, 64, generator=gen).to(torch.bfloat16),
                           torch.zeros(32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("tp", "k"), [(3, 576), (4, 1536)])
+def test_a_larger_groups_sums_follow_no_batch(tp, k, gen):
+    """tp 3 and 4 in the mode (layers/fixed_order.py): each rank's share of the input columns its own partial sums,
+    gathered and added in rank order. A row gets the same bits at every row count of the ranks' calls, and every
+    rank's sum of the gathered parts is the same (they add the same tensor)."""
+    n = 200
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    cuts = [k * r // tp // 2 * 2 for r in range(tp)] + [k]  # even cuts, as the layers' shares
+    ranks = [cpu_linear.pack_bf16(w[:, a:b].contiguous()) for a, b in zip(cuts, cuts[1:], strict=False)]
+    for r in ranks:
+        r.fix_order(partial=True)
+    x = torch.randn(90, k, generator=gen).to(torch.bfloat16)
+
+    def step(rows: torch.Tensor) -> torch.Tensor:
+        parts = [cpu_linear.linear(r, rows[:, a:b].contiguous(), float_out=True)
+                 for r, a, b in zip(ranks, cuts, cuts[1:], strict=False)]
+        return cpu_linear.sum_partials(KL, torch.stack(parts))
+
+    y = step(x)
+    assert rel_err(y, cpu_linear.linear_ref(cpu_linear.pack_bf16(w), x, None)) < TOL[torch.bfloat16]
+    start = 0
+    for rows in (1, 2, 3, 16, 17, 51):
+        assert torch.equal(step(x[start:start + rows]), y[start:start + rows]), rows
+        start += rows

@@ -19,6 +19,7 @@ from tiny_models import tiny_model_dir
 from radixgen.kernels import _cpu_build, cpu
 from radixgen.runtime import config as config_mod
 from radixgen.runtime.config import RuntimeConfig
+from radixgen.runtime.layers.linear import LinearBase
 from radixgen.runtime.loader import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -43,6 +44,9 @@ CASES = [  # (build, weights, KV pool, scenarios)
     ("x86-64-v3", "lora", "auto", ("batch-8",)),  # LoRA deltas on the torch path
     ("native", "moe", "auto", ("batch-8",)),  # Qwen3-MoE's bf16 experts on the grouped C matmuls
     ("x86-64-v3", "gguf", "auto", ("batch-8",)),
+    ("x86-64-v3", "float32", "auto", ("batch-8",)),  # float32 weights on the fixed float32 chains
+    ("skylake-avx512", "fp8", "auto", ("batch-8",)),  # fp8 weights as the bf16 weight their upcast multiplies by
+    ("native", "int4", "auto", ("batch-8",)),  # int4 tiles: a lone row (batch 1) with the bits of any tile
 ]
 
 
@@ -90,6 +94,8 @@ def _model(weights: str, tmp_path_factory, monkeypatch):
             if not (folder / name).exists():
                 make_adapter("llama", folder / name, seed=seed)
         return tiny_model_dir("llama"), dict(lora_paths=(f"a={folder / 'a'}", f"b={folder / 'b'}"))
+    if weights == "float32":
+        return tiny_model_dir("llama"), dict(dtype="float32")
     return tiny_model_dir("llama"), ({} if weights == "bf16" else dict(quantization=weights))
 
 
@@ -125,7 +131,13 @@ def test_probes_keep_their_bits(build, weights, kv, names, tmp_path_factory, mon
             assert sched.stats["retractions"] > 0
         if name == "host-disk":
             assert sched.server_info()["hicache"]["disk_hit_tokens"] > 0
-        assert (sched.runner.fused_decode is not None) == (build == "native" and weights in ("bf16", "moe", "lora"))
+        fused = build == "native" and weights in ("bf16", "moe", "lora", "int4")
+        assert (sched.runner.fused_decode is not None) == fused
+    methods = {type(m.method).__name__ for m in alone.runner.model.modules() if isinstance(m, LinearBase)}
+    if weights == "float32":  # every matmul on the fixed float32 chains (none on oneDNN)
+        assert methods == {"FixedFloat32"}
+    if weights == "fp8":  # the fp8 layers as bf16 K pairs, none left on the upcast path
+        assert "FP8Linear" not in methods and "CpuPackedLinear" in methods
 
 
 def test_the_emulated_cpus_answer_for_their_bf16(monkeypatch):
@@ -136,8 +148,7 @@ def test_the_emulated_cpus_answer_for_their_bf16(monkeypatch):
 
 
 @pytest.mark.parametrize(("kw", "named"), [
-    (dict(dtype="float32"), "dtype=float32"),
-    (dict(quantization="fp8"), "quantization=fp8"),
+    (dict(tp_size=2, ep_size=2), "ep_size=2"),
     (dict(enable_hierarchical_cache=True, hicache_kv_format="int8"), "hicache_kv_format=int8"),
 ])
 def test_what_stays_refused_is_refused_by_name(kw, named):
@@ -151,7 +162,7 @@ def test_the_host_tier_keeps_the_pools_bits():
     assert RuntimeConfig(enable_hierarchical_cache=True, deterministic=True).hicache_code_dtype is None
 
 
-def test_float32_weights_are_refused_by_the_runner():
+def test_the_runner_takes_bf16_and_float32_activations():
     from radixgen.runtime import deterministic
     from radixgen.runtime.layers import ops as ops_mod
     from radixgen.runtime.layers.quantization import QuantSpec
@@ -160,8 +171,9 @@ def test_float32_weights_are_refused_by_the_runner():
     if ops.kl is None:
         pytest.skip("no AVX2 build here")
     deterministic.check_deterministic(QuantSpec(method="gguf"), torch.bfloat16, ops, 64)
-    with pytest.raises(ValueError, match="bfloat16 activations"):
-        deterministic.check_deterministic(QuantSpec(), torch.float32, ops, 64)
+    deterministic.check_deterministic(QuantSpec(), torch.float32, ops, 64)
+    with pytest.raises(ValueError, match="bfloat16 or float32 activations"):
+        deterministic.check_deterministic(QuantSpec(), torch.float16, ops, 64)
     with pytest.raises(ValueError, match="C kernels"):
         deterministic.check_deterministic(QuantSpec(), torch.bfloat16, ops_mod.CpuOps(None, True), 64)
 

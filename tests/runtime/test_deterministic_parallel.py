@@ -41,8 +41,20 @@ def reference(model_path):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}])
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2},
+                                    pytest.param({"tp_size": 2, "pp_size": 2}, marks=pytest.mark.slow)])
 def test_probes_keep_their_bits_across_layouts(model_path, reference, layout):
     got = run_group(model_path, workload="determinism", **CONFIG, **layout)
     assert got["fused"]
     assert mismatches(got["logits"], reference) == []
+
+
+@pytest.mark.slow
+def test_tp4_keeps_its_own_bits(model_path):
+    """tp 4 (four spawned ranks) sums its own cut (each rank's share one segment, added in rank order:
+    layers/fixed_order.py): a probe alone and, later, from the cache beside other requests gives the same bits at
+    that size (tp 1 == tp 2 is the cross-layout equality, above; the sums' mechanics at tp 3 and 4 in one process:
+    tests/kernels/test_deterministic_kernels.py)."""
+    res = run_group(model_path, workload="determinism_alone", tp_size=4, **CONFIG)
+    batched, alone = res["logits"]
+    assert alone and mismatches(batched, alone) == []

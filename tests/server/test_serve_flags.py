@@ -172,7 +172,7 @@ def test_sglang_lora_command_line():
     (["--api-key", ""], "api_keys: a key must be non-empty"),
     (["--api-key-file", "/nonexistent/keys.txt"], "api_key_file: cannot read '/nonexistent/keys.txt'"),
     (["--disable-radix-cache", "yes"], "unrecognized arguments: yes"),
-    (["--deterministic", "--tp-size", "4"], "deterministic mode does not run with tp_size=4"),
+    (["--deterministic", "--tp-size", "2", "--ep-size", "2"], "deterministic mode does not run with ep_size=2"),
     (["--deterministic", "--device", "cuda"], "deterministic mode does not run with device=cuda"),
     (["--extra", "{}"], "unrecognized arguments: --extra"),
 ])

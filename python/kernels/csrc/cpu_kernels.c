@@ -152,6 +152,7 @@ int rg_d_max(void) { return D_MAX; }
 #include "cpu_kv_copy.h" /* row copies between KV pools (the hierarchical cache's tiers), every layer at once */
 #include "cpu_gguf_k.h" /* GGUF Q4_K / Q5_K weights multiplied from their own bits */
 #include "cpu_gguf_more.h" /* GGUF Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 from their own bits */
+#include "cpu_linear_f32_fixed.h" /* the deterministic mode's float32 matmul: one fixed chain per output */
 
 typedef struct { /* one decoder layer: bf16 norm weights and bias, the four matmuls' weights, KV buffers */
     const uint16_t *input_norm, *qkv_bias, *post_norm;

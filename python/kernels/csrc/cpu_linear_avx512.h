@@ -54,18 +54,10 @@ static inline __m512bh int8_slice(const uint8_t *p) {
     return _mm512_cvtne2ps_pbh(b, a); /* lanes 0-15 from a */
 }
 
-/* 32 bytes of an int4 quad -> its two K-pair slices of bf16 (128 + q). */
-static inline void int4_slices(const uint8_t *p, __m512bh *lo, __m512bh *hi) {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); /* a byte per 16-bit lane */
-    const __m512i bias = _mm512_set1_epi16(0x4300);
-    *lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi16(0x000F)), bias);
-    *hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), bias);
-}
-
-/* The same for one input row, in fewer instructions: lo as above in one ternary-logic op, hi as the bf16
- * 2 + q / 64 (0x4000 | q, shifted in with the bits of 4 by one double shift), summed apart (gemv_tile_q's ah):
- * sum x (2 + q / 64) times 64 is sum x (128 + q), so the group's correction is unchanged. Five vector operations a
- * quad instead of seven: at one row the int4 stream is partly bound by them. */
+/* 32 bytes of an int4 quad -> its two K-pair slices of bf16: lo as 128 + q (0x4300 | q, in one ternary-logic op),
+ * hi as 2 + q / 64 (0x4000 | q, shifted in with the bits of 4 by one double shift), summed apart (gemv_tile_q's
+ * ah): sum x (2 + q / 64) times 64 is sum x (128 + q), so the group's correction is unchanged. Five vector
+ * operations a quad instead of seven (both halves as 128 + q): at one row the int4 stream is partly bound by them. */
 static inline void int4_slices_row(const uint8_t *p, __m512bh *lo, __m512bh *hi) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     *lo = (__m512bh)_mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);
@@ -192,13 +184,13 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
     for (int b = 0; b < NB; ++b)
         for (int i = 0; i < MB; ++i) acc[b][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
-        /* the group's sums; a single input row keeps its quads' two halves apart (ah), so that each block has two
-         * independent vdpbf16ps chains: one chain of two a quad held the stream to half the memory's speed */
-        __m512 ag[4][4], ah[4];
-        for (int b = 0; b < NB; ++b) {
-            ah[b] = _mm512_setzero_ps();
-            for (int i = 0; i < MB; ++i) ag[b][i] = _mm512_setzero_ps();
-        }
+        /* the group's sums; int4 rows keep their quads' two halves apart (ah), so that each block has two
+         * independent vdpbf16ps chains: one chain of two a quad held the stream to half the memory's speed at one
+         * row. Every row tile sums them so (not only one row), so that a row's bits do not depend on how many rows
+         * share the call (the deterministic mode's int4 matmuls). */
+        __m512 ag[4][4], ah[4][4];
+        for (int b = 0; b < NB; ++b)
+            for (int i = 0; i < MB; ++i) ag[b][i] = ah[b][i] = _mm512_setzero_ps();
         const uint16_t *xg = x + m0 * K + g * G;
         for (int b = 0; b < NB && b < far; ++b) /* the next tile's group scales: a line the slices' lines miss */
             _mm_prefetch((const char *)(wb[b] + g * gb) + ahead, GEMV_HINT_FAR);
@@ -208,24 +200,18 @@ static inline __attribute__((always_inline)) void gemv_tile_q(const rg_weight *w
                 for (int b = 0; b < NB; ++b) {
                     const uint8_t *q = wb[b] + g * gb + 64 + c * 32;
                     if (c % 2 == 0) Q_PREFETCH(q, b); /* once a cache line */
-                    if (MB == 1)
-                        int4_slices_row(q, &lo[b], &hi[b]);
-                    else
-                        int4_slices(q, &lo[b], &hi[b]);
+                    int4_slices_row(q, &lo[b], &hi[b]);
                 }
                 for (int i = 0; i < MB; ++i) {
                     const __m512bh x0 = bcast_pair(xg + i * K + 4 * c), x1 = bcast_pair(xg + i * K + 4 * c + 2);
                     for (int b = 0; b < NB; ++b) {
                         ag[b][i] = _mm512_dpbf16_ps(ag[b][i], x0, lo[b]);
-                        if (MB == 1)
-                            ah[b] = _mm512_dpbf16_ps(ah[b], x1, hi[b]);
-                        else
-                            ag[b][i] = _mm512_dpbf16_ps(ag[b][i], x1, hi[b]);
+                        ah[b][i] = _mm512_dpbf16_ps(ah[b][i], x1, hi[b]);
                     }
                 }
             }
-            if (MB == 1)
-                for (int b = 0; b < NB; ++b) ag[b][0] = _mm512_fmadd_ps(ah[b], _mm512_set1_ps(64.f), ag[b][0]);
+            for (int b = 0; b < NB; ++b)
+                for (int i = 0; i < MB; ++i) ag[b][i] = _mm512_fmadd_ps(ah[b][i], _mm512_set1_ps(64.f), ag[b][i]);
             for (int b = 0; b < NB; ++b) {
                 const uint8_t *gp = wb[b] + g * gb;
                 const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gp));

@@ -1,4 +1,5 @@
-"""The deterministic mode's tensor-parallel sums: tp 1 and tp 2 give the same bits (runtime/deterministic.py).
+"""The deterministic mode's tensor-parallel sums: tp 1 and tp 2 give the same bits, and every tp size the same bits
+whatever the batch (runtime/deterministic.py).
 
 A row-parallel matmul (o_proj, down_proj) is a sum over its input features. With the default kernels tp 1 rounds
 one float32 sum to bf16, while each rank of tp 2 rounds its partial sum to bf16 and the all-reduce adds those, so
@@ -18,13 +19,20 @@ tp 1 sums each row-parallel matmul as one accumulator and larger groups are refu
 
 The matmuls of other weight formats: the bf16 K pairs and the GGUF K-quant kernels give a row the same bits at any
 row count on every build (tests/kernels/test_deterministic_kernels.py); the int8 / int4 ones (int8, int4, AWQ,
-GPTQ, GGUF Q4_0 / Q4_1 / Q8_0) stream up to 16 rows and run another kernel beyond, and on AVX512-BF16 builds
-a lone bf16 row of an int4 weight (an odd call's last one) takes a shorter path of its own. `FixedRows` keeps every
-row of theirs on the streaming kernel's row pairs: calls of at most 16 rows, an even number where that path exists.
+GPTQ, GGUF Q4_0 / Q4_1 / Q8_0) stream up to 16 rows and run another kernel beyond. `FixedRows` keeps every row of
+theirs on the streaming kernel: calls of at most 16 rows (8 for the GGUF 32-value kinds' panel GEMM). Its
+`even_rows` (an odd call's last row twice) is no longer needed: the int4 streaming tiles of AVX512-BF16 builds sum
+every row as their former one-row path did (two chains a quad), so a lone row has the bits it has beside others.
 
 The vocabulary-parallel embedding sums one rank's row with -0.0 from the others, which is exact, and the LM head's
-pieces are gathered, not summed. The supported sizes are those whose cut is a union of tp 2's segments: 1 and 2
-(`SUPPORTED_TP`). A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to match).
+pieces are gathered, not summed. A model that tp 2 cannot split at all keeps one sum at tp 1 (there is no tp 2 to
+match).
+
+Larger groups (tp 3, 4, ...) sum their own cut: each rank's share one segment (`fix_order(partial=True)`), the
+segments gathered and added in rank order, as at tp 2. A row's bits then depend on the tp size (a rank's share of
+tp 4 is half a segment of tp 2's, summed as its own accumulator) but never on the batch: the promise the mode makes
+at every size is that of one layout, and tp 1 == tp 2 is the one cross-layout equality it adds. Matching tp 1 at
+tp 4 would take tp 4's four segments at tp 1 and 2 as well (a k_split per segment), which the C tiles do not have.
 """
 
 from __future__ import annotations
@@ -32,16 +40,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.kernels import cpu_linear
+from radixgen.kernels import cpu_fixed_f32, cpu_linear
 from radixgen.kernels.cpu_gguf import BLOCK_VALUES, PANEL_GEMM_ROWS, KQuantWeight
 from radixgen.runtime.ground.parallel_context import ParallelAxis
-from radixgen.runtime.layers.linear import LinearBase, LinearMethod, RowParallelLinear
+from radixgen.runtime.layers.linear import DenseLinear, LinearBase, LinearMethod, RowParallelLinear
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
 from radixgen.runtime.layers.quantization.experts import CpuGroupedLinear, GroupedLinear
+from radixgen.runtime.layers.quantization.fp8 import FP8Linear
 from radixgen.runtime.layers.quantization.gguf_k import GGUFPartsLinear
+from radixgen.runtime.layers.quantization.unquantized import OneDnnLinear
 
-SEGMENTS = 2  # the fixed segments of every row-parallel sum: tp 2's cut
-SUPPORTED_TP = (1, 2)
+SEGMENTS = 2  # the fixed segments of every row-parallel sum at tp 1 and 2: tp 2's cut
 STREAM_ROWS = 16  # the rows up to which the int8 / int4 matmuls stream their weights on every build
 
 
@@ -67,8 +76,9 @@ class OrderedSum:
 class FixedRows(LinearMethod):
     """An int8 / int4 layer's method (or a GGUF layer's with such parts) with every row on the streaming kernel:
     x cut into calls of at most STREAM_ROWS rows, and where `even_rows`, each call given an even number of rows (an
-    odd one's last row twice), so that no row takes the one-row path. No packed weight: the fused decode step, which
-    would pass it its whole batch, stays off."""
+    odd one's last row twice). Its packed weight (int8 / int4 layouts) goes to the fused decode step, which streams
+    every row count through the same tiles as these calls (linear_team_bf16, never the blocked GEMM): a row gets
+    the same bits there at any batch."""
 
     def __init__(self, inner: LinearMethod, even_rows: bool, rows: int = STREAM_ROWS) -> None:
         self.inner, self.even, self.rows = inner, even_rows, rows
@@ -97,6 +107,39 @@ class FixedRows(LinearMethod):
 
     def nbytes(self, layer):
         return self.inner.nbytes(layer)
+
+    def packed_weight(self, layer):
+        return self.inner.packed_weight(layer)
+
+
+class FixedFloat32(LinearMethod):
+    """A float32 layer's method in the mode (dtype float32): the weight in the layout of the fixed float32 matmul
+    (kernels/cpu_fixed_f32.py), one fused multiply-add chain per output in input order, whose bits follow neither the
+    rows of the call nor the build. Replaces oneDNN's packed copy, whose blocking follows the row count."""
+
+    name = "float32 fixed chains (C)"
+
+    def __init__(self, kl) -> None:
+        self.kl = kl
+
+    def adopt(self, layer, w: torch.Tensor) -> None:
+        layer.fixed_f32 = cpu_fixed_f32.pack(w)
+        layer.weight, layer.packed, layer.method = None, None, self
+
+    def apply(self, layer, x):
+        x2 = x.reshape(-1, layer.in_features).contiguous()
+        y = cpu_fixed_f32.linear(self.kl, layer.fixed_f32, layer.out_features, x2, layer.bias)
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def dequantize(self, layer):
+        return cpu_fixed_f32.unpack(layer.fixed_f32, layer.out_features)
+
+    def embed(self, layer, ids):
+        flat = ids.reshape(-1).to(torch.int64)
+        return cpu_fixed_f32.rows(layer.fixed_f32, flat).view(*ids.shape, layer.in_features)
+
+    def nbytes(self, layer):
+        return layer.fixed_f32.numel() * 4 + super().nbytes(layer)
 
 
 def _int_matmuls(method: LinearMethod, layer) -> bool | None:
@@ -129,6 +172,10 @@ def install(model: nn.Module, kl) -> None:
             continue
         if not isinstance(m, LinearBase):
             continue
+        if m.dtype == torch.float32 and _float32(name, m, kl):
+            continue
+        if type(m.method) is FP8Linear:
+            _fp8_as_bf16(m, kl)
         quantized = _int_matmuls(m.method, m)
         if quantized is None:
             raise ValueError(f"deterministic mode needs every linear layer on radixgen's C matmuls (bf16 K pairs, "
@@ -142,8 +189,40 @@ def install(model: nn.Module, kl) -> None:
             _fix(name, m, kl, quantized)
         if quantized:
             panel = _panel_rows(m)
-            m.method = FixedRows(m.method, even_rows=kl.has_decode_step,
+            m.method = FixedRows(m.method, even_rows=False,
                                  rows=STREAM_ROWS if panel is None else min(STREAM_ROWS, panel - 1))
+
+
+def _float32(name: str, layer, kl) -> bool:
+    """float32 activations: a float weight (oneDNN's packed copy, or the dense weight of a tied LM head) onto the
+    fixed float32 chains (True); other formats go on as in bf16 models (False: their C matmuls take float32 rows,
+    FixedRows keeping the int8 / int4 ones on one path). A row-parallel float layer at tp 1 only: the chains have
+    no fixed segments to match across ranks."""
+    if isinstance(layer.method, OneDnnLinear):
+        w = layer.method.dequantize(layer)
+    elif type(layer.method) is DenseLinear and layer.weight is not None:
+        w = layer.weight.detach()
+    else:
+        return False
+    if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+        raise ValueError(f"deterministic mode does not run {name} at tp_size={layer.tp.size} in float32: the ranks' "
+                         f"partial sums have no fixed segments there; use dtype='bfloat16' or tp_size 1")
+    FixedFloat32(kl).adopt(layer, w.float().contiguous())
+    return True
+
+
+def _fp8_as_bf16(layer, kl) -> None:
+    """An fp8 layer's weight as bf16 K pairs on the C matmuls. e4m3 values are exact in bf16, but the upcast path
+    (FP8Linear) multiplies them by their float32 scale and rounds the product to the activations' dtype for torch's
+    matmul: the weight rounded the same way here is the bf16 weight that path multiplies by, every row of it (the
+    mode's results are those of the default path's weight; it holds 2 bytes a weight instead of 1). A layer whose
+    input size is odd (no K pairs) or whose activations are not bf16 keeps the upcast path, which install refuses."""
+    if layer.in_features % 2 or layer.dtype != torch.bfloat16 or not kl.has_fast_bf16_linear:
+        return
+    w = (layer.qweight.float() * layer.qscale[:, None]).to(torch.bfloat16)
+    del layer.qweight, layer.qscale  # (buffers)
+    layer.packed, layer.perm = cpu_linear.pack_bf16(w), None
+    layer.method = CpuPackedLinear(kl, None)
 
 
 def _check_experts(name: str, layer: GroupedLinear, tp_size: int) -> None:
@@ -161,9 +240,6 @@ def _check_experts(name: str, layer: GroupedLinear, tp_size: int) -> None:
 
 def _fix(name: str, layer: RowParallelLinear, kl, quantized: bool) -> None:
     tp = layer.tp
-    if tp.size not in SUPPORTED_TP:
-        raise ValueError(f"deterministic mode does not run with tp_size={tp.size}: its fixed segments are tp 2's "
-                         f"cut of each row-parallel matmul; use tp_size 1 or 2")
     if tp.size > 1 and not kl.has_decode_step:
         raise ValueError(f"deterministic mode does not run with tp_size={tp.size} on the {kl.isa} build of the CPU "
                          f"kernels: the fixed segments of {name} need the AVX512-BF16 tiles; use tp_size 1")
@@ -179,6 +255,8 @@ def _fix(name: str, layer: RowParallelLinear, kl, quantized: bool) -> None:
     if layer.bias is not None:
         raise ValueError(f"deterministic mode does not run {name} at tp_size={tp.size}: a row-parallel layer with a "
                          f"bias (rank 0 alone holds it, and every rank must add it)")
+    # each rank's share one segment; at tp 2 those are the segments tp 1 sums apart (the same bits), at a larger
+    # size the group's own (the same bits whatever the batch, at that size)
     layer.packed.fix_order(partial=True)
     layer.ordered_sum = OrderedSum(kl, tp)
 

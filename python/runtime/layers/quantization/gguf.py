@@ -23,6 +23,9 @@ q and k beside a Q6_K v); one whose parts differ in kind otherwise is dequantize
 (ffn_{gate,up,down}_exps, one type per stack) the same way per expert (`GGUFGroupedLinear`): the experts' exact
 values in the grouped C layouts (cpu_moe) for the four native types, from their own blocks one expert at a time
 on the per-linear kernels for the kinds those have (MXFP4, K-quants, ...: gguf_experts), else all dequantized.
+
+Longer than 400 lines: the method that picks a layer's kernel per tensor kind, and the merged-layer and expert
+forms that share its choices; the kinds' own code lives in gguf_k, gguf_more, gguf_int8 and gguf_experts.
 """
 
 from __future__ import annotations

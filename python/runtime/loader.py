@@ -341,7 +341,7 @@ def _write_gguf_metadata(reader, arch: str, meta, path: Path, out: Path, vocab: 
     }
     if meta("attention.sliding_window") is not None:  # every layer's (Phi-3's files)
         config["sliding_window"] = int(meta("attention.sliding_window"))
-    if _has_experts(reader, arch) and arch != "gpt-oss":
+    if _has_experts(reader, arch) and arch not in ("gpt-oss", "deepseek2"):  # (theirs: gguf_arch.arch_config)
         config.update(_gguf_moe_config(reader, hf_arch, meta, int(meta("block_count"))))
     config.update(arch_config(arch, meta, config["num_hidden_layers"], hidden, n_heads, config["head_dim"]))
     ends = [tok.convert_tokens_to_ids(t) for t in end_tokens(arch) if t in tok.get_vocab()]

@@ -11,7 +11,12 @@ on both, which leaves their dot products unchanged.
 
 The expert block: softmax over the routed experts, top-k (greedy), the weights scaled by routed_scaling_factor
 (renormalised only with norm_topk_prob), plus the shared experts' MLP with no gate; the first
-first_k_dense_replace layers are dense. Runs with tp_size 1 (the latent attention is not split over ranks yet)."""
+first_k_dense_replace layers are dense. Runs with tp_size 1 (the latent attention is not split over ranks yet).
+
+GGUF files (llama.cpp's "deepseek2"): the checkpoint's tensors under llama.cpp's names, rotary dimensions in the
+checkpoint's order, the experts stacked. kv_b_proj is stored whole (attn_kv_b, older files) or split per head into
+its key rows, transposed (attn_k_b: (H, rank, nope)), and its value rows (attn_v_b: (H, V, rank)); the split form
+is joined back on load (`join_kv_b`). kv_b_proj is read as a matrix, so it is dequantized whatever its type."""
 
 from __future__ import annotations
 
@@ -32,7 +37,13 @@ from radixgen.runtime.layers.rotary import RotaryEmbedding, RotaryStructure
 from radixgen.runtime.models.decoder import Architecture, CausalLM
 from radixgen.runtime.models.moe_block import Experts, Router, SharedExpert, SparseMoEBlock
 from radixgen.runtime.models.parts import AttentionSpec, AttentionStructure, DecoderLayer, GatedMLP, MLPPart
-from radixgen.runtime.models.weights import DECODER_WEIGHTS, GATED_MLP_WEIGHTS, QWEN_MOE_WEIGHTS, WeightMapping
+from radixgen.runtime.models.weights import (
+    DECODER_WEIGHTS,
+    GATED_MLP_WEIGHTS,
+    QWEN_MOE_WEIGHTS,
+    SHARED_EXPERT_WEIGHTS,
+    WeightMapping,
+)
 
 LATENT_NORM_EPS = 1e-6  # the reference's q_a / kv_a norms keep their default eps whatever the config's
 
@@ -171,10 +182,46 @@ class LatentLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+_K_B, _V_B = ".self_attn.k_b_proj.weight", ".self_attn.v_b_proj.weight"  # the split kv_b_proj's halves
+_LATENT_GGUF = WeightMapping(
+    gguf_block=(("attn_q.weight", "self_attn.q_proj.weight"), ("attn_q_a.weight", "self_attn.q_a_proj.weight"),
+                ("attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"),
+                ("attn_q_b.weight", "self_attn.q_b_proj.weight"),
+                ("attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+                ("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"),
+                ("attn_kv_b.weight", "self_attn.kv_b_proj.weight"), ("attn_k_b.weight", _K_B.removeprefix(".")),
+                ("attn_v_b.weight", _V_B.removeprefix(".")), ("attn_output.weight", "self_attn.o_proj.weight")),
+    gguf_matmuls=frozenset({"attn_q.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight",
+                            "attn_output.weight"}))
+
 DEEPSEEK_V2 = Architecture(
     "deepseek_v2", AttentionSpec(rotary=_latent_rope),
-    weights=DECODER_WEIGHTS + GATED_MLP_WEIGHTS + QWEN_MOE_WEIGHTS + WeightMapping(
-        renames=((".shared_experts.", ".shared_expert."),)))
+    weights=DECODER_WEIGHTS + GATED_MLP_WEIGHTS + QWEN_MOE_WEIGHTS + SHARED_EXPERT_WEIGHTS + _LATENT_GGUF
+    + WeightMapping(renames=((".shared_experts.", ".shared_expert."),)),
+    gguf_arch="deepseek2")
+
+
+def join_kv_b(weights):
+    """The checkpoint's tensors with each layer's split kv_b_proj (k_b (H, rank, nope), v_b (H, V, rank)) joined
+    into kv_b_proj's (H * (nope + V), rank) rows, each head's key rows then its value rows."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        kind = "k" if name.endswith(_K_B) else "v" if name.endswith(_V_B) else None
+        if kind is None:
+            yield name, tensor
+            continue
+        prefix = name.removesuffix(_K_B if kind == "k" else _V_B)
+        got = halves.setdefault(prefix, {})
+        got[kind] = torch.as_tensor(tensor).float()
+        if len(got) == 2:
+            k_b, v_b = got["k"], got["v"]
+            del halves[prefix]
+            if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+                raise ValueError(f"{prefix}: attn_k_b {tuple(k_b.shape)} and attn_v_b {tuple(v_b.shape)} are not "
+                                 f"(heads, rank, nope) and (heads, v_head_dim, rank)")
+            yield f"{prefix}.self_attn.kv_b_proj.weight", torch.cat([k_b.transpose(1, 2), v_b], 1).flatten(0, 1)
+    if halves:
+        raise ValueError(f"checkpoint has half of a split kv_b_proj: {sorted(halves)[:4]}")
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -182,6 +229,9 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def make_layer(self, i: int) -> nn.Module:
         return LatentLayer(self.config, self.parallel, i - self.start_layer, i, self.rotary)
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(join_kv_b(weights))
 
     def unfused(self) -> str | None:
         return "multi-head latent attention"

@@ -5,9 +5,9 @@ checkpoint built with transformers' own classes (tests/tiny_models.py's config: 
 - the older form: kv_b_proj whole (attn_kv_b), the per-head widths as key_length / value_length, q_proj;
 - the newer form: kv_b_proj split per head into attn_k_b (the key rows transposed) and attn_v_b, the latent's
   widths as key_length / value_length beside key_length_mla / value_length_mla, one KV head, q through its
-  low-rank pair (q_a, q_a_norm, q_b);
-- the same file with its 2-D weights (and the expert stacks) Q8_0 where their width allows, run from its blocks:
-  the HF folder holds the blocks' values, so the file and the folder are one model.
+  low-rank pair (q_a, q_a_norm, q_b); its matrices F16, run from the file;
+- the same with its matrices (and the expert stacks) Q8_0 where their width allows, run from its blocks.
+The HF folder holds the values the file stores (F16- or Q8_0-rounded), so the file and the folder are one model.
 The experts are stacked (ffn_*_exps), the shared ones are ffn_*_shexp, the router ffn_gate_inp; rotary dimensions
 stay in the checkpoint's order (llama.cpp's deepseek2 rotates adjacent pairs, as the checkpoint does).
 """
@@ -48,9 +48,17 @@ def q8_exact(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
     return torch.from_numpy(gguf.quants.dequantize(blocks, Q8_0).copy()), blocks
 
 
-def tiny_folder(tmp_path, q_lora: bool, quantized: bool):
-    """The tiny random checkpoint (every vector drawn at random too); `quantized`: the tensors the file stores as
-    Q8_0 (every matrix or stack whose rows are whole blocks, the norms and the embedding aside) hold those values."""
+def stored(name: str, t: torch.Tensor, kind: str) -> str:
+    """The type the file stores a tensor of in a `kind` ("f32", "f16", "q8") file: the blocks' matrices and stacks in
+    F16, or in Q8_0 where their rows are whole blocks; the vectors and the embedding / head in F32."""
+    if kind == "f32" or t.dim() < 2 or not name.startswith(("model.layers.", "blk.")):
+        return "f32"
+    return "f16" if kind == "f16" else "q8" if t.shape[-1] % 32 == 0 else "f32"
+
+
+def tiny_folder(tmp_path, q_lora: bool, kind: str):
+    """The tiny random checkpoint (every vector drawn at random too), each tensor holding the values the `kind`
+    file stores of it (F16- or Q8_0-rounded), so the folder and the file are one model."""
     import transformers as tf
 
     cfg = hf_config("deepseek_v2")
@@ -64,15 +72,15 @@ def tiny_folder(tmp_path, q_lora: bool, quantized: bool):
     model.save_pretrained(folder)
     copy_default_tokenizer(folder)
     tensors = load_file(str(folder / "model.safetensors"))
-    if quantized:
+    if kind != "f32":
         for name, t in tensors.items():
-            if name.startswith("model.layers.") and t.dim() >= 2 and t.shape[-1] % 32 == 0:
-                tensors[name] = q8_exact(t)[0]
+            kept = stored(name, t, kind)
+            tensors[name] = q8_exact(t)[0] if kept == "q8" else t.half().float() if kept == "f16" else t
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder, tensors, cfg
 
 
-def write_gguf(cfg, tensors: dict, path, split_kv_b: bool, quantized: bool) -> None:
+def write_gguf(cfg, tensors: dict, path, split_kv_b: bool, kind: str) -> None:
     heads, rank, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
     w = gguf.GGUFWriter(str(path), "deepseek2")
@@ -117,10 +125,11 @@ def write_gguf(cfg, tensors: dict, path, split_kv_b: bool, quantized: bool) -> N
     w.add_eos_token_id(2)
 
     def add(name: str, t: torch.Tensor) -> None:
-        if quantized and t.dim() >= 2 and t.shape[-1] % 32 == 0 and name.startswith("blk."):
+        kept = stored(name, t, kind)
+        if kept == "q8":
             w.add_tensor(name, q8_exact(t)[1], raw_dtype=Q8_0)
         else:
-            w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
+            w.add_tensor(name, np.ascontiguousarray((t.half() if kept == "f16" else t.float()).numpy()))
 
     add("token_embd.weight", tensors["model.embed_tokens.weight"])
     add("output_norm.weight", tensors["model.norm.weight"])
@@ -155,15 +164,16 @@ def _runner(path, **kw) -> ModelRunner:
                                      **kw))
 
 
-@pytest.mark.parametrize("form", ["kv_b", "k_b_v_b", "k_b_v_b_q8"])
+@pytest.mark.parametrize("form", ["kv_b", "k_b_v_b_f16", "k_b_v_b_q8"])
 def test_llama_cpp_deepseek2_layout_gives_transformers_logits(form, tmp_path, monkeypatch):
     import transformers as tf
 
-    split, quantized = form != "kv_b", form.endswith("q8")
-    folder, tensors, cfg = tiny_folder(tmp_path, q_lora=split, quantized=quantized)
+    split, kind = form != "kv_b", form.rsplit("_", 1)[1] if form != "kv_b" else "f32"
+    quantized = kind == "q8"
+    folder, tensors, cfg = tiny_folder(tmp_path, q_lora=split, kind=kind)
     monkeypatch.setenv("RADIXGEN_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "deepseek2.gguf"
-    write_gguf(cfg, tensors, path, split, quantized)
+    write_gguf(cfg, tensors, path, split, kind)
     ref = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # the older form converted (dequantized folder), the newer ones from the file's own blocks
     runner = _runner(path, quantization="gguf" if split else "none")

@@ -88,10 +88,19 @@ def arch_config(arch: str, meta, layers: int, hidden: int, heads: int, head_dim:
 _SIGMOID_GATING = 2  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid
 
 
+def refusal(arch: str, meta, tensor_names) -> str | None:
+    """Why a GGUF file of `arch` cannot be run as its architecture here (None: it can): llama.cpp writes
+    DeepSeek-V3 as "deepseek2" too, its experts routed by a sigmoid with a per-expert bias (exp_probs_b)."""
+    if arch != "deepseek2":
+        return None
+    if int(meta("expert_gating_func", 1) or 1) == _SIGMOID_GATING or any(
+            n.endswith(".exp_probs_b.bias") for n in tensor_names):
+        return ("its experts are routed by a sigmoid with a bias (DeepSeek-V3's routing), which is not supported: "
+                "DeepSeek-V2 / V2-Lite's softmax routing only")
+    return None
+
+
 def _deepseek2_config(meta, heads: int) -> dict[str, Any]:
-    if int(meta("expert_gating_func", 1) or 1) == _SIGMOID_GATING:
-        raise ValueError("this deepseek2 GGUF routes its experts by a sigmoid (DeepSeek-V3's routing), which is not "
-                         "supported: DeepSeek-V2 / V2-Lite's softmax routing only")
     rope = int(meta("rope.dimension_count"))
     key, value = meta("attention.key_length_mla"), meta("attention.value_length_mla")
     if key is None:  # an older file: the per-head widths as the plain key / value lengths

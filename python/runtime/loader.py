@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from radixgen.runtime.gguf_arch import arch_config, end_tokens, model_type, stored_norm_offset
+from radixgen.runtime.gguf_arch import arch_config, end_tokens, model_type, refusal, stored_norm_offset
 
 if TYPE_CHECKING:
     import torch
@@ -243,6 +243,9 @@ def open_gguf(path: Path):
     def meta(key: str, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
 
+    why = refusal(arch, meta, (t.name for t in reader.tensors))
+    if why is not None:
+        raise ModelLoadError(f"cannot run the {arch!r} GGUF file {path}: {why}")
     return reader, arch, meta
 
 

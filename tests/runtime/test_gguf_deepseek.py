@@ -210,8 +210,10 @@ def test_llama_cpp_deepseek2_layout_gives_transformers_logits(form, tmp_path, mo
 
 
 def test_sigmoid_routed_files_are_refused():
-    """DeepSeek-V3's files share the architecture name; their sigmoid routing is not DeepSeek-V2's softmax."""
-    from radixgen.runtime.gguf_arch import arch_config
+    """DeepSeek-V3's files share the architecture name; their sigmoid routing (with a per-expert bias) is not
+    DeepSeek-V2's softmax."""
+    from radixgen.runtime.gguf_arch import refusal
 
-    with pytest.raises(ValueError, match="sigmoid"):
-        arch_config("deepseek2", {"expert_gating_func": 2}.get, 2, 64, 4, 8)
+    assert refusal("deepseek2", {}.get, ["blk.1.ffn_gate_inp.weight"]) is None
+    assert "sigmoid" in refusal("deepseek2", {"expert_gating_func": 2}.get, [])
+    assert "sigmoid" in refusal("deepseek2", {}.get, ["blk.1.exp_probs_b.bias"])

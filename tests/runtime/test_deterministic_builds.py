@@ -29,11 +29,11 @@ T = gguf.GGMLQuantizationType
 GGUF_TYPES = {  # (q, k, v, output, gate, up, down) per layer
     "gguf": [(T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K, T.Q4_K, T.Q6_K), (T.Q4_0,) * 7],
 }
-WANT_EXPERTS = {  # the experts' method per MoE case
-    ("native", "moe"): "bf16 K pairs (grouped, C)",
-    ("x86-64-v3", "moe2"): "bf16 K pairs (grouped, C), per expert",
-    ("skylake-avx512", "moe-int8"): "int8 (grouped, C), per expert, 16 rows a call",
-    ("x86-64-v3", "moe-float32"): "float32 fixed chains (per expert, C)",
+WANT_EXPERTS = {  # the experts' methods per MoE case
+    ("native", "moe"): {"bf16 K pairs (grouped, C)"},
+    ("x86-64-v3", "moe2"): {"bf16 K pairs (grouped, C), per expert"},
+    ("skylake-avx512", "moe-int8"): {"int8 (grouped, C), per expert, 16 rows a call"},
+    ("x86-64-v3", "moe-float32"): {"float32 fixed chains (per expert, C)"},
 }
 SCENARIOS = {  # name: (options, other requests beside the probes, requests run before them to evict the prefixes)
     "batch-8": (dict(), 7, 0),
@@ -148,7 +148,7 @@ def test_probes_keep_their_bits(build, weights, kv, names, tmp_path_factory, mon
     methods = {type(m.method).__name__ for m in alone.runner.model.modules() if isinstance(m, LinearBase)}
     experts = {m.method.name for m in alone.runner.model.modules() if isinstance(m, GroupedLinear)}
     if weights.startswith("moe"):  # the experts' C methods (names: layers/fixed_experts.py), the routers on C too
-        assert experts == {WANT_EXPERTS[build, weights]}
+        assert experts == WANT_EXPERTS[build, weights]
         assert all(m.fixed_matmul is not None for m in alone.runner.model.modules() if hasattr(m, "fixed_matmul"))
     if weights == "float32":  # every matmul on the fixed float32 chains (none on oneDNN)
         assert methods == {"FixedFloat32"}

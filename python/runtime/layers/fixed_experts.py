@@ -131,26 +131,28 @@ def fix_experts(name: str, layer: GroupedLinear, kl, tp_size: int) -> None:
 
 class FixedRouter:
     """A router's (E, H) weight on a C matmul whose rows keep their bits at any row count: bf16 K pairs (bf16
-    weights, even H) or the fixed float32 chains (float32); `__call__(x)` is F.linear(x, weight) in x's dtype."""
+    weights, even H) or the fixed float32 chains (float32); `__call__(x)` is F.linear(x, weight, bias) in x's
+    dtype."""
 
-    def __init__(self, kl, weight: torch.Tensor) -> None:
+    def __init__(self, kl, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.kl, self.n = kl, weight.shape[0]
         self.f32 = weight.dtype == torch.float32
         self.packed = cpu_fixed_f32.pack(weight.contiguous()) if self.f32 else cpu_linear.pack_bf16(weight)
+        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y = cpu_fixed_f32.linear(self.kl, self.packed, self.n, x2, None) if self.f32 else \
-            cpu_linear._linear(self.kl, self.packed, x2, None)
+        y = cpu_fixed_f32.linear(self.kl, self.packed, self.n, x2, self.bias) if self.f32 else \
+            cpu_linear._linear(self.kl, self.packed, x2, self.bias)
         return y.view(*x.shape[:-1], self.n)
 
 
 def fix_router(name: str, module, kl) -> None:
-    """A router module (one with a `fixed_matmul` slot, models/moe_block.Router) onto FixedRouter, or ValueError
-    naming it."""
+    """A router module (one with a `fixed_matmul` slot: models/moe_block.Router, gpt-oss's with its bias) onto
+    FixedRouter, or ValueError naming it."""
     w = module.weight.detach()
     if w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0):
-        module.fixed_matmul = FixedRouter(kl, w)
+        module.fixed_matmul = FixedRouter(kl, w, getattr(module, "bias", None))
         return
     raise ValueError(f"deterministic mode does not run the router {name}: {w.dtype} weights of {w.shape[1]} input "
                      f"features have no C matmul whose rows keep their bits (bf16 with an even size, or float32)")

@@ -96,8 +96,8 @@ def _model(weights: str, tmp_path_factory, monkeypatch):
         return path, dict(quantization="gguf")
     if weights.startswith("moe"):
         fmt = weights.partition("-")[2]  # moe2: Qwen2-MoE (a shared expert behind its gate), moe: Qwen3-MoE
-        return tiny_model_dir("qwen2_moe" if weights.startswith("moe2") else "qwen3_moe"), (dict(dtype="float32") if fmt == "float32" else
-                                             dict(quantization=fmt) if fmt else {})
+        kw = dict(dtype="float32") if fmt == "float32" else dict(quantization=fmt) if fmt else {}
+        return tiny_model_dir("qwen2_moe" if weights.startswith("moe2") else "qwen3_moe"), kw
     if weights == "lora":
         from lora_helpers import make_adapter
 

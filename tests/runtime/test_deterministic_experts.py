@@ -14,7 +14,7 @@ from radixgen.runtime.layers.moe import experts_forward
 from radixgen.runtime.layers.quantization.experts import GroupedLinear, convert, grouped_method
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
-E, H, I, T, TOP = 4, 64, 32, 40, 2  # experts, hidden, intermediate, tokens, top-k
+E, H, INTER, T, TOP = 4, 64, 32, 40, 2  # experts, hidden, intermediate, tokens, top-k
 
 
 def _kl(build: str):
@@ -24,11 +24,11 @@ def _kl(build: str):
 
 
 def _block(kl, fmt: str, dtype=torch.bfloat16):
-    """gate_up (E, 2I, H) and down (E, H, I) of random weights in format `fmt` ("none", "int8", "int4") as the CPU
+    """gate_up (E, 2 INTER, H) and down (E, H, INTER) of random weights in format `fmt` ("none", "int8", "int4") as the CPU
     ops set makes them, then through the mode's fix_experts."""
     gen = torch.Generator().manual_seed(0)
     layers = []
-    for n_in, n_out in ((H, 2 * I), (I, H)):
+    for n_in, n_out in ((H, 2 * INTER), (INTER, H)):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -77,16 +77,15 @@ def test_float32_experts_on_the_fixed_chains():
     assert gate_up.method.name == "float32 fixed chains (per expert, C)"
     w0 = gate_up.method.dequantize(gate_up, 0)
     out = _one_token_alone_and_in_a_batch(gate_up, down, torch.float32)
-    assert out.dtype == torch.float32 and w0.shape == (2 * I, H)
+    assert out.dtype == torch.float32 and w0.shape == (2 * INTER, H)
 
 
 def test_gguf_stacks_keep_a_rows_bits_past_the_panel_gemm():
     """GGUF stacks per expert from their blocks, Q4_0 / Q4_1 among them (their panel GEMM starts at 9 rows):
     calls of at most 8 rows, and a row of 40 on one expert has the bits it has alone."""
     pytest.importorskip("gguf")
-    from test_gguf_experts import K, layer_of, stack
-
     import gguf
+    from test_gguf_experts import K, layer_of, stack
 
     kinds = {"q": (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1),
              "mxfp4": (gguf.GGMLQuantizationType.MXFP4,), "k": (gguf.GGMLQuantizationType.Q4_K,)}
@@ -121,7 +120,7 @@ def test_the_router_runs_on_a_c_matmul():
 
 def test_what_stays_refused_is_named():
     kl = _kl("x86-64-v3")
-    layer = GroupedLinear(E, H + 1, I)  # bf16 of an odd input size: no K pairs; the torch reference
+    layer = GroupedLinear(E, H + 1, INTER)  # bf16 of an odd input size: no K pairs; the torch reference
     layer.weight.data, layer.dtype = layer.weight.data.bfloat16(), torch.bfloat16
     layer.method = grouped_method("none", "cpu", kl, layer)
     with pytest.raises(ValueError, match="experts of layers.0.mlp.experts.gate_up as dense .grouped, torch."):

@@ -43,9 +43,9 @@ from torch import nn
 from radixgen.kernels import cpu_fixed_f32, cpu_linear
 from radixgen.kernels.cpu_gguf import BLOCK_VALUES, PANEL_GEMM_ROWS, KQuantWeight
 from radixgen.runtime.ground.parallel_context import ParallelAxis
+from radixgen.runtime.layers.fixed_experts import STREAM_ROWS, fix_experts, fix_router
 from radixgen.runtime.layers.linear import DenseLinear, LinearBase, LinearMethod, RowParallelLinear
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
-from radixgen.runtime.layers.fixed_experts import STREAM_ROWS, fix_experts, fix_router
 from radixgen.runtime.layers.quantization.experts import GroupedLinear
 from radixgen.runtime.layers.quantization.fp8 import FP8Linear
 from radixgen.runtime.layers.quantization.gguf_k import GGUFPartsLinear

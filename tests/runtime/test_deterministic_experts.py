@@ -24,8 +24,8 @@ def _kl(build: str):
 
 
 def _block(kl, fmt: str, dtype=torch.bfloat16):
-    """gate_up (E, 2 INTER, H) and down (E, H, INTER) of random weights in format `fmt` ("none", "int8", "int4") as the CPU
-    ops set makes them, then through the mode's fix_experts."""
+    """gate_up (E, 2 INTER, H) and down (E, H, INTER) of random weights in format `fmt` ("none", "int8", "int4") as
+    the CPU ops set makes them, then through the mode's fix_experts."""
     gen = torch.Generator().manual_seed(0)
     layers = []
     for n_in, n_out in ((H, 2 * INTER), (INTER, H)):

@@ -6,9 +6,10 @@ the same bits whatever else is in its batches, however its prompt is chunked, wh
 radix cache, with or without speculation, through the fused decode step or the layer-by-layer path, after a
 retraction; for bf16 weights, float32 weights (layers/fixed_order.FixedFloat32: one FMA chain per output, the same
 bits on every build), fp8 weights (stored as the bf16 weight their upcast path multiplies by), GGUF files from their
-own blocks, int8 / int4 / AWQ / GPTQ weights, bf16 expert blocks, LoRA adapters, 8-bit KV pools and the host / disk
-tiers (in the pool's format); at any tp size (above 1: bf16 weights on an AVX512-BF16 build; tp 1 and 2 give each
-other's bits, a larger group its own), pp 1 or 2, tp and pp together. The mode's choices are made once, when the
+own blocks, int8 / int4 / AWQ / GPTQ weights, expert blocks (bf16, float32, int8 / int4 and GGUF experts, on every
+build: layers/fixed_experts.py), LoRA adapters, 8-bit KV pools and the host / disk tiers (in the pool's format); at
+any tp size (above 1: bf16 weights on an AVX512-BF16 build; tp 1 and 2 give each other's bits, a larger group its
+own), pp 1 or 2, tp and pp together. The mode's choices are made once, when the
 model is built: the ops set (`ops_for(..., deterministic=True)`) has decode attention sum every context over fixed
 pieces (kernels.cpu.FIXED_PIECE) and every query of a prefill run as a decode query at its own position, so a
 token's attention, and from it its K/V and hidden states, do not depend on the step that computed it. The bf16
@@ -18,7 +19,12 @@ at 200 (tests/kernels/test_deterministic_builds_kernels.py holds them to it); th
 another kernel past 16 rows, get calls of at most 16 rows, and GGUF Q4_0 / Q4_1 / Q8_0 ones, whose panel GEMM starts
 at 9 rows, of at most 8 (layers/fixed_order.FixedRows). On AVX512-BF16 the row-parallel ones sum tp 2's cut of their
 inputs as two fixed segments at tp 1 and tp 2 alike (layers/fixed_order.py), so that the two layouts round the same;
-a larger group sums each rank's share as its own segment, in rank order.
+a larger group sums each rank's share as its own segment, in rank order. An expert sees however many rows the batch
+routed to it: each expert's matmuls run on those kernels (bf16 experts off AVX512-BF16 builds one expert at a time
+on the K-pair matmul, int8 / int4 ones in calls of at most 16 rows, GGUF stacks in calls of at most 8 where a
+32-value kind has its panel GEMM), the router on the bf16 K pairs (or the float32 chains) instead of torch's matmul,
+and a token's k weighted terms are added in float32 in rank order, so its result does not depend on who shares its
+experts.
 
 Everything the mode cannot keep is refused at start with the combination named, never served with a weaker
 promise: this module's two checks, the config's (`check_config`, from RuntimeConfig) and the runner's, once the

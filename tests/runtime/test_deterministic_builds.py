@@ -20,6 +20,7 @@ from radixgen.kernels import _cpu_build, cpu
 from radixgen.runtime import config as config_mod
 from radixgen.runtime.config import RuntimeConfig
 from radixgen.runtime.layers.linear import LinearBase
+from radixgen.runtime.layers.quantization.experts import GroupedLinear
 from radixgen.runtime.loader import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -27,6 +28,12 @@ VOCAB = 1000
 T = gguf.GGMLQuantizationType
 GGUF_TYPES = {  # (q, k, v, output, gate, up, down) per layer
     "gguf": [(T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K, T.Q4_K, T.Q6_K), (T.Q4_0,) * 7],
+}
+WANT_EXPERTS = {  # the experts' methods per MoE case
+    ("native", "moe"): {"bf16 K pairs (grouped, C)"},
+    ("x86-64-v3", "moe2"): {"bf16 K pairs (grouped, C), per expert"},
+    ("skylake-avx512", "moe-int8"): {"int8 (grouped, C), per expert, 16 rows a call"},
+    ("x86-64-v3", "moe-float32"): {"float32 fixed chains (per expert, C)"},
 }
 SCENARIOS = {  # name: (options, other requests beside the probes, requests run before them to evict the prefixes)
     "batch-8": (dict(), 7, 0),
@@ -43,6 +50,9 @@ CASES = [  # (build, weights, KV pool, scenarios)
     ("native", "lora", "fp8_e4m3", ("batch-8",)),  # the fused decode step: LoRA deltas, an 8-bit pool
     ("x86-64-v3", "lora", "auto", ("batch-8",)),  # LoRA deltas on the torch path
     ("native", "moe", "auto", ("batch-8",)),  # Qwen3-MoE's bf16 experts on the grouped C matmuls
+    ("x86-64-v3", "moe2", "auto", ("chunked-100",)),  # Qwen2-MoE's bf16 experts one at a time on the AVX2 K pairs
+    ("skylake-avx512", "moe-int8", "auto", ("batch-8",)),  # int8 experts in calls of at most 16 rows
+    ("x86-64-v3", "moe-float32", "auto", ("batch-8",)),  # float32 experts on the fixed float32 chains
     ("x86-64-v3", "gguf", "auto", ("batch-8",)),
     ("x86-64-v3", "float32", "auto", ("batch-8",)),  # float32 weights on the fixed float32 chains
     ("skylake-avx512", "fp8", "auto", ("batch-8",)),  # fp8 weights as the bf16 weight their upcast multiplies by
@@ -84,8 +94,10 @@ def _model(weights: str, tmp_path_factory, monkeypatch):
             write_tiny_gguf(tmp, layer_types=GGUF_TYPES[weights])
             tmp.replace(path)
         return path, dict(quantization="gguf")
-    if weights == "moe":
-        return tiny_model_dir("qwen3_moe"), {}
+    if weights.startswith("moe"):
+        fmt = weights.partition("-")[2]  # moe2: Qwen2-MoE (a shared expert behind its gate), moe: Qwen3-MoE
+        kw = dict(dtype="float32") if fmt == "float32" else dict(quantization=fmt) if fmt else {}
+        return tiny_model_dir("qwen2_moe" if weights.startswith("moe2") else "qwen3_moe"), kw
     if weights == "lora":
         from lora_helpers import make_adapter
 
@@ -134,6 +146,10 @@ def test_probes_keep_their_bits(build, weights, kv, names, tmp_path_factory, mon
         fused = build == "native" and weights in ("bf16", "moe", "lora", "int4")
         assert (sched.runner.fused_decode is not None) == fused
     methods = {type(m.method).__name__ for m in alone.runner.model.modules() if isinstance(m, LinearBase)}
+    experts = {m.method.name for m in alone.runner.model.modules() if isinstance(m, GroupedLinear)}
+    if weights.startswith("moe"):  # the experts' C methods (names: layers/fixed_experts.py), the routers on C too
+        assert experts == WANT_EXPERTS[build, weights]
+        assert all(m.fixed_matmul is not None for m in alone.runner.model.modules() if hasattr(m, "fixed_matmul"))
     if weights == "float32":  # every matmul on the fixed float32 chains (none on oneDNN)
         assert methods == {"FixedFloat32"}
     if weights == "fp8":  # the fp8 layers as bf16 K pairs, none left on the upcast path

@@ -3,8 +3,8 @@ dense layer by mlp_only_layers) and Mixtral checkpoints written by transformers,
 float32 over the paged KV pool (prefill, a cached prefix, greedy decode); the routing rules against transformers'
 router classes; routing edge cases (every token on one expert, experts with no token) against transformers'
 expert loop; int8 experts against their dequantized weights; expert-parallel shards summing to the whole block;
-the fused checkpoint layout; and what is refused with a mixture of experts (deterministic mode, GGUF-block or
-AWQ experts, MLP LoRA adapters)."""
+the fused checkpoint layout; int8 experts in the deterministic mode; and what is refused with a mixture of experts
+(GGUF-block or AWQ experts, MLP LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from test_model_forward import Driver, prompts, ref_logits, rel_err
 from tiny_models import hf_config, tiny_model_dir
 
+from radixgen.kernels import cpu
 from radixgen.runtime.config import ModelConfig, RuntimeConfig
 from radixgen.runtime.executor.cuda_graph_runner import graph_unsafe
 from radixgen.runtime.executor.model_runner import ModelRunner
@@ -243,9 +244,11 @@ def test_combinations_refused_at_start_name_the_problem():
     with pytest.raises(ValueError, match="ep_size=2 splits expert blocks, and llama has none"):
         runner_of(tiny_model_dir("llama"), tp_size=2, ep_size=2)
     folder = tiny_model_dir("qwen3_moe")
-    with pytest.raises(ValueError, match="deterministic mode does not run the experts of .* as int8"):
-        ModelRunner(RuntimeConfig(model=str(folder), dtype="bfloat16", deterministic=True, quantization="int8",
-                                  max_total_tokens=256))
+    if cpu.available():  # int8 experts in the deterministic mode: per expert, in calls the int8 kernel streams
+        det = ModelRunner(RuntimeConfig(model=str(folder), dtype="bfloat16", deterministic=True, quantization="int8",
+                                        max_total_tokens=256))
+        assert {m.method.name for m in det.model.modules() if isinstance(m, GroupedLinear)} == \
+            {"int8 (grouped, C), per expert, 16 rows a call"}
     with pytest.raises(LoRAAdapterError, match=r"targets \['down_proj', 'gate_proj'\].*attention-only"):
         runner_of(folder, enable_lora=True, lora_target_modules=("q_proj", "gate_proj", "down_proj"))
     with pytest.raises(ValueError, match="expert blocks: quantization 'awq' has no grouped-expert form"):

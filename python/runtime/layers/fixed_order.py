@@ -43,15 +43,15 @@ from torch import nn
 from radixgen.kernels import cpu_fixed_f32, cpu_linear
 from radixgen.kernels.cpu_gguf import BLOCK_VALUES, PANEL_GEMM_ROWS, KQuantWeight
 from radixgen.runtime.ground.parallel_context import ParallelAxis
+from radixgen.runtime.layers.fixed_experts import STREAM_ROWS, fix_experts, fix_router
 from radixgen.runtime.layers.linear import DenseLinear, LinearBase, LinearMethod, RowParallelLinear
 from radixgen.runtime.layers.quantization.base import CpuPackedLinear
-from radixgen.runtime.layers.quantization.experts import CpuGroupedLinear, GroupedLinear
+from radixgen.runtime.layers.quantization.experts import GroupedLinear
 from radixgen.runtime.layers.quantization.fp8 import FP8Linear
 from radixgen.runtime.layers.quantization.gguf_k import GGUFPartsLinear
 from radixgen.runtime.layers.quantization.unquantized import OneDnnLinear
 
 SEGMENTS = 2  # the fixed segments of every row-parallel sum at tp 1 and 2: tp 2's cut
-STREAM_ROWS = 16  # the rows up to which the int8 / int4 matmuls stream their weights on every build
 
 
 class OrderedSum:
@@ -168,7 +168,10 @@ def install(model: nn.Module, kl) -> None:
     describe, tp > 1 on a build without the fixed tiles."""
     for name, m in model.named_modules():
         if isinstance(m, GroupedLinear):
-            _check_experts(name, m, model.parallel.tp.size if hasattr(model, "parallel") else 1)
+            fix_experts(name, m, kl, model.parallel.tp.size if hasattr(model, "parallel") else 1)
+            continue
+        if hasattr(m, "fixed_matmul"):  # an expert block's router (torch's F.linear blocks by the row count)
+            fix_router(name, m, kl)
             continue
         if not isinstance(m, LinearBase):
             continue
@@ -223,19 +226,6 @@ def _fp8_as_bf16(layer, kl) -> None:
     del layer.qweight, layer.qscale  # (buffers)
     layer.packed, layer.perm = cpu_linear.pack_bf16(w), None
     layer.method = CpuPackedLinear(kl, None)
-
-
-def _check_experts(name: str, layer: GroupedLinear, tp_size: int) -> None:
-    """An expert block's experts: bf16 K pairs on the grouped C matmuls, whose rows give the same bits at any row
-    count (an expert sees however many rows the batch routed to it; a token's k terms are added in its own order,
-    cpu_moe.h), at tp 1 (the ranks' partial sums would be all-reduced in no fixed order; ep: check_config)."""
-    if not (isinstance(layer.method, CpuGroupedLinear) and layer.method.fmt is None):
-        raise ValueError(f"deterministic mode does not run the experts of {name} as {layer.method.name}: an expert "
-                         f"sees however many rows the batch routed to it, and only bf16 experts on the grouped C "
-                         f"matmuls (AVX512-BF16 builds) give a row the same bits at any row count")
-    if tp_size > 1:
-        raise ValueError(f"deterministic mode does not run expert blocks at tp_size={tp_size}: the ranks' partial "
-                         f"sums of {name} are all-reduced in no fixed order; use tp_size=1")
 
 
 def _fix(name: str, layer: RowParallelLinear, kl, quantized: bool) -> None:

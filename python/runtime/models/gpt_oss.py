@@ -51,6 +51,7 @@ class ExpertBlock(MLPPart):
         self.alpha, self.limit = float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))
         self.router = nn.Module()
         self.router.weight, self.router.bias = _param(e, h), _param(e)
+        self.router.fixed_matmul = None  # the deterministic mode's (layers/fixed_experts.FixedRouter)
         self.experts = Experts(e, h, i, par)
         self.experts.gate_proj_bias, self.experts.up_proj_bias = _param(e, i), _param(e, i)
         self.experts.down_proj_bias = _param(e, h)
@@ -62,7 +63,8 @@ class ExpertBlock(MLPPart):
         """(T, hidden) -> (T, hidden): each token's top-k experts (softmax over the k chosen router logits), the rows
         of one expert applied together; a token's k terms summed in order."""
         t, k = x.shape[0], self.top_k
-        logits = nn.functional.linear(x, self.router.weight, self.router.bias)  # (T, E)
+        r = self.router
+        logits = r.fixed_matmul(x) if r.fixed_matmul is not None else nn.functional.linear(x, r.weight, r.bias)
         top, chosen = torch.topk(logits, k, dim=-1)  # (T, k)
         weights = torch.softmax(top, dim=-1)
         ex = self.experts

@@ -100,10 +100,12 @@ class SharedExpert(nn.Module):
 
 class Router(nn.Module):
     """The router's (E, H) weight (replicated: every rank routes every row); Qwen2-MoE's shared-expert gate (1, H)
-    is one too (a GGUF file stores it as a vector)."""
+    is one too (a GGUF file stores it as a vector). `fixed_matmul`: the deterministic mode's matmul for it
+    (layers/fixed_experts.FixedRouter: a row's logits do not depend on the rows beside it), else F.linear."""
 
     def __init__(self, rows: int, hidden: int) -> None:
         super().__init__()
+        self.fixed_matmul = None
         self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
         self.weight.weight_loader = self._load
 
@@ -114,6 +116,8 @@ class Router(nn.Module):
         param.data.copy_(t.reshape(param.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_matmul is not None:
+            return self.fixed_matmul(x)
         return F.linear(x, self.weight)
 
 

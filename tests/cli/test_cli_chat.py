@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from cli_helpers import RADIXGEN
@@ -17,10 +18,22 @@ PROMPT = ">>> "
 STATS = r"\[(\d+) tokens, [0-9.]+ tok/s[^;]*; prompt (\d+) tokens, (\d+) from the cache\]"
 
 
+def long_context_copy(tmp_path):
+    """The tiny model with a context of 32768 positions, so a reply that Ctrl-C is to stop runs for a minute
+    (1500 tokens took 3 s: on a loaded machine the reply could end before the test's Ctrl-C reached it)."""
+    model = tmp_path / "llama-long"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (model / "config.json").write_text(json.dumps(config))
+    return str(model)
+
+
 def test_chat_session_in_a_terminal(tmp_path):
-    model = str(tiny_model_dir("llama"))
+    model = long_context_copy(tmp_path)
     saved = tmp_path / "chat.json"
-    child = pexpect.spawn(RADIXGEN[0], [*RADIXGEN[1:], "chat", model, "--temperature", "0", "--max-tokens", "6"],
+    child = pexpect.spawn(RADIXGEN[0], [*RADIXGEN[1:], "chat", model, "--temperature", "0", "--max-tokens", "6",
+                                        "--context-length", "32768"],
                           encoding="utf-8", timeout=240, dimensions=(40, 200),
                           env={**os.environ, "TERM": "dumb", "RADIXGEN_CACHE": str(tmp_path)})
     try:
@@ -51,7 +64,7 @@ def test_chat_session_in_a_terminal(tmp_path):
 
         child.sendline("/set ignore_eos true")
         child.expect(PROMPT)
-        child.sendline("/set max_new_tokens 1500")
+        child.sendline("/set max_new_tokens 30000")
         child.expect(PROMPT)
         child.sendline("Go on")
         child.expect("Go on\r\n")
@@ -59,7 +72,7 @@ def test_chat_session_in_a_terminal(tmp_path):
         child.sendintr()  # Ctrl-C: stops the reply, not the session
         child.expect(r"\[stopped\]")
         child.expect(STATS)
-        assert int(child.match.group(1)) < 1500
+        assert int(child.match.group(1)) < 30000
         child.expect(PROMPT)
 
         child.sendline("/set max_new_tokens 3")
